@@ -1,0 +1,40 @@
+# Kiln — the two commands: `make demo` and `make test`. Both set themselves up on a fresh machine.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch lies on local disk here. GPU users: see README ("GPU install").
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast lint demo clean
+
+setup: .make/installed
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Re-installs only when pyproject.toml changes; torch first so nothing pulls another build.
+.make/installed: pyproject.toml | $(BIN)/python
+	@mkdir -p .make
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	KILN_TEST_REDIS_URL="$$(.ci/ensure-redis)" $(BIN)/pytest $(PYTEST_ARGS)
+
+# While iterating: skips the slowest crash tests (CI runs them all).
+test-fast: lint
+	KILN_TEST_REDIS_URL="$$(.ci/ensure-redis)" $(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/kiln demo
+
+clean:
+	rm -rf $(VENV) .make .mypy_cache .ruff_cache .pytest_cache kiln-outputs

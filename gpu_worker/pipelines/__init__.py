@@ -1,0 +1,70 @@
+"""Pipelines a rank can serve, chosen by a spec string.
+
+Spec grammar: `tiny` (tiny text-to-image) · `tiny-video` (tiny text-to-video) ·
+`diffusers:<folder or hub id>` · `python:<module>:<factory>` (a `PipelineFactory`, called with
+the device; test fixtures and custom pipelines use it). diffusers is imported only when a
+diffusers pipeline is loaded, so importing this package stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from gpu_worker.pipelines.base import Pipeline, PipelineFactory, StepCallback, StopDenoising
+from gpu_worker.settings import GpuWorkerSettings
+
+__all__ = [
+    "Pipeline",
+    "PipelineFactory",
+    "StepCallback",
+    "StopDenoising",
+    "load_pipeline",
+]
+
+TINY_SPECS = frozenset({"tiny", "tiny-video"})
+SPEC_GRAMMAR = "tiny | tiny-video | diffusers:<folder or hub id> | python:<module>:<factory>"
+
+
+def load_pipeline(
+    spec: str, device: torch.device, settings: GpuWorkerSettings | None = None
+) -> Pipeline:
+    """Load the pipeline named by `spec` onto `device`; raise ValueError for a malformed spec."""
+    settings = settings or GpuWorkerSettings()
+    scheme, _, target = spec.partition(":")
+    if spec in TINY_SPECS or (scheme == "diffusers" and target):
+        return _load_diffusers(spec, device, settings)
+    if scheme == "python" and target:
+        return _load_python(spec, target, device)
+    raise ValueError(f"unknown pipeline spec {spec!r}; expected {SPEC_GRAMMAR}")
+
+
+def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings) -> Pipeline:
+    import diffusers
+    import transformers
+
+    from gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+
+    # Ranks log to files; download/loading progress bars there are only noise.
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    dtype = None if settings.torch_dtype == "auto" else getattr(torch, settings.torch_dtype)
+    if spec in TINY_SPECS:
+        from gpu_worker.pipelines.tiny import ensure_tiny
+
+        source = str(ensure_tiny(spec, settings.model_cache))
+    else:
+        source = spec.split(":", 1)[1]
+    return DiffusersPipeline.load(source, device, name=spec, dtype=dtype)
+
+
+def _load_python(spec: str, target: str, device: torch.device) -> Pipeline:
+    module_name, _, factory_name = target.partition(":")
+    if not module_name or not factory_name:
+        raise ValueError(f"pipeline spec {spec!r} must be python:<module>:<factory>")
+    factory: PipelineFactory = getattr(importlib.import_module(module_name), factory_name)
+    pipeline = factory(device)
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"{spec}: the factory returned {type(pipeline).__name__}, not a Pipeline")
+    return pipeline

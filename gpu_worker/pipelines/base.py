@@ -1,0 +1,51 @@
+"""The pipeline contract every rank drives.
+
+A pipeline is loaded once per rank and stays resident. `run` takes a batch of compatible
+requests (equal `GenerationRequest.batch_key()`) and calls `on_step_end(step, total)` after every
+denoising step; that callback may raise `StopDenoising`, which must abort the forward at once on
+this rank (the rank loop makes the same decision on every rank, so the collective stays in step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from gpu_worker.protocol import GenerationRequest
+
+StepCallback = Callable[[int, int], None]
+
+
+class StopDenoising(Exception):
+    """Raised from a step callback to abort the current forward on this rank."""
+
+
+@runtime_checkable
+class Pipeline(Protocol):
+    """A loaded generation model on one device."""
+
+    name: str
+
+    def supported_fields(self) -> frozenset[str]:
+        """Names of the `GenerationRequest` fields this pipeline honours (e.g. `num_frames`)."""
+        ...
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise `UnsupportedRequest` naming the field when the request cannot be served."""
+        ...
+
+    def run(
+        self, requests: Sequence[GenerationRequest], on_step_end: StepCallback
+    ) -> list[list[np.ndarray]]:
+        """Generate: per request, per output, a uint8 array (frames, height, width, 3)."""
+        ...
+
+    def denoiser(self) -> torch.nn.Module | None:
+        """The module called once per step (unet or transformer), for parallel wrappers."""
+        ...
+
+
+PipelineFactory = Callable[[torch.device], Pipeline]

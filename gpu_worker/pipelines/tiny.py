@@ -1,0 +1,189 @@
+"""Tiny diffusers pipelines with random weights, built from small configs, saved once to a cache.
+
+`tiny` is a Stable-Diffusion-style text-to-image pipeline (UNet2DConditionModel, AutoencoderKL,
+CLIPTextModel, CLIPTokenizer); `tiny-video` is a Wan 2.1-style text-to-video pipeline
+(WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel, the same hand-made tokenizer). Both
+are saved with `save_pretrained` and served through `DiffusersPipeline.load`, so the real loading
+code runs. Weights come from a fixed torch seed: every build writes the same tensors. No network.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, UMT5Config, UMT5EncoderModel
+
+from gpu_worker.pipelines.tiny_tokenizer import END_TOKEN, MAX_LENGTH, START_TOKEN, write_tiny_vocab
+
+# Bump when a config below changes, so caches built from the old one are not reused.
+TINY_VERSION = 1
+WEIGHTS_SEED = 0
+TEXT_DIM = 32
+
+
+def _tiny_tokenizer(workdir: Path) -> CLIPTokenizer:
+    vocab_path, merges_path = write_tiny_vocab(workdir / "vocab-source")
+    return CLIPTokenizer(
+        vocab=str(vocab_path), merges=str(merges_path), model_max_length=MAX_LENGTH
+    )
+
+
+def build_tiny_image(workdir: Path) -> StableDiffusionPipeline:
+    """An SD-style pipeline: 64x64 pixels -> 8x8 latents, a two-level UNet, 2-layer CLIP."""
+    tokenizer = _tiny_tokenizer(workdir)
+    vocab = tokenizer.get_vocab()
+    torch.manual_seed(WEIGHTS_SEED)
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=TEXT_DIM,
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=[8, 8, 8, 8],  # four levels: the usual 8x spatial compression
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        latent_channels=4,
+        norm_num_groups=8,
+        layers_per_block=1,
+        sample_size=64,
+    )
+    text_encoder = CLIPTextModel(_clip_config(vocab))
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1
+    )
+    return StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def _clip_config(vocab: dict[str, int]) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=TEXT_DIM,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=MAX_LENGTH,
+        bos_token_id=vocab[START_TOKEN],
+        eos_token_id=vocab[END_TOKEN],
+        pad_token_id=vocab[END_TOKEN],
+    )
+
+
+def build_tiny_video(workdir: Path) -> WanPipeline:
+    """A Wan 2.1-style pipeline: 4x temporal / 8x spatial VAE, 2-block transformer, 1-layer UMT5."""
+    tokenizer = _tiny_tokenizer(workdir)
+    vocab = tokenizer.get_vocab()
+    torch.manual_seed(WEIGHTS_SEED)
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(vocab),
+            d_model=TEXT_DIM,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=vocab[END_TOKEN],
+        )
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=TEXT_DIM,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer,
+    )
+
+
+TINY_BUILDERS: dict[str, Callable[[Path], Any]] = {
+    "tiny": build_tiny_image,
+    "tiny-video": build_tiny_video,
+}
+
+
+def tiny_folder(kind: str, cache_dir: Path) -> Path:
+    """Where the tiny pipeline `kind` lives once saved."""
+    return cache_dir / f"{kind}-v{TINY_VERSION}"
+
+
+def ensure_tiny(kind: str, cache_dir: Path) -> Path:
+    """Build and save `kind` under `cache_dir` unless already there; return its folder.
+
+    Safe when several ranks or processes race: each builds in its own temporary folder and
+    renames it into place; the rename is atomic, and a loser keeps the winner's folder.
+    """
+    if kind not in TINY_BUILDERS:
+        raise ValueError(f"unknown tiny pipeline {kind!r}; known: {sorted(TINY_BUILDERS)}")
+    final = tiny_folder(kind, cache_dir)
+    if _is_complete(final):
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    try:
+        staging = workdir / "pipeline"
+        # Fork the RNG so seeding the weights leaves the caller's random state alone.
+        with torch.random.fork_rng(devices=[]):
+            TINY_BUILDERS[kind](workdir).save_pretrained(staging)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not _is_complete(final):  # not a lost race: a foreign or broken folder is there
+                raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return final
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "model_index.json").is_file()

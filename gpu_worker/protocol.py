@@ -1,0 +1,201 @@
+"""Messages between callers, the coordinator and the ranks: frozen dataclasses only.
+
+The coordinator's public types (`GenerationRequest`, `GenerationResult`, `Progress`) sit here
+together with the coordinator <-> rank messages, so the whole protocol reads in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from gpu_worker.shm import FrameDescriptor
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One job's compute parameters; everything the ranks need and nothing else."""
+
+    request_id: str
+    pipeline: str
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    seed: int
+    negative_prompt: str | None = None
+    num_frames: int = 1
+    guidance_scale: float = 5.0
+    num_outputs: int = 1
+
+    def batch_key(self) -> tuple[str, int, int, int, int, float]:
+        """Requests with equal keys can share one forward pass."""
+        return (
+            self.pipeline,
+            self.width,
+            self.height,
+            self.num_frames,
+            self.steps,
+            self.guidance_scale,
+        )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a request is: stage is loading|denoising|decoding; step counts from 1."""
+
+    stage: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """Measured on the ranks for one request (shared by the requests of one batch)."""
+
+    run_s: float
+    peak_memory_mb: float
+    steps_run: int
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The outputs of one request: one uint8 array of shape (frames, height, width, 3) each."""
+
+    request_id: str
+    outputs: list[np.ndarray] = field(default_factory=list)
+    metrics: RunMetrics | None = None
+
+
+# --- coordinator <-> ranks ---------------------------------------------------------------------
+# The coordinator talks to rank 0 only (one command pipe, one result pipe); rank 0 relays each
+# batch to the other ranks over a gloo CPU group. Every rank has its own status pipe to the
+# process that owns the group, used only for lifecycle: ready, failed to start, fatal fault.
+
+
+class FailureKind(StrEnum):
+    """Why a forward failed on a rank; decides the error type the caller sees."""
+
+    OOM = "oom"
+    ERROR = "error"
+    COLLECTIVE = "collective"  # a collective broke (peer gone, timeout): the group must go
+
+
+@dataclass(frozen=True)
+class RunBatch:
+    """Coordinator -> rank 0 -> all ranks: run these compatible requests in one forward."""
+
+    batch_id: int
+    requests: tuple[GenerationRequest, ...]
+
+
+@dataclass(frozen=True)
+class StopVerdict:
+    """Coordinator -> rank 0: stop these requests of the batch (answers `StepDone(after_step)`).
+
+    `after_step` is the step whose progress this verdict answers, or -1 when the coordinator
+    stops a request on its own (deadline). Rank 0 waits for the verdict of step k-1 before it
+    decides at the end of step k, so a request whose `should_stop` turned true when step k was
+    reported runs at most k+1 steps.
+    """
+
+    batch_id: int
+    after_step: int
+    stop_ids: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ShutdownGroup:
+    """Coordinator -> rank 0 -> all ranks: leave the loop and exit cleanly."""
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """Rank 0 -> coordinator: every rank finished denoising step `step` of `total`."""
+
+    batch_id: int
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class RequestRejected:
+    """Rank 0 -> coordinator: the pipeline refused this request (`UnsupportedRequest`)."""
+
+    batch_id: int
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestOutputs:
+    """One request's outputs as shared-memory descriptors (read once, then unlinked)."""
+
+    request_id: str
+    frames: tuple[FrameDescriptor, ...]
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """Rank 0 -> coordinator: the forward finished; stopped requests have no outputs."""
+
+    batch_id: int
+    outputs: tuple[RequestOutputs, ...]
+    stopped: frozenset[str]
+    metrics: RunMetrics
+
+
+@dataclass(frozen=True)
+class BatchFailed:
+    """Rank 0 -> coordinator: the forward raised on every rank alike; the group is consistent."""
+
+    batch_id: int
+    kind: FailureKind
+    message: str
+
+
+@dataclass(frozen=True)
+class RankReady:
+    """Rank -> group owner: loaded, parallelised, warmed up."""
+
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    """Rank -> group owner: could not start; `message` is the rank's own traceback."""
+
+    rank: int
+    message: str
+
+
+@dataclass(frozen=True)
+class RankFault:
+    """Rank -> group owner: a forward failed on this rank, or (`fatal`) the rank is exiting."""
+
+    rank: int
+    batch_id: int | None
+    kind: FailureKind
+    message: str
+    fatal: bool
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """Rank -> rank 0 (gathered after each forward): how the forward ended on this rank."""
+
+    rank: int
+    status: str  # ok | stopped | failed
+    kind: FailureKind | None
+    message: str
+    steps_run: int
+    peak_memory_mb: float
+
+
+CoordinatorCommand = RunBatch | StopVerdict | ShutdownGroup
+LeaderMessage = StepDone | RequestRejected | BatchDone | BatchFailed
+StatusMessage = RankReady | RankFailed | RankFault

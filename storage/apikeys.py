@@ -1,0 +1,112 @@
+"""API keys: records found by the hash of the secret (hashing happens in tasks)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from storage.base import check_client, redis_client
+from storage.boundary import redis_boundary
+from storage.keys import Keys
+from storage.settings import StorageSettings
+
+if TYPE_CHECKING:
+    import redis
+
+_CREATE = r"""
+-- KEYS: record, id -> hash, ids set. ARGV: id, key hash, name, admin. 0 if the hash exists.
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'id', ARGV[1], 'name', ARGV[3], 'admin', ARGV[4],
+  'created_at', string.format('%d.%06d', t[1], t[2]), 'revoked', '0')
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[1])
+return 1
+"""
+
+_REVOKE = r"""
+-- KEYS: id -> hash. ARGV: record key prefix. 1 if a live key was revoked.
+local key_hash = redis.call('GET', KEYS[1])
+if not key_hash then return 0 end
+local record = ARGV[1] .. key_hash
+if redis.call('HGET', record, 'revoked') ~= '0' then return 0 end
+redis.call('HSET', record, 'revoked', '1')
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One API key (never the secret itself)."""
+
+    id: str
+    name: str
+    admin: bool
+    created_at: float
+    revoked: bool
+
+
+def _api_key(data: dict[str, str]) -> ApiKey:
+    return ApiKey(
+        id=data["id"],
+        name=data["name"],
+        admin=data["admin"] == "1",
+        created_at=float(data["created_at"]),
+        revoked=data["revoked"] == "1",
+    )
+
+
+class ApiKeyStore:
+    """Create, look up, list and revoke API keys."""
+
+    def __init__(self, redis_client: redis.Redis[str], settings: StorageSettings) -> None:
+        check_client(redis_client)
+        self.redis = redis_client
+        self.keys = Keys(settings.redis_namespace)
+        self._create = redis_client.register_script(_CREATE)
+        self._revoke = redis_client.register_script(_REVOKE)
+
+    @classmethod
+    def from_settings(cls, settings: StorageSettings) -> ApiKeyStore:
+        """A store with its own client for `settings.redis_url`."""
+        return cls(redis_client(settings), settings)
+
+    @property
+    def _record_prefix(self) -> str:
+        return self.keys.api_key("")
+
+    @redis_boundary
+    def create(self, key_hash: str, name: str, admin: bool = False) -> ApiKey:
+        """Store a new key under `key_hash`; ValueError if that hash is already stored."""
+        key_id = "key_" + secrets.token_hex(8)
+        keys = [self.keys.api_key(key_hash), self.keys.api_key_id(key_id), self.keys.api_key_ids]
+        if not self._create(keys=keys, args=[key_id, key_hash, name, "1" if admin else "0"]):
+            raise ValueError("an API key with this hash exists already")
+        return _api_key(self.redis.hgetall(self.keys.api_key(key_hash)))
+
+    @redis_boundary
+    def lookup(self, key_hash: str) -> ApiKey | None:
+        """The live key stored under `key_hash`; None if unknown or revoked."""
+        data = self.redis.hgetall(self.keys.api_key(key_hash))
+        if not data or data["revoked"] == "1":
+            return None
+        return _api_key(data)
+
+    @redis_boundary
+    def list(self) -> list[ApiKey]:
+        """Every key, revoked ones included, oldest first."""
+        key_ids = sorted(self.redis.smembers(self.keys.api_key_ids))
+        pipe = self.redis.pipeline(transaction=False)
+        for key_id in key_ids:
+            pipe.get(self.keys.api_key_id(key_id))
+        hashes = [h for h in pipe.execute() if h]
+        for key_hash in hashes:
+            pipe.hgetall(self.keys.api_key(key_hash))
+        records = [_api_key(data) for data in pipe.execute() if data]
+        return sorted(records, key=lambda k: (k.created_at, k.id))
+
+    @redis_boundary
+    def revoke(self, key_id: str) -> bool:
+        """Revoke the key; True if it was live, False if unknown or already revoked."""
+        return bool(self._revoke(keys=[self.keys.api_key_id(key_id)], args=[self._record_prefix]))

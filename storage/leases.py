@@ -1,0 +1,66 @@
+"""Leases on jobs: a fencing token that grows on every acquire, a TTL, renewal, the reaper query."""
+
+from __future__ import annotations
+
+from storage.base import StoreBase
+from storage.boundary import redis_boundary
+
+# the reaper looks at this many overdue jobs per call; it runs every few seconds
+_REAPER_BATCH = 1000
+
+
+class LeaseOps(StoreBase):
+    """Acquire, renew and release job leases; find running jobs whose lease expired."""
+
+    @property
+    def _lease_ttl_ms(self) -> int:
+        return max(1, int(self.settings.lease_ttl_s * 1000))
+
+    @redis_boundary
+    def acquire_lease(self, job_id: str, owner: str) -> int:
+        """Take the job's lease for `owner`; returns a token larger than any issued before.
+
+        Raises LeaseHeld if another owner holds a live lease. The same owner acquiring again gets
+        a new token, which fences off its previous one.
+        """
+        self._require_id(job_id)
+        return int(self._call("acquire", job_id, owner, self._lease_ttl_ms))
+
+    @redis_boundary
+    def renew_lease(self, job_id: str, lease_token: int) -> bool:
+        """Extend the lease by its TTL; False if the token is no longer the job's current one."""
+        self._require_id(job_id)
+        return bool(self._call("renew", job_id, str(lease_token), self._lease_ttl_ms))
+
+    @redis_boundary
+    def release_lease(self, job_id: str, lease_token: int) -> None:
+        """Give the lease up (no-op with a stale token); a running job is then reaped at once."""
+        self._require_id(job_id)
+        self._call("release", job_id, str(lease_token))
+
+    @redis_boundary
+    def lease_owner(self, job_id: str) -> str | None:
+        """Owner of the live lease, or None."""
+        self._require_id(job_id)
+        held: str | None = self.redis.get(self.keys.lease(job_id))
+        return held.split("|", 1)[1] if held else None
+
+    @redis_boundary
+    def expired_leases(self) -> list[str]:
+        """Ids of running jobs whose lease has expired (by the Redis clock): reap candidates."""
+        overdue: list[str] = self._call_global(
+            "lease_deadlines_passed", [self.keys.running], [_REAPER_BATCH]
+        )
+        if not overdue:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in overdue:
+            pipe.exists(self.keys.lease(job_id))
+        alive = pipe.execute()
+        return [job_id for job_id, live in zip(overdue, alive, strict=True) if not live]
+
+    @redis_boundary
+    def cancel_requested(self, job_id: str) -> bool:
+        """True while a cancel of the running job is pending (one EXISTS; cheap)."""
+        self._require_id(job_id)
+        return bool(self.redis.exists(self.keys.cancel(job_id)))

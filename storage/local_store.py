@@ -1,0 +1,130 @@
+"""Object store in a local directory: atomic writes (temp file + rename), JSON sidecars."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from storage.errors import InvalidObjectKey, ObjectNotFound, ObjectStoreError
+from storage.object_base import StoredObject, check_key, check_metadata
+from storage.settings import StorageSettings
+
+# next to `<key>` lies `<key>.meta.json`; keys with this ending are refused so none collide
+_SIDECAR_SUFFIX = ".meta.json"
+
+
+def parse_file_url(url: str) -> Path:
+    """`file:///abs/path` → Path('/abs/path')."""
+    if not url.startswith("file://"):
+        raise ValueError(f"not a file:// URL: {url!r}")
+    path = Path(url[len("file://") :])
+    if not path.is_absolute():
+        raise ValueError(f"file:// URL must hold an absolute path: {url!r}")
+    return path
+
+
+@contextmanager
+def _os_errors(key: str) -> Iterator[None]:
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise ObjectNotFound(key) from exc
+    except OSError as exc:
+        raise ObjectStoreError(f"local object store failed for {key!r}: {exc}") from exc
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    # readers see the old file or the new one, never a partial write
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class LocalObjectStore:
+    """Objects as files under a root directory."""
+
+    def __init__(self, root: Path, prefix: str = "") -> None:
+        self.root = root.resolve()
+        self.prefix = prefix
+
+    @classmethod
+    def from_settings(cls, settings: StorageSettings) -> LocalObjectStore:
+        """The store named by `settings.storage_url` (`file:///abs/path`)."""
+        return cls(parse_file_url(settings.storage_url))
+
+    def _path(self, key: str) -> Path:
+        check_key(self.prefix, key)
+        if key.endswith(_SIDECAR_SUFFIX):
+            raise InvalidObjectKey(f"object key {key!r} has a reserved ending")
+        path = self.root / key
+        # a symlink inside the root must not lead outside it either
+        if not path.resolve().is_relative_to(self.root):
+            raise InvalidObjectKey(f"object key {key!r} escapes {self.root}")
+        return path
+
+    @staticmethod
+    def _sidecar(path: Path) -> Path:
+        return path.with_name(path.name + _SIDECAR_SUFFIX)
+
+    def put(
+        self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None
+    ) -> StoredObject:
+        """Write `data` atomically, then its sidecar (the sidecar's arrival completes the put)."""
+        path = self._path(key)
+        user_metadata = dict(check_metadata(metadata or {}))
+        stored = StoredObject(
+            key, len(data), hashlib.sha256(data).hexdigest(), content_type, user_metadata
+        )
+        sidecar = {
+            "content_type": content_type,
+            "metadata": user_metadata,
+            "sha256": stored.sha256,
+            "size": stored.size,
+        }
+        with _os_errors(key):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomically(path, data)
+            _write_atomically(self._sidecar(path), json.dumps(sidecar).encode())
+        return stored
+
+    def head(self, key: str) -> StoredObject | None:
+        """What is stored under `key`, or None (also while a put has not completed)."""
+        path = self._path(key)
+        try:
+            with _os_errors(key):
+                sidecar = json.loads(self._sidecar(path).read_bytes())
+                size = path.stat().st_size
+        except ObjectNotFound:
+            return None
+        return StoredObject(
+            key, size, sidecar["sha256"], sidecar["content_type"], dict(sidecar["metadata"])
+        )
+
+    def get(self, key: str) -> bytes:
+        """The bytes under `key`; ObjectNotFound if none."""
+        path = self._path(key)
+        with _os_errors(key):
+            return path.read_bytes()
+
+    def delete(self, key: str) -> None:
+        """Remove `key` and its sidecar (no error if absent)."""
+        path = self._path(key)
+        with _os_errors(key):
+            self._sidecar(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+
+    def url(self, key: str, expires_s: int | None = None) -> str:
+        """`file://` URL of the object (`expires_s` does not apply)."""
+        return self._path(key).as_uri()

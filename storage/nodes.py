@@ -1,0 +1,32 @@
+"""Node heartbeats: what each live node serves, kept alive by its TTL."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from storage.base import StoreBase, dumps
+from storage.boundary import redis_boundary
+
+
+class NodeOps(StoreBase):
+    """Publish and list node heartbeats."""
+
+    @redis_boundary
+    def publish_node(self, node_id: str, info: dict[str, Any], ttl_s: float) -> None:
+        """Announce `node_id` with `info` for `ttl_s` seconds (call again before it lapses)."""
+        payload = dumps({**info, "node_id": node_id})
+        ttl_ms = max(1, int(ttl_s * 1000))
+        self._call_global(
+            "publish_node",
+            [self.keys.node(node_id), self.keys.nodes],
+            [node_id, payload, ttl_ms],
+        )
+
+    @redis_boundary
+    def live_nodes(self) -> list[dict[str, Any]]:
+        """Info of every node whose heartbeat has not lapsed (each with its `node_id`)."""
+        infos: list[str] = self._call_global(
+            "live_nodes", [self.keys.nodes], [self.keys.node_prefix]
+        )
+        return [json.loads(info) for info in infos]

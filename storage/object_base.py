@@ -1,0 +1,98 @@
+"""What both object stores share: the key builder, key checks, StoredObject, the protocol."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from storage.errors import InvalidObjectKey
+from storage.keys import valid_id
+
+# fullmatch everywhere: `$` would let a trailing newline through
+_SEGMENT = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]*")
+_EXT = re.compile(r"[A-Za-z0-9]{1,16}")
+_METADATA_KEY = re.compile(r"[a-z0-9][a-z0-9_\-]{0,63}")
+# the stores keep the content's sha256 under this user-metadata key
+SHA256_METADATA_KEY = "sha256"
+
+
+def check_prefix(prefix: str) -> str:
+    """Return `prefix` if it is '' or plain `a/b/c` segments (no '..', no leading '/')."""
+    if prefix and not all(
+        _SEGMENT.fullmatch(part) and part not in {".", ".."} for part in prefix.split("/")
+    ):
+        raise InvalidObjectKey(f"invalid prefix {prefix!r}")
+    return prefix
+
+
+def output_key(prefix: str, job_id: str, index: int, ext: str) -> str:
+    """`{prefix}/{job_id}/{index}.{ext}`: the only way Kiln names an object; refuses escapes."""
+    check_prefix(prefix)
+    if not valid_id(job_id):
+        raise InvalidObjectKey(f"invalid job id {job_id!r}")
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise InvalidObjectKey(f"invalid output index {index!r}")
+    if not _EXT.fullmatch(ext):
+        raise InvalidObjectKey(f"invalid extension {ext!r}")
+    name = f"{job_id}/{index}.{ext}"
+    return f"{prefix}/{name}" if prefix else name
+
+
+def check_key(prefix: str, key: str) -> str:
+    """Return `key` if it lies under `prefix` and has only plain segments; else InvalidObjectKey."""
+    parts = key.split("/")
+    if not key or not all(_SEGMENT.fullmatch(p) and p not in {".", ".."} for p in parts):
+        raise InvalidObjectKey(f"invalid object key {key!r}")
+    if prefix and not key.startswith(prefix + "/"):
+        raise InvalidObjectKey(f"object key {key!r} is outside prefix {prefix!r}")
+    return key
+
+
+def check_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """Return `metadata` if its keys are lowercase tokens and values ASCII (what S3 keeps)."""
+    for name, value in metadata.items():
+        if not _METADATA_KEY.fullmatch(name) or name == SHA256_METADATA_KEY:
+            raise ValueError(f"invalid or reserved metadata key {name!r}")
+        if not isinstance(value, str) or not value.isascii():
+            raise ValueError(f"metadata value for {name!r} must be an ASCII string")
+    return metadata
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """An object as stored: key, size in bytes, hex sha256, content type, user metadata."""
+
+    key: str
+    size: int
+    sha256: str
+    content_type: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+class ObjectStore(Protocol):
+    """Where outputs are written; keys come from output_key(store.prefix, ...)."""
+
+    prefix: str
+
+    def put(
+        self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None
+    ) -> StoredObject:
+        """Write `data` under `key` (replacing it); returns what was stored."""
+        ...
+
+    def head(self, key: str) -> StoredObject | None:
+        """What is stored under `key`, or None."""
+        ...
+
+    def get(self, key: str) -> bytes:
+        """The bytes under `key`; ObjectNotFound if none."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove `key` (no error if absent)."""
+        ...
+
+    def url(self, key: str, expires_s: int | None = None) -> str:
+        """A URL a client can download `key` from (presigned for S3, file:// for local)."""
+        ...

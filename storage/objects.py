@@ -1,0 +1,27 @@
+"""Object stores for outputs: S3-compatible or a local directory, chosen by the storage URL."""
+
+from __future__ import annotations
+
+from storage.local_store import LocalObjectStore
+from storage.object_base import ObjectStore, StoredObject, check_key, output_key
+from storage.s3_store import S3ObjectStore
+from storage.settings import StorageSettings
+
+__all__ = [
+    "LocalObjectStore",
+    "ObjectStore",
+    "S3ObjectStore",
+    "StoredObject",
+    "check_key",
+    "open_object_store",
+    "output_key",
+]
+
+
+def open_object_store(settings: StorageSettings) -> ObjectStore:
+    """The store `settings.storage_url` names: `s3://bucket/prefix` or `file:///abs/path`."""
+    if settings.storage_url.startswith("s3://"):
+        return S3ObjectStore.from_settings(settings)
+    if settings.storage_url.startswith("file://"):
+        return LocalObjectStore.from_settings(settings)
+    raise ValueError(f"unsupported storage_url {settings.storage_url!r}")

@@ -1,0 +1,138 @@
+"""Reads of the job store: records, events, listing with cursor paging, the queue counter."""
+
+from __future__ import annotations
+
+from storage.base import StoreBase
+from storage.boundary import redis_boundary
+from storage.keys import valid_id
+from storage.records import JobEvent, JobRecord, event_from_entry, job_from_hash
+from storage.states import JobState
+
+# list_jobs reads this many index pages before it hands a cursor back with a short page,
+# so a rare filter combination cannot make one call scan a whole index
+_MAX_SCAN_ROUNDS = 8
+
+
+class QueryOps(StoreBase):
+    """Read-side operations of the job store."""
+
+    @redis_boundary
+    def get(self, job_id: str) -> JobRecord:
+        """The job's record; JobNotFound if there is none (or it expired)."""
+        self._require_id(job_id)
+        return self._record(job_id, self.redis.hgetall(self.keys.job(job_id)))
+
+    @redis_boundary
+    def get_many(self, job_ids: list[str]) -> list[JobRecord | None]:
+        """Records of `job_ids` in order (None where missing), in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            # an impossible id reads a key that cannot exist
+            pipe.hgetall(self.keys.job(job_id if valid_id(job_id) else "-"))
+        return [job_from_hash(data) if data else None for data in pipe.execute()]
+
+    @redis_boundary
+    def events(
+        self, job_id: str, after_seq: int = 0, block_ms: int | None = None, count: int = 100
+    ) -> list[JobEvent]:
+        """Events with seq > after_seq, oldest first; waits up to block_ms for the first one.
+
+        Entry ids are `<seq>-0`, so an SSE Last-Event-ID is directly the `after_seq`. A wait is
+        capped below the socket timeout. An unknown job has no events (not an error).
+        """
+        self._require_id(job_id)
+        if block_ms is not None:
+            cap_ms = max(1, int(self.settings.redis_socket_timeout_s * 1000) - 1000)
+            block_ms = cap_ms if block_ms <= 0 else min(block_ms, cap_ms)
+        reply = self.redis.xread(
+            {self.keys.events(job_id): f"{after_seq}-0"}, count=count, block=block_ms
+        )
+        if not reply:
+            return []
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
+
+    @redis_boundary
+    def queue_depth(self) -> int:
+        """Jobs in `queued` (a counter the transition scripts move)."""
+        return int(self.redis.get(self.keys.queue_depth) or 0)
+
+    @redis_boundary
+    def list_jobs(
+        self,
+        owner: str | None = None,
+        state: JobState | None = None,
+        batch_id: str | None = None,
+        cursor: str | None = None,
+        limit: int = 50,
+    ) -> tuple[list[JobRecord], str | None]:
+        """Jobs matching every filter given, newest first; pass the returned cursor for more.
+
+        A page may be shorter than `limit` while a cursor is still returned (the scan per call
+        is bounded); None means there is nothing more. Expired records are skipped and dropped
+        from the index read.
+        """
+        if batch_id is not None and not valid_id(batch_id):
+            return [], None
+        index = self._pick_index(owner, state, batch_id)
+        upper = "+inf" if cursor is None else f"({_parse_cursor(cursor)}"
+        found: list[JobRecord] = []
+        for _ in range(_MAX_SCAN_ROUNDS):
+            page = self.redis.zrevrangebyscore(index, upper, "-inf", 0, limit, withscores=True)
+            records = self._records_of_page(index, [member for member, _ in page])
+            for (_, score), record in zip(page, records, strict=True):
+                if record is not None and _matches(record, owner, state, batch_id):
+                    found.append(record)
+                    if len(found) == limit:
+                        return found, str(int(score))
+            if len(page) < limit:
+                return found, None
+            upper = f"({int(page[-1][1])}"
+        return found, upper[1:]
+
+    @redis_boundary
+    def prune_indexes(self, limit: int = 1000) -> int:
+        """Drop index entries of finished jobs whose records expired; returns how many were seen.
+
+        Call it periodically (e.g. from the reaper loop); without it the indexes keep growing.
+        """
+        k = self.keys
+        seen: int = self._call_global(
+            "prune_indexes",
+            [k.retired, k.all_index],
+            [k.job_prefix, k.state_index_prefix, k.owner_index_prefix, k.batch_index_prefix, limit],
+        )
+        return seen
+
+    def _pick_index(self, owner: str | None, state: JobState | None, batch_id: str | None) -> str:
+        # the narrowest index drives the scan; the other filters are checked on the records
+        if batch_id is not None:
+            return self.keys.batch_index(batch_id)
+        if owner is not None:
+            return self.keys.owner_index(owner)
+        if state is not None:
+            return self.keys.state_index(JobState(state).value)
+        return self.keys.all_index
+
+    def _records_of_page(self, index: str, job_ids: list[str]) -> list[JobRecord | None]:
+        records = self.get_many(job_ids)
+        gone = [job_id for job_id, record in zip(job_ids, records, strict=True) if record is None]
+        if gone:
+            self.redis.zrem(index, *gone)
+        return records
+
+
+def _parse_cursor(cursor: str) -> int:
+    if not cursor.isdigit():
+        raise ValueError(f"invalid cursor {cursor!r}")
+    return int(cursor)
+
+
+def _matches(
+    record: JobRecord, owner: str | None, state: JobState | None, batch_id: str | None
+) -> bool:
+    return (
+        (owner is None or record.owner == owner)
+        and (state is None or record.state == state)
+        and (batch_id is None or record.batch_id == batch_id)
+    )

@@ -1,0 +1,171 @@
+"""S3-compatible object store via boto3: multipart above a threshold, sha256, presigned GETs."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+from typing import TYPE_CHECKING, Any
+
+import boto3
+import botocore.config
+from boto3.s3.transfer import TransferConfig
+
+from storage.errors import ObjectNotFound, ObjectStoreError
+from storage.object_base import SHA256_METADATA_KEY, StoredObject, check_key, check_metadata
+from storage.s3_errors import s3_errors
+from storage.settings import StorageSettings
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+MIB = 1024 * 1024
+# parts of a multipart upload; S3 needs >= 5 MiB, larger parts mean fewer requests
+_PART_SIZE = 8 * MIB
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """`s3://bucket/some/prefix` → ("bucket", "some/prefix")."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket in {url!r}")
+    return bucket, prefix.strip("/")
+
+
+def s3_client(settings: StorageSettings) -> S3Client:
+    """A boto3 S3 client configured from settings (retries for throttling and 5xx included)."""
+    config = botocore.config.Config(
+        retries={
+            "mode": settings.s3_retry_mode,
+            "total_max_attempts": settings.object_store_max_attempts,
+        },
+        s3={"addressing_style": settings.s3_addressing_style},
+        # presigned URLs with SigV4 (SigV2 query auth is deprecated and region-blind)
+        signature_version="s3v4",
+        connect_timeout=10,
+        read_timeout=60,
+    )
+    secret = settings.s3_secret_access_key
+    client: S3Client = boto3.session.Session().client(
+        "s3",
+        endpoint_url=settings.s3_endpoint_url,
+        region_name=settings.s3_region,
+        aws_access_key_id=settings.s3_access_key_id,
+        aws_secret_access_key=secret.get_secret_value() if secret else None,
+        config=config,
+    )
+    return client
+
+
+class S3ObjectStore:
+    """Objects in an S3 bucket under a prefix."""
+
+    def __init__(
+        self,
+        client: S3Client,
+        bucket: str,
+        prefix: str = "",
+        *,
+        multipart_threshold_bytes: int = 16 * MIB,
+        presign_expiry_s: int = 3600,
+    ) -> None:
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix
+        self.multipart_threshold_bytes = multipart_threshold_bytes
+        self.presign_expiry_s = presign_expiry_s
+        self._transfer = TransferConfig(
+            multipart_threshold=multipart_threshold_bytes,
+            multipart_chunksize=_PART_SIZE,
+            max_concurrency=4,
+        )
+
+    @classmethod
+    def from_settings(cls, settings: StorageSettings) -> S3ObjectStore:
+        """The store named by `settings.storage_url` (`s3://bucket/prefix`)."""
+        bucket, prefix = parse_s3_url(settings.storage_url)
+        return cls(
+            s3_client(settings),
+            bucket,
+            prefix,
+            multipart_threshold_bytes=settings.multipart_threshold_mb * MIB,
+            presign_expiry_s=settings.presign_expiry_s,
+        )
+
+    def put(
+        self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None
+    ) -> StoredObject:
+        """Upload (multipart above the threshold) with a SHA256 checksum S3 verifies on receipt."""
+        check_key(self.prefix, key)
+        user_metadata = dict(check_metadata(metadata or {}))
+        digest = hashlib.sha256(data).hexdigest()
+        extra: dict[str, Any] = {
+            "ContentType": content_type,
+            "Metadata": {**user_metadata, SHA256_METADATA_KEY: digest},
+            "ChecksumAlgorithm": "SHA256",
+        }
+        with s3_errors(key):
+            if len(data) < self.multipart_threshold_bytes:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+            else:
+                self.client.upload_fileobj(
+                    io.BytesIO(data), self.bucket, key, ExtraArgs=extra, Config=self._transfer
+                )
+        return StoredObject(key, len(data), digest, content_type, user_metadata)
+
+    def head(self, key: str) -> StoredObject | None:
+        """What is stored under `key`, or None."""
+        check_key(self.prefix, key)
+        try:
+            with s3_errors(key):
+                answer = self.client.head_object(
+                    Bucket=self.bucket, Key=key, ChecksumMode="ENABLED"
+                )
+        except ObjectNotFound:
+            return None
+        metadata = dict(answer.get("Metadata", {}))
+        digest = metadata.pop(SHA256_METADATA_KEY, "") or _full_object_sha256(answer)
+        return StoredObject(
+            key,
+            int(answer["ContentLength"]),
+            digest,
+            answer.get("ContentType", "application/octet-stream"),
+            metadata,
+        )
+
+    def get(self, key: str) -> bytes:
+        """The bytes under `key`, checked against the stored sha256; ObjectNotFound if none."""
+        check_key(self.prefix, key)
+        with s3_errors(key):
+            answer = self.client.get_object(Bucket=self.bucket, Key=key)
+            data = answer["Body"].read()
+        expected = answer.get("Metadata", {}).get(SHA256_METADATA_KEY)
+        if expected and hashlib.sha256(data).hexdigest() != expected:
+            raise ObjectStoreError(f"object {key!r} does not match its sha256")
+        return data
+
+    def delete(self, key: str) -> None:
+        """Remove `key` (no error if absent)."""
+        check_key(self.prefix, key)
+        with s3_errors(key):
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    def url(self, key: str, expires_s: int | None = None) -> str:
+        """A presigned GET URL valid for `expires_s` (default: the store's presign expiry)."""
+        check_key(self.prefix, key)
+        with s3_errors(key):
+            return self.client.generate_presigned_url(
+                "get_object",
+                Params={"Bucket": self.bucket, "Key": key},
+                ExpiresIn=expires_s or self.presign_expiry_s,
+            )
+
+
+def _full_object_sha256(answer: Any) -> str:
+    # only a single-part upload's checksum is the sha256 of the whole object ("...-N" is not)
+    checksum = answer.get("ChecksumSHA256") or ""
+    if not checksum or "-" in checksum:
+        return ""
+    return base64.b64decode(checksum).hex()

@@ -1,0 +1,157 @@
+"""State changes of a job: each public method is one Lua script run (storage/lua.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from storage.base import StoreBase, dumps
+from storage.boundary import redis_boundary
+from storage.records import JobRecord
+from storage.states import JobState, edge_sources
+
+Q, R = JobState.QUEUED, JobState.RUNNING
+# which sources each operation accepts; checked against TRANSITIONS at import
+_START = edge_sources((Q,), R)
+_SUCCEED = edge_sources((R,), JobState.SUCCEEDED)
+_FAIL = edge_sources((Q, R), JobState.FAILED)
+_REQUEUE = edge_sources((R,), Q)
+_FINISH_CANCELED = edge_sources((R,), JobState.CANCELED)
+_EXPIRE = edge_sources((Q,), JobState.EXPIRED)
+# the scripts that hard-code a transition: CANCEL (queued -> canceled), REAP (running -> queued
+# or canceled); checked here so a change of the table cannot silently diverge from them
+edge_sources((Q,), JobState.CANCELED)
+edge_sources((R,), Q)
+edge_sources((R,), JobState.CANCELED)
+
+
+class TransitionOps(StoreBase):
+    """Fenced, atomic transitions of the state machine (storage/states.py)."""
+
+    def _transition(
+        self,
+        job_id: str,
+        sources: tuple[JobState, ...],
+        target: JobState,
+        *,
+        fence: str,
+        token: int | None,
+        payload: dict[str, Any],
+        fields: dict[str, str] | None = None,
+        honor_cancel: bool = False,
+    ) -> JobRecord:
+        self._require_id(job_id)
+        flat = [item for pair in (fields or {}).items() for item in pair]
+        reply = self._call(
+            "transition",
+            job_id,
+            " " + " ".join(sources) + " ",
+            target.value,
+            fence,
+            str(token or 0),
+            dumps(payload),
+            "1" if honor_cancel else "0",
+            *flat,
+        )
+        return self._record(job_id, reply)
+
+    @redis_boundary
+    def start(self, job_id: str, lease_token: int, node_id: str | None = None) -> JobRecord:
+        """queued → running (fenced): sets started_at, attempts + 1; the event names the node."""
+        payload = {"node_id": node_id} if node_id else {}
+        return self._transition(
+            job_id, _START, R, fence="token", token=lease_token, payload=payload
+        )
+
+    @redis_boundary
+    def set_progress(self, job_id: str, lease_token: int, progress: dict[str, Any]) -> None:
+        """Record progress of the running job (fenced) and append a `progress` event."""
+        self._require_id(job_id)
+        self._call("progress", job_id, str(lease_token), dumps(progress))
+
+    @redis_boundary
+    def succeed(
+        self, job_id: str, lease_token: int, outputs: list[dict[str, Any]], metrics: dict[str, Any]
+    ) -> JobRecord:
+        """running → succeeded (fenced) with the verified outputs and the run's metrics."""
+        return self._transition(
+            job_id,
+            _SUCCEED,
+            JobState.SUCCEEDED,
+            fence="token",
+            token=lease_token,
+            payload={"outputs": outputs, "metrics": metrics},
+            fields={"outputs": dumps(outputs), "metrics": dumps(metrics), "error": "null"},
+        )
+
+    @redis_boundary
+    def fail(
+        self,
+        job_id: str,
+        lease_token: int | None,
+        error: dict[str, Any],
+        metrics: dict[str, Any] | None = None,
+    ) -> JobRecord:
+        """queued|running → failed; a running job needs its lease token, a queued one none."""
+        fields = {"error": dumps(error)}
+        if metrics is not None:
+            fields["metrics"] = dumps(metrics)
+        return self._transition(
+            job_id,
+            _FAIL,
+            JobState.FAILED,
+            fence="token" if lease_token is not None else "not_running",
+            token=lease_token,
+            payload={"error": error},
+            fields=fields,
+        )
+
+    @redis_boundary
+    def requeue(self, job_id: str, lease_token: int, error: dict[str, Any]) -> JobRecord:
+        """running → queued for a retry (fenced); → canceled instead if a cancel is pending.
+
+        The job is marked unpublished: the caller publishes it again and calls mark_published.
+        """
+        return self._transition(
+            job_id,
+            _REQUEUE,
+            Q,
+            fence="token",
+            token=lease_token,
+            payload={"reason": "retry", "error": error},
+            fields={"error": dumps(error)},
+            honor_cancel=True,
+        )
+
+    @redis_boundary
+    def cancel(self, job_id: str) -> JobRecord:
+        """Cancel: queued → canceled at once; running → cancel flag set, record unchanged."""
+        self._require_id(job_id)
+        return self._record(job_id, self._call("cancel", job_id))
+
+    @redis_boundary
+    def finish_canceled(self, job_id: str, lease_token: int) -> JobRecord:
+        """running → canceled (fenced), once the worker has stopped the job."""
+        return self._transition(
+            job_id,
+            _FINISH_CANCELED,
+            JobState.CANCELED,
+            fence="token",
+            token=lease_token,
+            payload={"reason": "requested"},
+        )
+
+    @redis_boundary
+    def expire(self, job_id: str) -> JobRecord:
+        """queued → expired (its start_by deadline passed)."""
+        return self._transition(
+            job_id, _EXPIRE, JobState.EXPIRED, fence="none", token=None, payload={}
+        )
+
+    @redis_boundary
+    def reap(self, job_id: str) -> bool:
+        """running → queued if its lease is gone (→ canceled if a cancel is pending); True if so.
+
+        The job is marked unpublished: the caller publishes it again and calls mark_published.
+        """
+        self._require_id(job_id)
+        return bool(self._call("reap", job_id))

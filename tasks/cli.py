@@ -1,0 +1,154 @@
+"""The `kiln` command line: worker, submit, status, wait, cancel, api, keys, demo.
+
+User mistakes print one clear line and exit 2; a job that ends badly exits 1; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+EXIT_JOB_FAILED = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for; printed as one line."""
+
+
+def _job_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--api", metavar="URL", help="use a remote Kiln API instead of Redis")
+    parser.add_argument("--api-key", metavar="KEY", help="bearer key for --api")
+
+
+def _add_submit(sub: Any) -> None:
+    p = sub.add_parser("submit", help="enqueue a job (prints its id, or waits with --wait)")
+    p.add_argument("prompt")
+    p.add_argument("--pipeline", default="default")
+    p.add_argument("--negative-prompt")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--frames", dest="num_frames", type=int, default=1)
+    p.add_argument("--fps", type=int)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--guidance", dest="guidance_scale", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--outputs", dest="num_outputs", type=int, default=1)
+    p.add_argument("--format", dest="output_format")
+    p.add_argument("--priority", choices=["interactive", "bulk"], default="interactive")
+    p.add_argument("--max-run-seconds", type=float)
+    p.add_argument("--idempotency-key")
+    p.add_argument("--wait", action="store_true", help="show progress and wait for the outputs")
+    p.add_argument("--timeout", type=float, help="seconds to wait with --wait")
+    _job_args(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line."""
+    parser = argparse.ArgumentParser(
+        prog="kiln", description="Kiln: a job queue for GPU generation."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("worker", help="run a node worker (or a webhooks worker)")
+    w.add_argument("--pipeline", action="append", default=[], help="NAME or NAME=SPEC; repeatable")
+    w.add_argument("--devices", default="cpu:1", help="cpu:N or cuda:0,cuda:1")
+    w.add_argument("--queues", default="interactive,bulk", help="lanes, in priority order")
+    w.add_argument("--max-batch", type=int, default=4)
+    w.add_argument("--parallel", choices=["none", "batch", "context"], default="none")
+    w.add_argument("--concurrency", type=int)
+    w.add_argument("--webhooks", action="store_true", help="also deliver webhooks")
+    w.add_argument("--node-id")
+    w.add_argument("--loglevel", default="INFO")
+    _add_submit(sub)
+    for name, text in (("status", "show a job"), ("cancel", "cancel a job")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("job_id")
+        _job_args(p)
+    p = sub.add_parser("wait", help="wait for jobs to finish, with progress")
+    p.add_argument("job_ids", nargs="+")
+    p.add_argument("--timeout", type=float)
+    _job_args(p)
+    a = sub.add_parser("api", help="serve the HTTP API")
+    a.add_argument("--host", default="127.0.0.1")
+    a.add_argument("--port", type=int, default=8000)
+    k = sub.add_parser("keys", help="manage API keys")
+    k.add_argument("action", choices=["create", "list", "revoke"])
+    k.add_argument("name_or_id", nargs="?")
+    k.add_argument("--admin", action="store_true")
+    k.add_argument("--json", action="store_true")
+    d = sub.add_parser("demo", help="run the embedded demo")
+    d.add_argument("--jobs", type=int, default=4, help="image jobs to submit (plus 2 videos)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kiln` console script."""
+    args = build_parser().parse_args(argv)
+    handler = _handlers()[args.command]
+    try:
+        return handler(args)
+    except UsageError as exc:
+        print(f"kiln: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValidationError as exc:
+        print(f"kiln: invalid job: {_validation_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a known failure of a dependency is still one line, not a trace
+        line = _known_error_line(exc)
+        if line is None:
+            raise
+        print(f"kiln: {line}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+
+
+def _validation_line(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def _known_error_line(exc: Exception) -> str | None:
+    from storage.errors import JobNotFound, StorageError
+    from tasks.submit import UnknownPipeline
+
+    if isinstance(exc, JobNotFound):
+        return f"no such job: {exc}"
+    if isinstance(exc, StorageError | UnknownPipeline):
+        return str(exc)
+    from tasks.client import KilnClientError
+
+    if isinstance(exc, KilnClientError):
+        return str(exc)
+    return None
+
+
+def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
+    from tasks import cli_commands as c
+
+    return {
+        "worker": c.cmd_worker,
+        "submit": c.cmd_submit,
+        "status": c.cmd_status,
+        "wait": c.cmd_wait,
+        "cancel": c.cmd_cancel,
+        "api": c.cmd_api,
+        "keys": c.cmd_keys,
+        "demo": c.cmd_demo,
+    }
+
+
+def print_json(data: Any) -> None:
+    """JSON output for `--json`."""
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""`run_job(job_id)`: one delivery of one job on a GPU node (DESIGN.md §1 and §4).
+
+A delivery either finds the job done (ack), finds it held by a live lease elsewhere (re-publish
+later, ack), or takes the lease and runs it. Every write after that is fenced by the lease token,
+so a node that lost its lease can never overwrite the work of the node that took over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from celery import Celery
+
+from gpu_worker.errors import GpuWorkerError, JobStopped
+from gpu_worker.protocol import GenerationRequest, GenerationResult, Progress
+from storage.errors import IllegalTransition, JobNotFound, LeaseHeld, StaleLease, StorageError
+from storage.status import TERMINAL_STATES, JobRecord, JobState
+from tasks.app import RUN_JOB_TASK
+from tasks.node import Node, StopReason, TrackedJob, current_node
+from tasks.policy import CancelCheck, ProgressThrottle, error_dict, retry_delay
+from tasks.uploads import encode_and_upload
+
+log = logging.getLogger(__name__)
+
+
+def generation_request(record: JobRecord) -> GenerationRequest:
+    """The compute part of a stored job request."""
+    r = record.request
+    return GenerationRequest(
+        request_id=record.id,
+        pipeline=str(r["pipeline"]),
+        prompt=str(r["prompt"]),
+        negative_prompt=r.get("negative_prompt"),
+        width=int(r["width"]),
+        height=int(r["height"]),
+        steps=int(r["steps"]),
+        seed=int(r["seed"]),
+        num_frames=int(r.get("num_frames", 1)),
+        guidance_scale=float(r.get("guidance_scale", 5.0)),
+        num_outputs=int(r.get("num_outputs", 1)),
+    )
+
+
+class JobRunner:
+    """Runs one delivery of one job on this node."""
+
+    def __init__(self, node: Node, job_id: str) -> None:
+        self.node = node
+        self.store = node.store
+        self.settings = node.settings
+        self.job_id = job_id
+        self.webhook: object = None
+
+    def run(self) -> None:
+        """Handle the delivery; returns normally in every case so Celery acks it."""
+        try:
+            record = self.store.get(self.job_id)
+        except JobNotFound:
+            log.warning("run_job: job %s does not exist (expired?); dropping", self.job_id)
+            return
+        self.webhook = record.request.get("webhook")
+        if record.state in TERMINAL_STATES:
+            return
+        if record.state == JobState.RUNNING:
+            self._delivered_while_running(record)
+            return
+        if self._refused_before_start(record):
+            return
+        self._lease_and_run(record)
+
+    def _delivered_while_running(self, record: JobRecord) -> None:
+        holder = self.store.lease_owner(self.job_id)
+        if holder is not None:
+            # A duplicate delivery (visibility timeout, redelivery): the holder finishes it.
+            log.info("job %s delivered again while leased by %s; re-published", self.job_id, holder)
+            self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
+        elif self.store.reap(self.job_id):
+            self._lease_and_run(self.store.get(self.job_id))
+
+    def _refused_before_start(self, record: JobRecord) -> bool:
+        start_by = record.request.get("start_by")
+        if start_by is not None and time.time() > float(start_by):
+            self._transition_quietly(lambda: self.store.expire(self.job_id), "expired")
+            return True
+        if record.attempts >= self.settings.max_attempts:
+            error = {
+                "type": "max_attempts_exceeded",
+                "message": f"the job was started {record.attempts} times without finishing",
+                "retryable": False,
+            }
+            self._transition_quietly(lambda: self.store.fail(self.job_id, None, error), "failed")
+            return True
+        return False
+
+    def _lease_and_run(self, record: JobRecord) -> None:
+        # One owner per delivery: a second delivery on this node must see LeaseHeld, not
+        # silently take over (re-acquiring with the same owner would fence the first).
+        owner = f"{self.node.node_id}/{uuid.uuid4().hex[:8]}"
+        try:
+            token = self.store.acquire_lease(self.job_id, owner)
+        except LeaseHeld:
+            self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
+            return
+        try:
+            record = self.store.start(self.job_id, token, node_id=self.node.node_id)
+        except (IllegalTransition, StaleLease):
+            self.store.release_lease(self.job_id, token)
+            return
+        self._notify("started")
+        with self.node.tracking(self.job_id, token) as tracked:
+            self._run_leased(record, tracked)
+        self.store.release_lease(self.job_id, token)
+
+    def _run_leased(self, record: JobRecord, tracked: TrackedJob) -> None:
+        try:
+            self._generate_and_store(record, tracked)
+        except JobStopped:
+            self._stopped(record, tracked)
+        except GpuWorkerError as exc:
+            self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
+        except StaleLease:
+            log.warning("job %s: lease lost to another node; leaving it to them", self.job_id)
+        except StorageError as exc:
+            self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
+        except ValueError as exc:  # encoding refused the request's options
+            self._failed(record, tracked, error_dict(exc), retryable=False)
+
+    def _generate_and_store(self, record: JobRecord, tracked: TrackedJob) -> None:
+        result = self._generate(record, tracked)
+        if tracked.stop_reason is not None:
+            raise JobStopped(tracked.stop_reason)
+        throttle = ProgressThrottle(0.0)
+        report = encode_and_upload(
+            self.node.objects,
+            self.job_id,
+            record.request,
+            result.outputs,
+            retry_for_s=self.settings.upload_retry_s,
+            on_stage=lambda stage, step, total: self._progress(
+                tracked, throttle, stage, step, total
+            ),
+        )
+        metrics = self._metrics(record, result, report.encode_s, report.upload_s)
+        self.store.succeed(self.job_id, tracked.lease_token, report.outputs, metrics)
+        self._notify("completed")
+
+    def _generate(self, record: JobRecord, tracked: TrackedJob) -> GenerationResult:
+        throttle = ProgressThrottle(self.settings.progress_interval_s)
+        cancel_check = CancelCheck(self.store, self.job_id)
+
+        def on_progress(progress: Progress) -> None:
+            self._progress(tracked, throttle, progress.stage, progress.step, progress.total)
+
+        def should_stop() -> bool:
+            if tracked.stop_reason is None and cancel_check():
+                tracked.stop_reason = StopReason.CANCELED
+            return tracked.stop_reason is not None
+
+        max_run = record.request.get("max_run_seconds")
+        future = self.node.coordinator.submit(
+            generation_request(record),
+            on_progress=on_progress,
+            should_stop=should_stop,
+            max_run_seconds=float(max_run) if max_run else None,
+        )
+        return future.result()
+
+    def _progress(
+        self, tracked: TrackedJob, throttle: ProgressThrottle, stage: str, step: int, total: int
+    ) -> None:
+        tracked.last_progress_at = time.time()
+        if not throttle.due(stage, step == total):
+            return
+        try:
+            self.store.set_progress(
+                self.job_id, tracked.lease_token, {"stage": stage, "step": step, "total": total}
+            )
+            self._notify("progress")
+        except StorageError as exc:  # progress is best effort; the outcome is not
+            log.debug("progress of %s not written: %s", self.job_id, exc)
+
+    def _stopped(self, record: JobRecord, tracked: TrackedJob) -> None:
+        token = tracked.lease_token
+        if tracked.stop_reason == StopReason.CANCELED:
+            self.store.finish_canceled(self.job_id, token)
+            self._notify("completed")
+        elif tracked.stop_reason == StopReason.HANDED_BACK:
+            error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
+            self.node.submitter.publish(self.store.requeue(self.job_id, token, error))
+        else:
+            log.warning("job %s stopped after its lease was lost", self.job_id)
+
+    def _failed(
+        self, record: JobRecord, tracked: TrackedJob, error: dict[str, Any], *, retryable: bool
+    ) -> None:
+        token = tracked.lease_token
+        attempts = record.attempts  # the record `start` returned: this run is counted
+        if retryable and attempts < self.settings.max_attempts:
+            requeued = self.store.requeue(self.job_id, token, error)
+            delay = retry_delay(attempts, self.settings)
+            self.node.submitter.publish(requeued, countdown=delay)
+            log.info("job %s: retryable failure, retry %d in %.1fs", self.job_id, attempts, delay)
+            return
+        error = {**error, "retryable": False} if retryable else error
+        self.store.fail(self.job_id, token, error)
+        self._notify("completed")
+
+    def _metrics(
+        self, record: JobRecord, result: GenerationResult, encode_s: float, upload_s: float
+    ) -> dict[str, float]:
+        started = record.started_at or time.time()
+        metrics = {
+            "queue_s": round(started - record.created_at, 4),
+            "encode_s": round(encode_s, 4),
+            "upload_s": round(upload_s, 4),
+        }
+        if result.metrics is not None:
+            metrics["run_s"] = round(result.metrics.run_s, 4)
+            metrics["peak_memory_mb"] = round(result.metrics.peak_memory_mb, 1)
+        return metrics
+
+    def _transition_quietly(self, transition: Any, event: str) -> None:
+        try:
+            transition()
+            self._notify("completed")
+        except IllegalTransition:
+            pass  # someone else moved it first; nothing to do
+
+    def _notify(self, event: str) -> None:
+        if self.webhook is None:
+            return
+        from tasks.webhooks import enqueue_webhook_events
+
+        try:
+            enqueue_webhook_events(
+                self.store,
+                self.job_id,
+                event,
+                app=self.node.celery_app,
+                progress_interval_s=self.settings.webhook_progress_interval_s,
+            )
+        except Exception:  # a webhook problem never changes a job's outcome
+            log.exception("webhook enqueue for %s (%s) failed", self.job_id, event)
+
+
+def register_run_job(app: Celery) -> None:
+    """Register `kiln.run_job` on the node's Celery app."""
+
+    @app.task(name=RUN_JOB_TASK, ignore_result=True, acks_late=True, reject_on_worker_lost=True)
+    def run_job(job_id: str) -> None:
+        JobRunner(current_node(), job_id).run()

@@ -1,0 +1,74 @@
+"""Server-sent events from a job's event stream: resumable by seq, ends after the terminal event."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import anyio.to_thread
+
+from storage.status import TERMINAL_STATES, JobEvent, JobStore
+from tasks.schemas import event_view
+
+TERMINAL_EVENT_TYPES = frozenset(str(state) for state in TERMINAL_STATES)
+
+
+def format_event(event: JobEvent) -> str:
+    """One SSE frame: `id` is the event's seq, so `Last-Event-ID` resumes right after it."""
+    data = json.dumps(event_view(event).model_dump(mode="json"), separators=(",", ":"))
+    return f"id: {event.seq}\nevent: {event.type}\ndata: {data}\n\n"
+
+
+class EventStream:
+    """Async iterator of SSE frames for one job; store reads run in threads under a limiter."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        job_id: str,
+        after_seq: int,
+        *,
+        block_ms: int,
+        keepalive_s: float,
+        limiter: anyio.CapacityLimiter,
+    ) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.after_seq = after_seq
+        self.block_ms = block_ms
+        self.keepalive_s = keepalive_s
+        self.limiter = limiter
+
+    async def _read(self, block_ms: int | None) -> list[JobEvent]:
+        call = functools.partial(
+            self.store.events, self.job_id, after_seq=self.after_seq, block_ms=block_ms
+        )
+        return await anyio.to_thread.run_sync(call, limiter=self.limiter)
+
+    async def _finished(self) -> bool:
+        record = await anyio.to_thread.run_sync(self.store.get, self.job_id, limiter=self.limiter)
+        return record.state in TERMINAL_STATES
+
+    async def frames(self) -> AsyncIterator[str]:
+        """Frames until the terminal event (or at once if the job ended before `after_seq`)."""
+        last_sent = time.monotonic()
+        while True:
+            events = await self._read(self.block_ms)
+            if not events and await self._finished():
+                # The terminal event is written with the state: read once more, then stop.
+                events = await self._read(None)
+                if not events:
+                    return
+            for event in events:
+                self.after_seq = event.seq
+                yield format_event(event)
+                if event.type in TERMINAL_EVENT_TYPES:
+                    return
+            if events:
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= self.keepalive_s:
+                last_sent = time.monotonic()
+                yield ": keep-alive\n\n"

@@ -1,0 +1,238 @@
+"""One webhook delivery attempt: sign (Standard Webhooks), send pinned, classify, schedule, record.
+
+`deliver_once` is what the Celery task in `tasks.webhooks` runs; it never touches a job's state,
+so a failing receiver cannot change a job's outcome (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import json
+import logging
+import random
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from standardwebhooks import Webhook
+
+from storage.errors import JobNotFound
+from storage.objects import ObjectStore
+from storage.status import JobRecord, JobStore
+from tasks.schemas import job_view
+from tasks.settings import KilnSettings
+from tasks.ssrf import UnresolvableHost, UnsafeUrl, check_url, pinned_client, policy_from
+
+log = logging.getLogger(__name__)
+USER_AGENT = "Kiln-Webhooks/1"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One webhook message and where it is in its schedule (what the Celery task carries)."""
+
+    job_id: str
+    event: str
+    webhook_id: str
+    attempt: int = 1
+    not_before: float | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Task keyword arguments."""
+        return {
+            "job_id": self.job_id,
+            "event": self.event,
+            "webhook_id": self.webhook_id,
+            "attempt": self.attempt,
+            "not_before": self.not_before,
+        }
+
+
+@dataclass(frozen=True)
+class WebhookDeps:
+    """What a delivery needs: settings, the job store and the object store (for output URLs)."""
+
+    settings: KilnSettings
+    store: JobStore
+    objects: ObjectStore | None
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """How an attempt went; `outcome` is delivered|retrying|gave_up|gone|refused|skipped."""
+
+    outcome: str
+    status_code: int | None = None
+    error: str | None = None
+    latency_ms: float | None = None
+    retry_after: float | None = None
+
+
+def new_webhook_secret() -> str:
+    """A fresh Standard Webhooks secret (`whsec_` + base64 of 32 random bytes)."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def retry_delay(
+    attempt: int,
+    schedule: Sequence[float],
+    jitter: float,
+    rng: random.Random,
+    retry_after: float | None = None,
+    retry_after_max: float = 21600.0,
+) -> float | None:
+    """Seconds before the attempt after `attempt` (1-based), or None when it was the last.
+
+    The schedule's delay is shortened by up to `jitter` of itself so retries of many jobs spread
+    out; a receiver's Retry-After is a lower bound (capped at `retry_after_max`).
+    """
+    if attempt > len(schedule):
+        return None
+    delay = float(schedule[attempt - 1]) * (1.0 - jitter * rng.random())
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, retry_after_max))
+    return max(delay, 0.0)
+
+
+def parse_retry_after(value: str | None, now: float) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or HTTP date); None if absent or bad."""
+    if not value:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(when.timestamp() - now, 0.0)
+
+
+def webhook_payload(record: JobRecord, event: str, objects: ObjectStore | None) -> str:
+    """The JSON body: `{type: job.<event>, timestamp, data: <job view>}`."""
+    body = {
+        "type": f"job.{event}",
+        "timestamp": datetime.now(UTC).isoformat(),
+        "data": job_view(record, objects).model_dump(mode="json"),
+    }
+    return json.dumps(body, separators=(",", ":"))
+
+
+def signed_headers(secret: str, webhook_id: str, payload: str, now: float) -> dict[str, str]:
+    """Standard Webhooks headers for one attempt (new timestamp, same id)."""
+    timestamp = datetime.fromtimestamp(int(now), tz=UTC)
+    return {
+        "webhook-id": webhook_id,
+        "webhook-timestamp": str(int(now)),
+        "webhook-signature": Webhook(secret).sign(webhook_id, timestamp, payload),
+        "content-type": "application/json",
+        "user-agent": USER_AGENT,
+    }
+
+
+def send(url: str, headers: dict[str, str], payload: str, settings: KilnSettings) -> AttemptResult:
+    """POST once to a checked, pinned address; never follows redirects."""
+    policy = policy_from(settings.webhook_allow_http, settings.webhook_allow_hosts)
+    try:
+        target = check_url(url, policy)
+    except UnresolvableHost as exc:
+        return AttemptResult("retrying", error=str(exc))
+    except UnsafeUrl as exc:
+        return AttemptResult("refused", error=str(exc))
+    started = time.perf_counter()
+    try:
+        with pinned_client(target, settings.webhook_timeout_s) as client:
+            response = client.post(url, content=payload.encode(), headers=headers)
+    except httpx.HTTPError as exc:
+        latency = (time.perf_counter() - started) * 1000
+        return AttemptResult("retrying", error=f"{type(exc).__name__}: {exc}", latency_ms=latency)
+    latency = (time.perf_counter() - started) * 1000
+    code = response.status_code
+    if 200 <= code < 300:
+        return AttemptResult("delivered", status_code=code, latency_ms=latency)
+    if code == 410:
+        return AttemptResult("gone", status_code=code, latency_ms=latency, error="410 Gone")
+    retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
+    return AttemptResult(
+        "retrying", status_code=code, latency_ms=latency, error=f"HTTP {code}",
+        retry_after=retry_after,
+    )
+
+
+def endpoint_gone(store: JobStore, job_id: str, url: str) -> bool:
+    """Whether this job's endpoint already answered 410 (then nothing more is sent to it)."""
+    return any(
+        a.get("outcome") == "gone" and a.get("url") == url for a in store.webhook_attempts(job_id)
+    )
+
+
+def _attempt_once(deps: WebhookDeps, delivery: Delivery, record: JobRecord) -> AttemptResult:
+    url = str(record.request["webhook"]["url"])
+    if endpoint_gone(deps.store, record.id, url):
+        return AttemptResult("skipped", error="endpoint answered 410 Gone earlier")
+    secret = deps.settings.webhook_secret
+    if secret is None or not secret.get_secret_value():
+        return AttemptResult("refused", error="no webhook secret configured (KILN_WEBHOOK_SECRET)")
+    payload = webhook_payload(record, delivery.event, deps.objects)
+    headers = signed_headers(secret.get_secret_value(), delivery.webhook_id, payload, time.time())
+    return send(url, headers, payload, deps.settings)
+
+
+def deliver_once(
+    deps: WebhookDeps, delivery: Delivery, rng: random.Random | None = None
+) -> Delivery | None:
+    """Make one attempt, record it, and return the next delivery to schedule (or None)."""
+    try:
+        record = deps.store.get(delivery.job_id)
+    except JobNotFound:
+        log.warning("webhook %s: job %s is gone", delivery.webhook_id, delivery.job_id)
+        return None
+    if not record.request.get("webhook"):
+        return None
+    result = _attempt_once(deps, delivery, record)
+    following: Delivery | None = None
+    outcome = result.outcome
+    if outcome == "retrying":
+        settings = deps.settings
+        delay = retry_delay(
+            delivery.attempt, settings.webhook_retry_schedule_s, settings.webhook_retry_jitter,
+            rng or random.Random(), result.retry_after, settings.webhook_retry_after_max_s,
+        )
+        if delay is None:
+            outcome = "gave_up"
+        else:
+            following = replace(
+                delivery, attempt=delivery.attempt + 1, not_before=time.time() + delay
+            )
+    if outcome != "skipped":
+        _record(deps.store, delivery, record, replace(result, outcome=outcome), following)
+    return following
+
+
+def _record(
+    store: JobStore,
+    delivery: Delivery,
+    record: JobRecord,
+    result: AttemptResult,
+    following: Delivery | None,
+) -> None:
+    attempt = {
+        "webhook_id": delivery.webhook_id,
+        "event": delivery.event,
+        "attempt": delivery.attempt,
+        "url": str(record.request["webhook"]["url"]),
+        "time": time.time(),
+        "status_code": result.status_code,
+        "latency_ms": None if result.latency_ms is None else round(result.latency_ms, 3),
+        "error": result.error,
+        "outcome": result.outcome,
+        "next_attempt_at": following.not_before if following else None,
+    }
+    store.record_webhook_attempt(delivery.job_id, attempt)

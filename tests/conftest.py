@@ -1,0 +1,116 @@
+"""Session fixtures shared by every test: Redis (real), a moto S3 server (server mode)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+import redis
+from moto.server import ThreadedMotoServer
+from pydantic import SecretStr
+
+from storage.settings import StorageSettings
+from storage.status import JobStore
+
+S3_REGION = "us-east-1"
+S3_KEY_ID = S3_SECRET = "testing"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """URL of the test Redis (KILN_TEST_REDIS_URL or the local default); fails if unreachable."""
+    url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.exceptions.RedisError as exc:
+        pytest.fail(
+            f"Redis at {url} is unreachable ({exc}): start redis-server or set KILN_TEST_REDIS_URL",
+            pytrace=False,
+        )
+    finally:
+        client.close()
+    return url
+
+
+def delete_keys(url: str, pattern: str) -> None:
+    """Delete every key matching `pattern` (large SCAN pages: the shared keyspace may be big)."""
+    client = redis.Redis.from_url(url)
+    try:
+        batch = []
+        for key in client.scan_iter(match=pattern, count=10_000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                client.unlink(*batch)
+                batch = []
+        if batch:
+            client.unlink(*batch)
+    finally:
+        client.close()
+
+
+def delete_namespace(url: str, namespace: str) -> None:
+    """Delete every key of `namespace` (tests share one Redis)."""
+    delete_keys(url, f"{namespace}:*")
+
+
+@pytest.fixture
+def storage_settings(redis_url: str, tmp_path: Path) -> Iterator[StorageSettings]:
+    """Settings with a random Redis namespace (deleted afterwards) and a local output dir."""
+    namespace = f"kiln-test-{secrets.token_hex(6)}"
+    yield StorageSettings(
+        redis_url=redis_url,
+        redis_namespace=namespace,
+        storage_url=f"file://{tmp_path / 'outputs'}",
+    )
+    delete_namespace(redis_url, namespace)
+
+
+@pytest.fixture
+def job_store(storage_settings: StorageSettings) -> Iterator[JobStore]:
+    """A JobStore on the test namespace."""
+    store = JobStore.from_settings(storage_settings)
+    yield store
+    store.redis.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """A moto S3 server in server mode on 127.0.0.1 (random port); yields its endpoint URL."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str) -> str:
+    """A fresh bucket on the moto server."""
+    name = f"kiln-test-{secrets.token_hex(6)}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        region_name=S3_REGION,
+        aws_access_key_id=S3_KEY_ID,
+        aws_secret_access_key=S3_SECRET,
+    )
+    client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_settings(s3_server: str, s3_bucket: str) -> StorageSettings:
+    """StorageSettings whose storage_url is `s3://<fresh bucket>/outputs` on the moto server."""
+    return StorageSettings(
+        storage_url=f"s3://{s3_bucket}/outputs",
+        s3_endpoint_url=s3_server,
+        s3_region=S3_REGION,
+        s3_addressing_style="path",
+        s3_access_key_id=S3_KEY_ID,
+        s3_secret_access_key=SecretStr(S3_SECRET),
+    )

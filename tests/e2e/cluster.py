@@ -1,0 +1,233 @@
+"""Real node workers as subprocesses, for end-to-end and crash tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest.mock import patch
+
+from storage.objects import ObjectStore, open_object_store
+from storage.settings import StorageSettings
+from storage.status import TERMINAL_STATES, JobRecord, JobStore
+from tasks.app import make_celery_app
+from tasks.schemas import JobRequest
+from tasks.settings import KilnSettings
+from tasks.submit import Submitter, celery_publisher
+
+SLEEPY = "python:tests.e2e.pipelines:sleepy"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process, from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            children.append(int(entry.name))
+    return children
+
+
+def alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class WorkerProcess:
+    """One `kiln worker` subprocess."""
+
+    process: subprocess.Popen[bytes]
+    node_id: str
+    log_path: Path
+    store: JobStore
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until the node's heartbeat appears (its group is up and warm)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(n.get("node_id") == self.node_id for n in self.store.live_nodes()):
+                return
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited early:\n{self.log()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"worker {self.node_id} not ready after {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        """The worker's output so far (tail)."""
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def rank_pids(self) -> dict[int, int]:
+        """rank → pid of the group's live rank processes (found by their process titles)."""
+        ranks = {}
+        for pid in child_pids(self.process.pid):
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            match = re.search(r"kiln-gpu-worker\[.*\] rank (\d+)/", title)
+            if match and alive(pid):
+                ranks[int(match.group(1))] = pid
+        return ranks
+
+    def kill9(self) -> None:
+        """SIGKILL the worker's main process (its ranks die with it)."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM and wait for the exit code."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout_s)
+
+    def stop(self) -> None:
+        """Stop by any means (teardown)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+@dataclass
+class Cluster:
+    """A namespace in a real Redis plus an object store, and the workers started on them."""
+
+    env: dict[str, str]
+    tmp: Path
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Settings classes read os.environ: build them from the cluster's environment instead.
+        with patch.dict(os.environ, self.env, clear=True):
+            self.storage_settings = StorageSettings()
+            self.settings = KilnSettings()
+        self.store = JobStore.from_settings(self.storage_settings)
+        self.objects: ObjectStore = open_object_store(self.storage_settings)
+        self.celery = make_celery_app(self.settings, self.storage_settings)
+        self.submitter = Submitter(self.store, self.settings, celery_publisher(self.celery))
+        self.completions = Path(self.env["KILN_TEST_COMPLETIONS"])
+
+    def start_worker(
+        self,
+        *pipelines: str,
+        devices: str = "cpu:1",
+        extra_env: dict[str, str] | None = None,
+        extra_args: Iterable[str] = (),
+        wait: bool = True,
+    ) -> WorkerProcess:
+        """Start `kiln worker` serving `pipelines` (NAME or NAME=SPEC)."""
+        node_id = f"node-{uuid.uuid4().hex[:8]}"
+        args = [
+            sys.executable,
+            "-m",
+            "tasks.cli",
+            "worker",
+            "--devices",
+            devices,
+            "--node-id",
+            node_id,
+            "--max-batch",
+            "4",
+            *extra_args,
+        ]
+        for pipeline in pipelines:
+            args += ["--pipeline", pipeline]
+        log_path = self.tmp / f"{node_id}.log"
+        env = {**self.env, **(extra_env or {})}
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+            )
+        worker = WorkerProcess(process, node_id, log_path, self.store)
+        self.workers.append(worker)
+        if wait:
+            worker.wait_ready()
+        return worker
+
+    def submit(self, **fields: object) -> str:
+        """Submit a job through `tasks.submit`; returns its id."""
+        record, _ = self.submitter.submit(JobRequest.model_validate(fields))
+        return record.id
+
+    def wait_for(
+        self, job_id: str, timeout_s: float = 60.0, states: Iterable[str] = ()
+    ) -> JobRecord:
+        """Poll until the job reaches one of `states` (default: any terminal state)."""
+        wanted = {str(s) for s in states} or {str(s) for s in TERMINAL_STATES}
+        deadline = time.monotonic() + timeout_s
+        record = self.store.get(job_id)
+        while str(record.state) not in wanted:
+            if time.monotonic() > deadline:
+                logs = "\n".join(w.log() for w in self.workers)
+                raise TimeoutError(f"job {job_id} still {record.state} after {timeout_s}s\n{logs}")
+            time.sleep(0.05)
+            record = self.store.get(job_id)
+        return record
+
+    def wait_for_step(self, job_id: str, step: int, timeout_s: float = 60.0) -> None:
+        """Poll until the job reports at least `step` denoising steps."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            progress = self.store.get(job_id).progress or {}
+            if progress.get("stage") == "denoising" and int(progress.get("step", 0)) >= step:
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"job {job_id} never reached step {step}")
+
+    def completion_count(self, job_id: str) -> int:
+        """How many times a sleepy pipeline finished this job."""
+        if not self.completions.exists():
+            return 0
+        return self.completions.read_text().split().count(job_id)
+
+    def list_output_keys(self, job_id: str) -> list[str]:
+        """Every object under the job's folder, listed from the bucket or directory itself."""
+        settings = self.storage_settings
+        prefix = self.objects.prefix
+        folder = f"{prefix}/{job_id}/" if prefix else f"{job_id}/"
+        if settings.storage_url.startswith("file://"):
+            root = Path(settings.storage_url.removeprefix("file://"))
+            return sorted(
+                str(p.relative_to(root))
+                for p in (root / folder).glob("*")
+                if not p.name.startswith(".") and not p.name.endswith(".meta.json")
+            )
+        import boto3
+
+        bucket = settings.storage_url.removeprefix("s3://").split("/", 1)[0]
+        secret = settings.s3_secret_access_key
+        client = boto3.client(
+            "s3",
+            endpoint_url=settings.s3_endpoint_url,
+            region_name=settings.s3_region,
+            aws_access_key_id=settings.s3_access_key_id,
+            aws_secret_access_key=secret.get_secret_value() if secret else None,
+        )
+        listing = client.list_objects_v2(Bucket=bucket, Prefix=folder)
+        return sorted(item["Key"] for item in listing.get("Contents", []))
+
+    def stop_all(self) -> None:
+        """Stop every worker this cluster started."""
+        for worker in self.workers:
+            worker.stop()

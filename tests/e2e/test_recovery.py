@@ -1,0 +1,175 @@
+"""Crash and recovery: nothing lost, nothing run twice (DESIGN.md §4).
+
+These start real `celery worker` node processes with a sleepy fixture pipeline and kill or stop
+parts of the system mid-job. They are marked slow: CI runs them, `make test-fast` skips them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.e2e.cluster import SLEEPY, Cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SLEEPY_PIPELINE = f"sleepy={SLEEPY}"
+
+
+def output_keys_in_bucket(cluster: Cluster, job_id: str) -> list[str]:
+    """Every object under the job's folder, straight from the store's bucket listing."""
+    return sorted(cluster.list_output_keys(job_id))
+
+
+def assert_one_output_set(cluster: Cluster, job_id: str, num_outputs: int) -> None:
+    record = cluster.store.get(job_id)
+    assert str(record.state) == "succeeded", record.error
+    keys = sorted(o["key"] for o in record.outputs)
+    assert len(keys) == num_outputs
+    assert output_keys_in_bucket(cluster, job_id) == keys
+    assert cluster.completion_count(job_id) == 1
+
+
+def test_rank_killed_mid_job_is_retried_and_succeeds_once(cluster_factory) -> None:
+    cluster = cluster_factory()
+    worker = cluster.start_worker(
+        SLEEPY_PIPELINE, devices="cpu:2", extra_env={"KILN_TEST_STEP_SECONDS": "0.2"}
+    )
+    job_id = cluster.submit(
+        pipeline="sleepy", prompt="x", width=64, height=64, steps=15, num_outputs=2
+    )
+    cluster.wait_for_step(job_id, 2)
+    ranks = worker.rank_pids()
+    assert sorted(ranks) == [0, 1]
+    os.kill(ranks[1], signal.SIGKILL)
+    record = cluster.wait_for(job_id, timeout_s=120)
+    assert record.attempts == 2
+    assert_one_output_set(cluster, job_id, num_outputs=2)
+    assert record.error is None or str(record.state) == "succeeded"
+
+
+def test_node_killed_mid_job_finishes_on_the_other_node(cluster_factory) -> None:
+    cluster = cluster_factory()
+    step_env = {"KILN_TEST_STEP_SECONDS": "0.2"}
+    first = cluster.start_worker(SLEEPY_PIPELINE, extra_env=step_env)
+    second = cluster.start_worker(SLEEPY_PIPELINE, extra_env=step_env)
+    job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=20)
+    cluster.wait_for_step(job_id, 3)
+    holder = cluster.store.lease_owner(job_id)
+    victim = first if holder == first.node_id else second
+    assert holder in (first.node_id, second.node_id)
+    ranks = list(victim.rank_pids().values())
+    assert ranks
+    killed_at = time.monotonic()
+    victim.kill9()
+    record = cluster.wait_for(job_id, timeout_s=60)
+    recovered_s = time.monotonic() - killed_at
+    assert recovered_s <= 45, f"recovery took {recovered_s:.1f}s"
+    assert record.attempts == 2
+    assert_one_output_set(cluster, job_id, num_outputs=1)
+    survivor = second if victim is first else first
+    assert any(e.payload.get("node_id") == survivor.node_id for e in cluster.store.events(job_id))
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")], "ranks outlived their node"
+
+
+def test_sigterm_with_grace_finishes_the_running_job(cluster_factory) -> None:
+    cluster = cluster_factory()
+    worker = cluster.start_worker(
+        SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.1", "KILN_SHUTDOWN_GRACE_S": "60"}
+    )
+    job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=20)
+    cluster.wait_for_step(job_id, 2)
+    assert worker.terminate(timeout_s=90) == 0
+    record = cluster.store.get(job_id)
+    assert str(record.state) == "succeeded"
+    assert_one_output_set(cluster, job_id, num_outputs=1)
+
+
+def test_sigterm_past_grace_hands_the_job_back(cluster_factory) -> None:
+    cluster = cluster_factory()
+    worker = cluster.start_worker(
+        SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.2", "KILN_SHUTDOWN_GRACE_S": "0.5"}
+    )
+    job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=100)
+    cluster.wait_for_step(job_id, 2)
+    worker.terminate(timeout_s=60)
+    record = cluster.store.get(job_id)
+    assert str(record.state) == "queued", "a job past the grace must go back to the queue"
+    assert record.error and record.error["type"] == "handed_back"
+    cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
+    cluster.wait_for(job_id, timeout_s=60)
+    assert_one_output_set(cluster, job_id, num_outputs=1)
+
+
+def test_job_longer_than_visibility_timeout_runs_once(cluster_factory) -> None:
+    cluster = cluster_factory(KILN_VISIBILITY_TIMEOUT_S="2")
+    worker = cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.5"})
+    job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=24)
+    cluster.wait_for(job_id, timeout_s=120)
+    assert_one_output_set(cluster, job_id, num_outputs=1)
+    assert cluster.store.get(job_id).attempts == 1
+    # The redelivery really happened, and the lease turned it away.
+    assert f"job {job_id} delivered again while leased" in worker.log()
+
+
+def test_poison_job_fails_after_max_attempts_without_looping(cluster_factory) -> None:
+    cluster = cluster_factory(KILN_MAX_ATTEMPTS="3", KILN_RETRY_BACKOFF_S="0.2")
+    cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
+    job_id = cluster.submit(pipeline="sleepy", prompt="poison", width=64, height=64, steps=4)
+    record = cluster.wait_for(job_id, timeout_s=180)
+    assert str(record.state) == "failed"
+    assert record.attempts == 3
+    assert record.error is not None and record.error["retryable"] is False
+    events_then = len(cluster.store.events(job_id))
+    time.sleep(3)
+    assert len(cluster.store.events(job_id)) == events_then, "a failed job must not run again"
+    running_events = [e for e in cluster.store.events(job_id) if e.type == "running"]
+    assert len(running_events) == 3
+
+
+def test_object_store_unreachable_during_upload_retries_then_succeeds(
+    cluster_factory, s3_proxy
+) -> None:
+    cluster = cluster_factory()
+    cluster.start_worker(
+        SLEEPY_PIPELINE,
+        extra_env={
+            "KILN_TEST_STEP_SECONDS": "0.05",
+            "KILN_S3_ENDPOINT_URL": s3_proxy.url,
+            "KILN_OBJECT_STORE_MAX_ATTEMPTS": "2",
+        },
+    )
+    s3_proxy.down()
+    job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=4)
+    deadline = time.monotonic() + 60
+    while (cluster.store.get(job_id).progress or {}).get("stage") != "uploading":
+        assert time.monotonic() < deadline, "job never reached uploading"
+        time.sleep(0.05)
+    time.sleep(4)
+    record = cluster.store.get(job_id)
+    assert str(record.state) == "running" and record.outputs == []
+    assert s3_proxy.refused > 0
+    s3_proxy.up()
+    cluster.wait_for(job_id, timeout_s=120)
+    assert_one_output_set(cluster, job_id, num_outputs=1)
+
+
+def test_redis_restart_mid_run_loses_no_job(cluster_factory, private_redis) -> None:
+    cluster = cluster_factory(KILN_REDIS_URL=private_redis.url)
+    cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.1"})
+    job_ids = [
+        cluster.submit(pipeline="sleepy", prompt=f"p{i}", width=64, height=64, steps=10)
+        for i in range(6)
+    ]
+    cluster.wait_for_step(job_ids[0], 2)
+    private_redis.restart()
+    for job_id in job_ids:
+        record = cluster.wait_for(job_id, timeout_s=180)
+        assert str(record.state) == "succeeded", (job_id, record.error)
+        assert cluster.completion_count(job_id) >= 1

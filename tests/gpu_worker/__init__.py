@@ -1,0 +1,1 @@
+"""Tests of gpu_worker: worker group, coordinator, failure modes."""

@@ -1,0 +1,103 @@
+"""Shared helpers for gpu_worker tests: coordinators on CPU ranks, process checks via /proc.
+
+Groups take seconds to start (each rank imports torch), so coordinators are module-scoped where
+tests only read from them; tests that kill or rebuild groups use their own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpu_worker.config import GroupConfig
+from gpu_worker.coordinator import Coordinator
+from gpu_worker.protocol import GenerationRequest
+from tests.gpu_worker.fixtures import spec
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+GENEROUS_S = 120.0  # a shared 2-core machine can be slow; never a threshold of what we measure
+
+FIXTURE_PIPELINES = {
+    "base": spec("base"),
+    "raises": spec("raises"),
+    "ooms": spec("ooms"),
+    "exits": spec("exits"),
+    "hangs": spec("hangs"),
+    "noop": spec("noop"),
+}
+
+
+def request(
+    request_id: str,
+    pipeline: str = "base",
+    prompt: str = "a red kiln",
+    *,
+    size: int = 64,
+    steps: int = 3,
+    seed: int = 1,
+    **fields: object,
+) -> GenerationRequest:
+    """A small request; `size` sets width and height."""
+    return GenerationRequest(
+        request_id=request_id,
+        pipeline=pipeline,
+        prompt=prompt,
+        width=size,
+        height=size,
+        steps=steps,
+        seed=seed,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of a process, in clock ticks (from /proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def process_gone(pid: int) -> bool:
+    """True when `pid` no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = GENEROUS_S) -> bool:
+    """Poll `predicate` every 50 ms until it holds or the (generous) timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def start_coordinator(devices: str, pipelines: dict[str, str], **options: object) -> Coordinator:
+    """A started coordinator on CPU ranks (no threads oversubscription: 1 per rank)."""
+    options.setdefault("cpu_threads_per_rank", 1)
+    config = GroupConfig(devices=[devices], pipelines=pipelines, **options)  # type: ignore[arg-type]
+    coordinator = Coordinator(config)
+    coordinator.start()
+    return coordinator
+
+
+@pytest.fixture
+def coordinator_factory() -> Iterator[Callable[..., Coordinator]]:
+    """Start coordinators inside a test; every one is shut down afterwards."""
+    started: list[Coordinator] = []
+
+    def factory(devices: str, pipelines: dict[str, str], **options: object) -> Coordinator:
+        coordinator = start_coordinator(devices, pipelines, **options)
+        started.append(coordinator)
+        return coordinator
+
+    yield factory
+    for coordinator in started:
+        coordinator.shutdown()

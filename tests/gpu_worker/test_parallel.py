@@ -1,0 +1,194 @@
+"""Parallelism across real ranks: 2 spawned processes, gloo over 127.0.0.1, the tiny pipelines.
+
+Tolerance: a 2-rank output may differ from the 1-rank output by at most 1 level of 255 per pixel
+(a slice of a batch and the whole batch go through differently blocked matmuls on CPU); the ranks
+of one group agree with each other exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from gpu_worker.parallel import ParallelSpec, apply_parallel, denoiser_counters, split_sizes
+from gpu_worker.pipelines import Pipeline, load_pipeline
+from gpu_worker.protocol import GenerationRequest
+from gpu_worker.settings import GpuWorkerSettings
+
+CPU = torch.device("cpu")
+WORLD = 2
+SPAWN_TIMEOUT_S = 240.0
+TOLERANCE = 1  # levels of 255
+
+_BASE = GenerationRequest(
+    request_id="r", pipeline="tiny", prompt="a red cat", width=64, height=64, steps=3, seed=5
+)
+# name -> (requests, denoiser rows per step with one rank)
+IMAGE_CASES: dict[str, tuple[list[GenerationRequest], int]] = {
+    "cfg_two_outputs": ([replace(_BASE, num_outputs=2)], 4),
+    "two_requests": ([replace(_BASE, seed=1), replace(_BASE, request_id="s", seed=2)], 4),
+    "uneven_rows": ([replace(_BASE, guidance_scale=1.0, num_outputs=3)], 3),
+    "fewer_rows_than_ranks": ([replace(_BASE, guidance_scale=1.0)], 1),
+}
+VIDEO_REQUEST = replace(_BASE, pipeline="tiny-video", num_frames=5, steps=2)
+
+
+def _noop(step: int, total: int) -> None:
+    pass
+
+
+def _run_cases(pipeline: Pipeline) -> tuple[dict[str, np.ndarray], dict[str, list[int]]]:
+    counters = denoiser_counters(pipeline)
+    assert counters is not None
+    frames: dict[str, np.ndarray] = {}
+    counts: dict[str, list[int]] = {}
+    for name, (requests, _) in IMAGE_CASES.items():
+        counters.reset()
+        outputs = pipeline.run(requests, _noop)
+        frames[name] = np.stack([array for per_request in outputs for array in per_request])
+        counts[name] = [counters.calls, counters.rows, counters.padding_rows]
+    return frames, counts
+
+
+def _rank_main(rank: int, port: int, cache: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        settings = GpuWorkerSettings(model_cache=Path(cache))
+        image = load_pipeline("tiny", CPU, settings)
+        apply_parallel(image, ParallelSpec("batch"))
+        frames, counts = _run_cases(image)
+        video = load_pipeline("tiny-video", CPU, settings)
+        apply_parallel(video, ParallelSpec("context"))
+        frames["video"] = video.run([VIDEO_REQUEST], _noop)[0][0]
+        errors = {}
+        for kind in ("ulysses", "ring"):
+            try:
+                apply_parallel(load_pipeline("tiny", CPU, settings), ParallelSpec("context", kind))
+            except ValueError as error:
+                errors[f"unet_{kind}"] = str(error)
+        try:
+            apply_parallel(
+                load_pipeline("tiny-video", CPU, settings), ParallelSpec("context", "ring")
+            )
+        except ValueError as error:
+            errors["wan_ring"] = str(error)
+        arrays: dict[str, Any] = frames
+        np.savez(Path(out_dir) / f"rank{rank}.npz", **arrays)
+        report = {"counts": counts, "errors": errors}
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _spawn_group(cache: Path, out_dir: Path) -> None:
+    context = torch_mp.start_processes(
+        _rank_main,
+        args=(_free_port(), str(cache), str(out_dir)),
+        nprocs=WORLD,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"ranks did not finish within {SPAWN_TIMEOUT_S} s")
+
+
+@pytest.fixture(scope="module")
+def group_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One 2-rank run of every scenario, plus the 1-rank references computed here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cache = tmp_path_factory.mktemp("models")
+        out_dir = tmp_path_factory.mktemp("ranks")
+        settings = GpuWorkerSettings(model_cache=cache)
+        image = load_pipeline("tiny", CPU, settings)  # builds the cache before the ranks start
+        apply_parallel(image, ParallelSpec("none"))
+        reference, reference_counts = _run_cases(image)
+        video = load_pipeline("tiny-video", CPU, settings)
+        reference["video"] = video.run([VIDEO_REQUEST], _noop)[0][0]
+        _spawn_group(cache, out_dir)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = [dict(np.load(out_dir / f"rank{rank}.npz")) for rank in range(WORLD)]
+    reports = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return {
+        "reference": reference,
+        "reference_counts": reference_counts,
+        "ranks": ranks,
+        "reports": reports,
+    }
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> int:
+    assert a.shape == b.shape
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+
+
+@pytest.mark.parametrize("case", [*IMAGE_CASES, "video"])
+def test_two_ranks_match_one_rank(group_run: dict[str, Any], case: str) -> None:
+    rank0, rank1 = group_run["ranks"]
+    assert np.array_equal(rank0[case], rank1[case])  # every rank stepped identically
+    assert _max_diff(rank0[case], group_run["reference"][case]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", list(IMAGE_CASES))
+def test_batch_split_divides_the_rows(group_run: dict[str, Any], case: str) -> None:
+    requests, rows_per_step = IMAGE_CASES[case]
+    steps = requests[0].steps
+    assert group_run["reference_counts"][case] == [steps, steps * rows_per_step, 0]
+    expected_rows = split_sizes(rows_per_step, WORLD)
+    for rank, report in enumerate(group_run["reports"]):
+        calls, rows, padding = report["counts"][case]
+        assert calls == steps
+        assert rows == steps * expected_rows[rank]
+        assert padding == (steps if expected_rows[rank] == 0 else 0)
+
+
+def test_cfg_halves_go_to_different_ranks(group_run: dict[str, Any]) -> None:
+    counts = [report["counts"]["cfg_two_outputs"] for report in group_run["reports"]]
+    assert [rows for _, rows, _ in counts] == [6, 6]  # 3 steps x (4 rows / 2 ranks)
+
+
+def test_context_parallel_refusals_are_clear(group_run: dict[str, Any]) -> None:
+    errors = group_run["reports"][0]["errors"]
+    assert "no context-parallel plan" in errors["unet_ulysses"]
+    assert "no context-parallel plan" in errors["unet_ring"]
+    assert "ring attention does not run on CPU" in errors["wan_ring"]
+
+
+def test_split_sizes() -> None:
+    assert split_sizes(4, 2) == [2, 2]
+    assert split_sizes(3, 2) == [2, 1]
+    assert split_sizes(1, 2) == [1, 0]
+    assert split_sizes(5, 3) == [2, 2, 1]

@@ -1,0 +1,61 @@
+"""Helpers for storage tests: new jobs, and jobs brought into a given state the legal way."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from storage.status import JobRecord, JobState, JobStore, NewJob
+
+WORKER = "worker-a"
+
+
+def new_job(**overrides: Any) -> NewJob:
+    """A NewJob with a fresh id and a small request."""
+    fields: dict[str, Any] = {"id": "job-" + secrets.token_hex(6), "request": {"prompt": "a cat"}}
+    fields.update(overrides)
+    return NewJob(**fields)
+
+
+def job_in_state(store: JobStore, state: JobState, **overrides: Any) -> tuple[str, int]:
+    """Create a job and drive it into `state`; returns (job_id, the last lease token or 0)."""
+    record, _ = store.create_job(new_job(**overrides))
+    job_id, token = record.id, 0
+    if state in (JobState.RUNNING, JobState.SUCCEEDED):
+        token = store.acquire_lease(job_id, WORKER)
+        store.start(job_id, token)
+    if state == JobState.SUCCEEDED:
+        store.succeed(job_id, token, [{"key": "k"}], {"run_s": 0.1})
+    elif state == JobState.FAILED:
+        store.fail(job_id, None, {"type": "Boom", "message": "boom", "retryable": False})
+    elif state == JobState.CANCELED:
+        store.cancel(job_id)
+    elif state == JobState.EXPIRED:
+        store.expire(job_id)
+    assert store.get(job_id).state == state
+    return job_id, token
+
+
+def perform(store: JobStore, job_id: str, token: int, target: JobState) -> JobRecord:
+    """Ask for the transition into `target` through the store's public operation for it."""
+    state = store.get(job_id).state
+    if target == JobState.RUNNING:
+        return store.start(job_id, token)
+    if target == JobState.SUCCEEDED:
+        return store.succeed(job_id, token, [{"key": "k"}], {"run_s": 1.0})
+    if target == JobState.FAILED:
+        return store.fail(job_id, token, {"type": "Boom", "message": "boom", "retryable": False})
+    if target == JobState.QUEUED:
+        return store.requeue(job_id, token, {"type": "Flaky", "message": "x", "retryable": True})
+    if target == JobState.EXPIRED:
+        return store.expire(job_id)
+    if state == JobState.QUEUED:
+        return store.cancel(job_id)
+    return store.finish_canceled(job_id, token)
+
+
+def event_types(store: JobStore, job_id: str) -> list[str]:
+    """Types of the job's events, checking seq is 1..n without gaps."""
+    events = store.events(job_id, count=10_000)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    return [e.type for e in events]

@@ -1,0 +1,132 @@
+"""Leases: increasing fencing tokens, TTL expiry, renewal, release, the reaper query, reap."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from storage.errors import JobNotFound, LeaseHeld, StaleLease
+from storage.settings import StorageSettings
+from storage.status import JobState, JobStore
+from tests.storage.helpers import WORKER, event_types, job_in_state
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll until `condition()` holds (generous timeout: the machine is shared)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def short_lease_store(storage_settings: StorageSettings) -> Iterator[JobStore]:
+    """A store whose leases live 200 ms."""
+    store = JobStore.from_settings(storage_settings.model_copy(update={"lease_ttl_s": 0.2}))
+    yield store
+    store.redis.close()
+
+
+def test_tokens_strictly_increase(job_store: JobStore) -> None:
+    job_id, _ = job_in_state(job_store, JobState.QUEUED)
+    tokens = [job_store.acquire_lease(job_id, WORKER)]
+    tokens.append(job_store.acquire_lease(job_id, WORKER))
+    job_store.release_lease(job_id, tokens[-1])
+    tokens.append(job_store.acquire_lease(job_id, "worker-b"))
+    assert tokens == sorted(set(tokens)) and tokens[0] >= 1
+
+
+def test_live_lease_of_another_owner_refused(job_store: JobStore) -> None:
+    job_id, _ = job_in_state(job_store, JobState.QUEUED)
+    job_store.acquire_lease(job_id, WORKER)
+    with pytest.raises(LeaseHeld):
+        job_store.acquire_lease(job_id, "worker-b")
+    assert job_store.lease_owner(job_id) == WORKER
+
+
+def test_acquire_unknown_job(job_store: JobStore) -> None:
+    with pytest.raises(JobNotFound):
+        job_store.acquire_lease("nope", WORKER)
+
+
+def test_lease_expires_then_reaped(short_lease_store: JobStore) -> None:
+    store = short_lease_store
+    job_id, token = job_in_state(store, JobState.RUNNING)
+    assert store.reap(job_id) is False  # lease still live
+    wait_until(lambda: store.lease_owner(job_id) is None)
+    wait_until(lambda: job_id in store.expired_leases())
+    new = store.acquire_lease(job_id, "worker-b")  # another node may take it over
+    assert new > token
+    with pytest.raises(StaleLease):
+        store.succeed(job_id, token, [], {})
+    store.release_lease(job_id, new)
+    assert store.reap(job_id) is True
+    record = store.get(job_id)
+    assert record.state == JobState.QUEUED and not record.published
+    assert job_id not in store.expired_leases()
+    assert job_id in store.unpublished_jobs(0)
+    assert event_types(store, job_id) == ["queued", "running", "queued"]
+    assert store.events(job_id)[-1].payload == {"reason": "lease_expired"}
+    assert store.queue_depth() == 1
+    assert store.reap(job_id) is False  # not running any more
+
+
+def test_renewal_rearms_the_ttl(job_store: JobStore) -> None:
+    job_id, token = job_in_state(job_store, JobState.RUNNING)
+    lease_key = job_store.keys.lease(job_id)
+    job_store.redis.pexpire(lease_key, 50)  # as if most of the TTL had passed
+    assert job_store.renew_lease(job_id, token) is True
+    assert job_store.redis.pttl(lease_key) > 1000
+    assert job_id not in job_store.expired_leases()
+
+
+def test_renewal_after_expiry_while_still_current(short_lease_store: JobStore) -> None:
+    store = short_lease_store
+    job_id, token = job_in_state(store, JobState.RUNNING)
+    wait_until(lambda: store.lease_owner(job_id) is None)
+    # nobody took it over and the reaper did not run: the holder may carry on
+    assert store.renew_lease(job_id, token) is True
+    assert store.lease_owner(job_id) == WORKER
+
+
+def test_renewal_with_stale_token_fails(job_store: JobStore) -> None:
+    job_id, token = job_in_state(job_store, JobState.RUNNING)
+    job_store.release_lease(job_id, token)
+    job_store.acquire_lease(job_id, "worker-b")
+    assert job_store.renew_lease(job_id, token) is False
+    assert job_store.lease_owner(job_id) == "worker-b"
+
+
+def test_renewal_stops_at_terminal_state(job_store: JobStore) -> None:
+    job_id, token = job_in_state(job_store, JobState.RUNNING)
+    job_store.succeed(job_id, token, [], {})
+    assert job_store.renew_lease(job_id, token) is False
+    assert job_store.lease_owner(job_id) is None
+
+
+def test_release_of_running_job_makes_it_reapable(job_store: JobStore) -> None:
+    job_id, token = job_in_state(job_store, JobState.RUNNING)
+    job_store.release_lease(job_id, token)
+    assert job_store.lease_owner(job_id) is None
+    assert job_store.expired_leases() == [job_id]
+    assert job_store.reap(job_id) is True
+
+
+def test_stale_release_is_a_no_op(job_store: JobStore) -> None:
+    job_id, token = job_in_state(job_store, JobState.RUNNING)
+    new = job_store.acquire_lease(job_id, WORKER)
+    job_store.release_lease(job_id, token)
+    assert job_store.lease_owner(job_id) == WORKER
+    assert job_store.renew_lease(job_id, new) is True
+
+
+def test_reap_with_pending_cancel_cancels(job_store: JobStore) -> None:
+    job_id, token = job_in_state(job_store, JobState.RUNNING)
+    job_store.cancel(job_id)
+    job_store.release_lease(job_id, token)
+    assert job_store.reap(job_id) is True
+    assert job_store.get(job_id).state == JobState.CANCELED
+    assert job_store.queue_depth() == 0

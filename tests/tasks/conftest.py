@@ -1,0 +1,57 @@
+"""Fixtures of the API, client and webhook tests (helpers live in tests/tasks/helpers.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from storage.settings import StorageSettings
+from tasks.api import build_context, create_app
+from tasks.ssrf import Resolver, system_resolver
+from tests.tasks.helpers import Api, ApiFactory, Receiver, ThreadServer, api_settings
+
+
+@pytest.fixture
+def make_api(storage_settings: StorageSettings) -> Iterator[ApiFactory]:
+    """Start APIs with settings overrides; each has keys alice, bob and admin."""
+    servers: list[ThreadServer] = []
+    apis: list[Api] = []
+
+    def make(resolve: Resolver = system_resolver, **overrides: Any) -> Api:
+        settings = api_settings(**overrides)
+        ctx = build_context(settings, storage_settings, resolve=resolve)
+        server = ThreadServer(create_app(settings, storage_settings, context=ctx)).__enter__()
+        servers.append(server)
+        api = Api(server.url, ctx, settings, storage_settings)
+        api.add_key("alice")
+        api.add_key("bob")
+        api.add_key("admin", admin=True)
+        apis.append(api)
+        return api
+
+    yield make
+    for server in servers:
+        server.__exit__()
+    for api in apis:
+        if api.ctx.celery is not None:
+            api.ctx.celery.close()
+        api.store.redis.close()
+
+
+@pytest.fixture
+def api(make_api: ApiFactory) -> Api:
+    """A running API with default test settings."""
+    return make_api()
+
+
+
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    """A receiver that answers 200 to everything (tests may set `script`)."""
+    r = Receiver()
+    yield r
+    r.close()
