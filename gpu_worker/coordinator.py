@@ -22,7 +22,6 @@ from gpu_worker.batching import plan_batch, window_remaining
 from gpu_worker.config import GroupConfig
 from gpu_worker.coordinator_events import GroupEvents
 from gpu_worker.errors import (
-    DeadlineExceeded,
     GpuWorkerError,
     JobStopped,
     RankStartupFailed,
@@ -169,11 +168,11 @@ class Coordinator(GroupEvents):
         return queued or bool(self._inflight and request_id in self._inflight.tickets)
 
     def _expire_queued(self, now: float) -> None:
-        for ticket in [t for t in self._queue if t.future.done() or _past(t.deadline_at, now)]:
+        for ticket in [t for t in self._queue if t.future.done() or t.expired(now)]:
             self._queue.remove(ticket)
             if not ticket.future.cancelled():
                 ticket.stop_reason = StopReason.DEADLINE
-                ticket.fail(DeadlineExceeded(_queued_too_long(ticket)))
+                ticket.fail(ticket.expired_in_queue_error())
 
     def _take_batch(self, now: float) -> tuple[list[Ticket], float | None]:
         planned = plan_batch(self._queue, self.config.max_batch)
@@ -229,7 +228,7 @@ class Coordinator(GroupEvents):
         verdict = StopVerdict(batch.batch_id, -1, frozenset(newly)) if newly else None
         if wake and min(wake) <= now:
             # The next turn of the loop kills the group and fails the batch (see _rebuild).
-            self._kill_reason = _why_kill(batch)
+            self._kill_reason = batch.kill_reason()
             return None, None
         return (min(wake) if wake else None), verdict
 
@@ -246,14 +245,14 @@ class Coordinator(GroupEvents):
     def _rebuild(self) -> None:
         with self._cond:
             old, self._group = self._group, None
-            kill_reason, self._kill_reason = self._kill_reason, None
+            reason = self._kill_reason or self._dead_reason or "the worker group stopped"
             inflight, self._inflight = self._inflight, None
-            self._dead_reason = None
+            self._kill_reason = self._dead_reason = None
         if old is not None:
             old.kill()
         if inflight is not None:
             for ticket in inflight.open_tickets():
-                ticket.fail(death_error(ticket, inflight, kill_reason or "killed"))
+                ticket.fail(death_error(ticket, inflight, reason))
         try:
             self._build_group()
         except GpuWorkerError as exc:
@@ -298,21 +297,3 @@ class Coordinator(GroupEvents):
                 ticket.fail(closed)
         if group is not None:
             group.shutdown()
-
-
-def _past(deadline_at: float | None, now: float) -> bool:
-    return deadline_at is not None and deadline_at <= now
-
-
-def _why_kill(batch: InflightBatch) -> str:
-    if batch.first_fault_at is not None:
-        ranks = sorted({fault.rank for fault in batch.faults})
-        return f"rank(s) {ranks} failed alone and the other ranks did not come back; killed"
-    return "a request ran past its deadline and did not stop within the grace; killed"
-
-
-def _queued_too_long(ticket: Ticket) -> str:
-    return (
-        f"request {ticket.request.request_id} reached max_run_seconds="
-        f"{ticket.max_run_seconds} before it could start"
-    )

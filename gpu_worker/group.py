@@ -4,6 +4,8 @@ One process per device from the `spawn` context. Rank 0 gets the command and res
 rank gets its own status pipe (ready / failed to start / fault) and the read end of a death pipe
 whose write end only this process holds. A monitor thread sleeps in `connection.wait` on the
 rank sentinels and the pipes; when any rank ends unasked, it kills the rest and reports once.
+`shutdown()` is the ladder: ask rank 0 (which tells the others) -> grace -> SIGTERM -> SIGKILL;
+`kill()` is SIGKILL at once, for a group that is hung or already broken.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ class WorkerGroup:
         self._stop(ask=True, grace_s=grace)
 
     def kill(self) -> None:
-        """SIGKILL every rank now (a hung or broken group); idempotent."""
+        """SIGKILL every rank now, no questions (a hung or broken group); idempotent."""
         self._stop(ask=False, grace_s=0.0)
 
     # --- spawning ------------------------------------------------------------------------------
@@ -271,13 +273,13 @@ class WorkerGroup:
             self._stopping = True
         alive = [p for p in self._processes if p.is_alive()]
         if ask and alive and self._commands is not None and self._dead_reason is None:
-            with contextlib.suppress(OSError):
+            with self._send_lock, contextlib.suppress(OSError):
                 self._commands.send(ShutdownGroup())
-        _wait_for_exit(alive, grace_s)
-        for process in self._processes:
-            if process.is_alive():
-                process.terminate()
-        _wait_for_exit(self._processes, TERMINATE_GRACE_S if alive else 0.0)
+            _wait_for_exit(alive, grace_s)
+            for process in self._processes:
+                if process.is_alive():
+                    process.terminate()
+            _wait_for_exit(self._processes, TERMINATE_GRACE_S)
         for process in self._processes:
             if process.is_alive():
                 process.kill()

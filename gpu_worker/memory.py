@@ -29,9 +29,13 @@ class MemoryUsage:
 
     @property
     def peak_mb(self) -> float:
-        """The number for metrics: CUDA reserved on a GPU (what limits the next job), else RSS."""
-        if self.cuda_max_reserved_mb is not None:
-            return self.cuda_max_reserved_mb
+        """The number for metrics: CUDA peak allocated on a GPU, else peak RSS.
+
+        Allocated, not reserved: the caching allocator keeps what earlier requests reserved, so
+        a reserved peak would report the largest request so far rather than this one.
+        """
+        if self.cuda_max_allocated_mb is not None:
+            return self.cuda_max_allocated_mb
         return self.cpu_peak_rss_mb
 
 

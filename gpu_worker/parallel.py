@@ -81,12 +81,10 @@ def apply_parallel(
     counters = DenoiserCounters()
     if spec.mode == "context":
         _enable_context_parallel(denoiser, spec.context_kind)
-    split_group = group if spec.mode == "batch" else None
-    original = denoiser.forward
     if spec.mode == "batch":
-        wrapped = _batch_split_forward(original, counters, split_group)
+        wrapped = _batch_split_forward(denoiser.forward, counters, group)
     else:
-        wrapped = _counting_forward(original, counters)
+        wrapped = _counting_forward(denoiser.forward, counters)
     # An instance attribute shadows the class method: `.config`, `.dtype`, hooks keep working.
     denoiser.forward = wrapped
     setattr(denoiser, _COUNTERS_ATTR, counters)
@@ -191,29 +189,30 @@ def _all_gather_rows(
 def _enable_context_parallel(denoiser: torch.nn.Module, kind: ContextKind) -> None:
     from diffusers import ContextParallelConfig
 
+    # Configuration errors first, before any collective: they must show even with one rank.
     name = type(denoiser).__name__
     if getattr(denoiser, "_cp_plan", None) is None:
         raise ValueError(f"{name} has no context-parallel plan in diffusers; use mode 'batch'")
+    device = next(denoiser.parameters()).device
+    if kind == "ring" and device.type == "cpu":
+        raise ValueError(
+            "ring attention does not run on CPU (native CPU attention returns no log-sum-exp); "
+            "use context_kind 'ulysses' on CPU ranks"
+        )
     world = dist.get_world_size()
     if world == 1:
         return  # one rank: the whole sequence is local
     heads = getattr(getattr(denoiser, "config", None), "num_attention_heads", None)
     if kind == "ulysses" and heads is not None and heads % world:
         raise ValueError(f"Ulysses needs attention heads ({heads}) divisible by ranks ({world})")
-    device = next(denoiser.parameters()).device
     if kind == "ring":
         config = ContextParallelConfig(ring_degree=world)
     else:
         config = ContextParallelConfig(ulysses_degree=world)
-    if device.type != "cpu":
+    if device.type == "cpu":
+        _enable_cpu_context_parallel(denoiser, config, device)
+    else:
         denoiser.enable_parallelism(config=config)  # type: ignore[operator]
-        return
-    if kind == "ring":
-        raise ValueError(
-            "ring attention does not run on CPU (native CPU attention returns no log-sum-exp); "
-            "use context_kind 'ulysses' on CPU ranks"
-        )
-    _enable_cpu_context_parallel(denoiser, config, device)
 
 
 def _enable_cpu_context_parallel(

@@ -65,6 +65,18 @@ class Ticket:
             return None
         return self.enqueued_at + self.max_run_seconds
 
+    def expired(self, now: float) -> bool:
+        """True once `max_run_seconds` have passed since submit."""
+        deadline = self.deadline_at
+        return deadline is not None and deadline <= now
+
+    def expired_in_queue_error(self) -> DeadlineExceeded:
+        """The error of a request whose deadline passed before it could start."""
+        return DeadlineExceeded(
+            f"request {self.request.request_id} reached max_run_seconds="
+            f"{self.max_run_seconds} before it could start"
+        )
+
     def report(self, progress: Progress) -> None:
         """Call on_progress; a failing callback is logged, never propagated."""
         if self.on_progress is None:
@@ -118,6 +130,13 @@ class InflightBatch:
         """Tickets whose future is not resolved yet."""
         return [ticket for ticket in self.tickets.values() if not ticket.future.done()]
 
+    def kill_reason(self) -> str:
+        """Why the coordinator gives up on this batch and kills the group under it."""
+        if self.first_fault_at is not None:
+            ranks = sorted({fault.rank for fault in self.faults})
+            return f"rank(s) {ranks} failed alone and the other ranks did not come back; killed"
+        return "a request ran past its deadline and did not stop within the grace; killed"
+
 
 def describe_request(request: GenerationRequest) -> str:
     """'2 output(s) of 512x512, 16 frame(s), 30 steps' — for error messages."""
@@ -144,4 +163,11 @@ def death_error(ticket: Ticket, batch: InflightBatch, reason: str) -> GpuWorkerE
     cause = next((f for f in batch.faults if f.kind is not FailureKind.COLLECTIVE), None)
     if cause is not None:  # a rank failed on its own first; the death followed from it
         return failure_error(cause.kind, f"rank {cause.rank}: {cause.message}", ticket.request)
-    return WorkerGroupDied(f"the worker group died: {reason}")
+    fatal = [f"rank {f.rank}: {_last_line(f.message)}" for f in batch.faults if f.fatal]
+    details = "".join(f"\n{line}" for line in fatal)
+    return WorkerGroupDied(f"the worker group died: {reason}{details}")
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "(no message)"

@@ -92,13 +92,15 @@ local function finish(job, time, target)
     cjson.encode({job.id, job.job_owner, job.batch, target}))
 end
 
-local function enter_running(job, time, now_ms)
+local function enter_running(job, time, now_ms, payload)
   local attempts = redis.call('HINCRBY', K_JOB, 'attempts', 1)
   redis.call('HSET', K_JOB, 'started_at', time)
   local ttl = redis.call('PTTL', K_LEASE)
   redis.call('ZADD', K_RUNNING, now_ms + math.max(ttl, 0), job.id)
   redis.call('ZREM', K_UNPUBLISHED, job.id)
-  return cjson.encode({attempts = attempts, owner = job.owner})
+  local event = cjson.decode(payload)
+  event.attempts, event.owner = attempts, job.owner
+  return cjson.encode(event)
 end
 
 -- back in the queue: unfenced, and the sweeper re-publishes it unless the caller confirms
@@ -114,7 +116,7 @@ local function transition(job, target, payload, fields)
   local time, now_ms = clock()
   if #fields > 0 then redis.call('HSET', K_JOB, unpack(fields)) end
   redis.call('HSET', K_JOB, 'state', target)
-  if target == 'running' then payload = enter_running(job, time, now_ms)
+  if target == 'running' then payload = enter_running(job, time, now_ms, payload)
   elseif target == 'queued' then enter_queued(job, time)
   elseif TERMINAL[target] then finish(job, time, target) end
   move_counters(job, target)

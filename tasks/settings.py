@@ -51,7 +51,7 @@ class KilnSettings(BaseSettings):
         default=120.0, description="How long a node keeps retrying an unreachable object store."
     )
     progress_interval_s: float = Field(default=0.25, description="Throttle for progress writes.")
-    shutdown_grace_s: float = Field(
+    drain_grace_s: float = Field(
         default=30.0, description="SIGTERM: time to finish running jobs."
     )
     bulk_share_every: int = Field(

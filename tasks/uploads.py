@@ -38,7 +38,7 @@ def output_spec(request: Mapping[str, Any]) -> OutputSpec:
     return OutputSpec(
         format=str(request.get("output_format") or default_format),
         fps=int(request.get("fps") or 16),
-        quality=int(request.get("quality") or 90),
+        quality=request.get("quality"),  # None: each codec's own default
     )
 
 

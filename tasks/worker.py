@@ -2,7 +2,7 @@
 
 The node (coordinator + GPU group) starts and warms up before the worker consumes anything, and
 stops after the worker has finished. SIGTERM: Celery stops consuming and waits for the running
-tasks; after `shutdown_grace_s` Kiln hands the ones still running back to the queue, so the
+tasks; after `drain_grace_s` Kiln hands the ones still running back to the queue, so the
 worker exits within the grace and no job is lost.
 """
 
@@ -103,11 +103,13 @@ def _start_node(
     # Imported here: a webhooks-only worker never loads torch.
     from gpu_worker.config import GroupConfig
     from gpu_worker.parallel import ParallelSpec
+    from gpu_worker.settings import GpuWorkerSettings
     from tasks.jobs import register_run_job
     from tasks.maintenance import Maintenance
     from tasks.node import Node, set_current_node
 
-    group = GroupConfig(
+    group = GroupConfig.from_settings(
+        GpuWorkerSettings(),
         devices=[d.strip() for d in options.devices.split(",")],
         pipelines=options.pipelines,
         parallel=ParallelSpec(mode=options.parallel),  # type: ignore[arg-type]
@@ -121,7 +123,7 @@ def _start_node(
     set_current_node(node)
     maintenance = Maintenance(node)
     maintenance.start()
-    _hand_back_after_grace_on_shutdown(node, settings.shutdown_grace_s)
+    _hand_back_after_grace_on_shutdown(node, settings.drain_grace_s)
     log.info("node %s serving %s on %s", node.node_id, sorted(options.pipelines), options.devices)
     return node, maintenance
 

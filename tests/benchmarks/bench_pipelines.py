@@ -1,4 +1,4 @@
-"""Fixture pipeline for the busy-ratio benchmark: `python:tests.benchmarks.bench_pipelines:busy`.
+"""Fixture pipelines of bench_node.py: `busy` (busy ratio) and `tiny` (threads pinned, recorded).
 
 `BusyPipeline` stands in for GPU time: it sleeps `KILN_BENCH_SLEEP_S` (default 0.2 s) PER REQUEST
 of a batch, so batching cannot make the group look busier than it is, and returns image-like
@@ -6,6 +6,7 @@ frames (smooth colour fields plus mild noise, like a decoded latent) whose PNG c
 real image of that size costs. Every forward appends `start end requests` (epoch seconds) to the
 file named by `KILN_BENCH_FORWARDS`, from rank 0 only (or from the one process that runs it
 in-process, as the hand-written baseline does), so the group's busy time can be summed.
+`tiny` is gpu_worker's tiny pipeline with the same recording and a fixed torch thread count.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ def image_like(width: int, height: int, seed: int) -> np.ndarray:
     smooth = top * (1 - fy) + bottom * fy
     noisy = smooth + rng.normal(0, 3.0, size=smooth.shape)
     return np.clip(noisy, 0, 255).astype(np.uint8)[None]
+
+
+def record_forward(path: str | None, started: float, ended: float, count: int) -> None:
+    """Append `start end requests` to `path`, from rank 0 (or a process with no group) only."""
+    dist = torch.distributed
+    if not path or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    with open(path, "a") as log:
+        log.write(f"{started:.6f} {ended:.6f} {count}\n")
 
 
 class BusyPipeline:
@@ -75,7 +85,7 @@ class BusyPipeline:
             [self._image(r.width, r.height, r.seed + i) for i in range(r.num_outputs)]
             for r in requests
         ]
-        self._record(started, time.time(), len(requests))
+        record_forward(self.forwards, started, time.time(), len(requests))
         return outputs
 
     def denoiser(self) -> torch.nn.Module | None:
@@ -94,30 +104,52 @@ class BusyPipeline:
         bank = self._bank(width, height)
         return bank[seed % len(bank)]
 
-    def _record(self, started: float, ended: float, count: int) -> None:
-        dist = torch.distributed
-        leader = not dist.is_initialized() or dist.get_rank() == 0
-        if not self.forwards or not leader:
-            return
-        with open(self.forwards, "a") as log:
-            log.write(f"{started:.6f} {ended:.6f} {count}\n")
-
 
 def busy(device: torch.device) -> BusyPipeline:
     """`python:tests.benchmarks.bench_pipelines:busy`."""
     return BusyPipeline(device)
 
 
+class Recorded:
+    """Any pipeline, with each forward's (start, end) recorded like `BusyPipeline` does."""
+
+    def __init__(self, inner: Pipeline) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.forwards = os.environ.get(FORWARDS_ENV)
+
+    def supported_fields(self) -> frozenset[str]:
+        """The inner pipeline's fields."""
+        return self.inner.supported_fields()
+
+    def validate(self, request: GenerationRequest) -> None:
+        """The inner pipeline's check."""
+        self.inner.validate(request)
+
+    def run(
+        self, requests: Sequence[GenerationRequest], on_step_end: StepCallback
+    ) -> list[list[np.ndarray]]:
+        """Run the inner pipeline and record the forward."""
+        started = time.time()
+        outputs = self.inner.run(requests, on_step_end)
+        record_forward(self.forwards, started, time.time(), len(requests))
+        return outputs
+
+    def denoiser(self) -> torch.nn.Module | None:
+        """The inner pipeline's denoiser."""
+        return self.inner.denoiser()
+
+
 def tiny(device: torch.device) -> Pipeline:
-    """`python:tests.benchmarks.bench_pipelines:tiny`: the `tiny` pipeline, torch threads pinned.
+    """`python:tests.benchmarks.bench_pipelines:tiny`: the `tiny` pipeline, threads pinned.
 
     `kiln worker` gives a CPU rank `cores / ranks` torch threads and (in this version) ignores
     KILN_CPU_THREADS_PER_RANK; on a shared 2-core machine two OpenMP threads per process are
-    pathological (a 64x64 image takes seconds instead of ~0.1 s). Loading through this factory
+    pathological (a 64x64 image takes seconds instead of ~0.15 s). Loading through this factory
     sets `KILN_BENCH_TORCH_THREADS` threads in whichever process loads it, so Kiln's rank, the
-    baseline and the direct path all compute with the same count.
+    baseline and the direct path all compute with the same count. Forwards are recorded.
     """
     threads = os.environ.get(THREADS_ENV)
     if threads:
         torch.set_num_threads(int(threads))
-    return load_pipeline("tiny", device)
+    return Recorded(load_pipeline("tiny", device))

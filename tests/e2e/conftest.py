@@ -27,7 +27,7 @@ FAST_RECOVERY_ENV = {
     "KILN_RETRY_BACKOFF_S": "0.2",
     "KILN_RETRY_BACKOFF_MAX_S": "1",
     "KILN_LEASE_BUSY_DELAY_S": "1",
-    "KILN_SHUTDOWN_GRACE_S": "5",
+    "KILN_DRAIN_GRACE_S": "5",
     "KILN_UPLOAD_RETRY_S": "120",
     "KILN_PROGRESS_INTERVAL_S": "0.05",
     "KILN_PIPELINES": '["default", "tiny", "tiny-video", "sleepy"]',

@@ -110,6 +110,7 @@ def test_out_of_memory_fails_with_advice_and_the_group_keeps_serving(
     assert rebuilds(coordinator) == before
 
 
+@pytest.mark.slow
 def test_out_of_memory_on_one_rank_only_does_not_hang_the_group(coordinator: Coordinator) -> None:
     before = rebuilds(coordinator)
     # The last rank OOMs while rank 0 waits in an all-reduce for it: the ranks are out of step.
@@ -119,6 +120,7 @@ def test_out_of_memory_on_one_rank_only_does_not_hang_the_group(coordinator: Coo
     assert rebuilds(coordinator) == before + 1
 
 
+@pytest.mark.slow
 def test_a_rank_that_exits_mid_run_fails_in_flight_work_as_retryable(
     coordinator: Coordinator,
 ) -> None:
@@ -131,6 +133,7 @@ def test_a_rank_that_exits_mid_run_fails_in_flight_work_as_retryable(
     assert rebuilds(coordinator) == before + 1
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_follower_mid_request_then_the_group_is_rebuilt(
     coordinator: Coordinator,
 ) -> None:
@@ -148,6 +151,7 @@ def test_kill_9_of_a_follower_mid_request_then_the_group_is_rebuilt(
     assert set(coordinator.stats()["pids"]).isdisjoint(old_pids)
 
 
+@pytest.mark.slow
 def test_deadline_of_a_hung_step_kills_and_rebuilds_the_group(coordinator: Coordinator) -> None:
     before = rebuilds(coordinator)
     with pytest.raises(DeadlineExceeded):
@@ -176,6 +180,36 @@ def test_a_request_stopped_while_queued_never_runs(
         stopped.result(GENEROUS_S)
     busy.result(GENEROUS_S)
     assert steps_logged(step_log, "queued-stop") == []
+
+
+def test_a_deadline_that_passes_in_the_queue_never_runs(
+    coordinator: Coordinator, step_log: Path
+) -> None:
+    busy = coordinator.submit(request("busy-2", "base", "slow", steps=20))
+    late = coordinator.submit(request("too-late", "base", size=32), max_run_seconds=0.2)
+    with pytest.raises(DeadlineExceeded, match="before it could start"):
+        late.result(GENEROUS_S)
+    busy.result(GENEROUS_S)
+    assert steps_logged(step_log, "too-late") == []
+
+
+def test_stopping_one_request_of_a_batch_lets_its_batch_mates_finish(
+    coordinator: Coordinator,
+) -> None:
+    busy = coordinator.submit(request("busy-3", "base", "slow", steps=10))
+    seen: list[int] = []
+    stopped = coordinator.submit(
+        request("mate-stopped", "base", size=16, steps=6, seed=1),
+        on_progress=lambda progress: seen.append(progress.step),
+        should_stop=lambda: bool(seen) and seen[-1] >= 2,
+    )
+    finished = coordinator.submit(request("mate-finished", "base", size=16, steps=6, seed=2))
+    busy.result(GENEROUS_S)
+    with pytest.raises(JobStopped):
+        stopped.result(GENEROUS_S)
+    result = finished.result(GENEROUS_S)
+    assert result.metrics is not None and result.metrics.batch_size == 2
+    assert [o.shape for o in result.outputs] == [(1, 16, 16, 3)]
 
 
 def test_requests_the_group_cannot_serve_are_refused(coordinator: Coordinator) -> None:

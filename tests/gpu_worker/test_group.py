@@ -101,6 +101,7 @@ def test_a_killed_rank_is_reported_once_and_the_rest_are_stopped() -> None:
     group.shutdown()
 
 
+@pytest.mark.slow
 def test_ranks_die_with_their_parent_even_when_it_is_sigkilled() -> None:
     parent = subprocess.Popen(
         [sys.executable, "-m", "tests.gpu_worker.fixtures.orphan_parent", "2"],
