@@ -98,7 +98,11 @@ class WorkerGroup:
         return bool(self._processes) and not self._stopping and self._dead_reason is None
 
     def start(self) -> None:
-        """Spawn every rank and wait until all are ready; raise `RankStartupFailed` otherwise."""
+        """Spawn every rank and wait until all are ready; raise `RankStartupFailed` otherwise.
+
+        Call it from a thread that outlives the group: PR_SET_PDEATHSIG fires when the spawning
+        *thread* exits (the coordinator spawns from its long-lived dispatcher thread).
+        """
         atexit.register(self.shutdown)
         try:
             self._spawn()

@@ -176,20 +176,12 @@ def lead(runtime: RankRuntime, link: LeaderLink, pipes: RankPipes) -> None:
         batch = screen_batch(command, runtime.pipelines, link)
         if batch is None:
             continue
-        import time as _t
-        t0 = _t.perf_counter()
         _relay(runtime, batch)
-        t1 = _t.perf_counter()
         link.begin(batch.batch_id)
         sync = StepSync(batch, runtime.control_group, link)
         result = _forward(runtime, batch, sync, pipes)
-        t2 = _t.perf_counter()
         outcomes = exchange_outcomes(result.outcome, args.world_size, runtime.control_group)
-        t3 = _t.perf_counter()
         report_batch(link, batch, outcomes, result, sync.stopped)
-        t4 = _t.perf_counter()
-        with open("/tmp/exp/trace.log", "a") as f:
-            f.write(f"{(t1-t0)*1000:.3f} {(t2-t1)*1000:.3f} {(t3-t2)*1000:.3f} {(t4-t3)*1000:.3f}\n")
 
 
 def follow(runtime: RankRuntime, pipes: RankPipes) -> None:

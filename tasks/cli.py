@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--devices", default="cpu:1", help="cpu:N or cuda:0,cuda:1")
     w.add_argument("--queues", default="interactive,bulk", help="lanes, in priority order")
     w.add_argument("--max-batch", type=int, default=4)
+    w.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        help="how long an idle group waits for compatible jobs to batch with the first",
+    )
     w.add_argument("--parallel", choices=["none", "batch", "context"], default="none")
     w.add_argument("--concurrency", type=int)
     w.add_argument("--webhooks", action="store_true", help="also deliver webhooks")

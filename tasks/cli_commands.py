@@ -49,6 +49,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             devices=args.devices,
             lanes=parse_lanes(args.queues),
             max_batch=args.max_batch,
+            batch_window_ms=args.batch_window_ms,
             parallel=args.parallel,
             concurrency=args.concurrency,
             webhooks=args.webhooks,

@@ -32,6 +32,7 @@ class WorkerOptions:
     devices: str = "cpu:1"
     lanes: tuple[str, ...] = LANES
     max_batch: int = 4
+    batch_window_ms: float = 5.0
     parallel: str = "none"
     concurrency: int | None = None
     webhooks: bool = False
@@ -114,6 +115,7 @@ def _start_node(
         pipelines=options.pipelines,
         parallel=ParallelSpec(mode=options.parallel),  # type: ignore[arg-type]
         max_batch=options.max_batch,
+        batch_window_s=options.batch_window_ms / 1000.0,
         deadline_grace_s=settings.deadline_grace_s,
         node_name=options.node_id or "node",
     )

@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TASK_NAME = "baseline.run_job"
 S3_REGION = "us-east-1"
-S3_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+S3_KEY_ID = S3_SECRET = "testing"  # moto accepts any
 
 
 def make_app(redis_url: str, namespace: str) -> Celery:
@@ -174,7 +174,13 @@ def load(worker: Worker, specs: dict[str, str], redis_url: str, endpoint: str) -
         warm = GenerationRequest("warmup", name, "warm-up", 64, 64, 2, seed=0)
         pipeline.run([warm], lambda step, total: None)
         worker.pipelines[name] = pipeline
-    worker.s3 = boto3.client("s3", endpoint_url=endpoint, region_name=S3_REGION, **S3_CREDENTIALS)
+    worker.s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=S3_REGION,
+        aws_access_key_id=S3_KEY_ID,
+        aws_secret_access_key=S3_SECRET,
+    )
     worker.redis = redis.Redis.from_url(redis_url)
 
 

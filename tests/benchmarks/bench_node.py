@@ -1,24 +1,30 @@
 """Kiln node benchmarks versus direct calls and a hand-written Celery worker (a script).
 
-    .venv/bin/python tests/benchmarks/bench_node.py [--jobs 200] [--only overhead,busy,throughput]
-        [--busy-batches 4,1] [--busy-size PIXELS] [--sleep 0.2]
+    .venv/bin/python tests/benchmarks/bench_node.py [--jobs 200] [--overhead-jobs 100]
+        [--only overhead,busy,throughput] [--busy-batches 4,1] [--busy-size PX] [--sleep 0.2]
+        [--threads 1]
 
 Needs the Redis at KILN_TEST_REDIS_URL (default redis://127.0.0.1:6379/0); every key goes under
-random namespaces, deleted at the end. Starts, from this process: a moto S3 server
+random `kiln-bench-*` namespaces, deleted at the end. Starts, from this process: a moto S3 server
 (ThreadedMotoServer on 127.0.0.1, in this process), real `kiln worker` nodes (one CPU rank each,
-`--max-batch 4` and `--max-batch 1`, each serving `tiny` and `busy`) and the hand-written baseline
+`--max-batch 4` and `--max-batch 1`, both pipelines resident) and the hand-written baseline
 (tests/benchmarks/baseline_worker.py: solo pool, acks_late, prefetch 1), each with its own
 namespace and bucket. Kiln runs with its default settings. All sides run in one script run and
-are compared as ratios, because the machine is shared and noisy. ~6 min for 200 jobs on 2 cores.
+are compared side by side, because the machine is shared and noisy. ~6 min on 2 cores.
 
-1. overhead: tiny pipeline (64x64, 4 steps, png), one job at a time. Per job, interleaved: the
-   direct in-process cost (load_pipeline('tiny') in this process; run + encode + put to the same
-   S3), then the same job on each Kiln node (submit -> the terminal event, read with a blocking
-   XREAD on the job's event stream: no polling granularity). The job record splits Kiln's time.
-2. busy: the `busy` pipeline (tests/benchmarks/bench_pipelines.py) sleeps --sleep s PER REQUEST;
-   the image size is calibrated in this run so that PNG encode + put is ~30 % of that (printed).
-   Busy = sum of forward times recorded on rank 0 / wall from the first forward's start to the
-   last job's finished_at; the baseline likewise with its in-process run times.
+`tiny` is served everywhere as `python:tests.benchmarks.bench_pipelines:tiny`: gpu_worker's tiny
+pipeline with --threads torch threads in every process that computes (Kiln's rank, the baseline,
+the direct path) and its forwards recorded (see bench_pipelines.py for why).
+
+1. overhead: tiny (64x64, 4 steps, png), one job at a time. Per job, interleaved: the direct
+   in-process cost (load_pipeline in this process; run + encode + put to the same S3), then the
+   same job on each Kiln node (submit -> the terminal event, read with a blocking XREAD on the
+   job's event stream: no polling granularity). Kiln's time is split into 8 consecutive segments
+   from its record, its events (Redis TIME) and rank 0's recorded forward.
+2. busy: the `busy` pipeline sleeps --sleep s PER REQUEST (batching cannot fake it); the image
+   size is calibrated in this run so that PNG encode + put is ~30 % of that (printed). Busy = sum
+   of forward times recorded on rank 0 / wall from the first forward's start to the last job's
+   finished_at; the baseline likewise with its in-process run times.
 3. throughput: tiny jobs, all submitted at once; jobs / (last finished_at - first submit).
 """
 
@@ -62,7 +68,7 @@ BENCHES = ("overhead", "busy", "throughput")
 BUSY_SPEC = "python:tests.benchmarks.bench_pipelines:busy"
 TINY_SPEC = "python:tests.benchmarks.bench_pipelines:tiny"  # `tiny`, torch threads pinned
 S3_REGION = "us-east-1"
-S3_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+S3_KEY_ID = S3_SECRET = "testing"  # moto accepts any
 TERMINAL = {str(state) for state in TERMINAL_STATES}
 WARMUP_JOBS = 5
 
@@ -111,7 +117,13 @@ class Services:
     def _namespace(self, tag: str) -> tuple[str, str, Path]:
         namespace = f"kiln-bench-{tag}-{secrets.token_hex(4)}"
         self.namespaces.append(namespace)
-        s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name=S3_REGION, **S3_CREDENTIALS)
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=S3_REGION,
+            aws_access_key_id=S3_KEY_ID,
+            aws_secret_access_key=S3_SECRET,
+        )
         s3.create_bucket(Bucket=namespace)
         folder = self.tmp / namespace
         folder.mkdir()
@@ -124,8 +136,8 @@ class Services:
             "KILN_S3_ENDPOINT_URL": self.endpoint,
             "KILN_S3_REGION": S3_REGION,
             "KILN_S3_ADDRESSING_STYLE": "path",
-            "KILN_S3_ACCESS_KEY_ID": S3_CREDENTIALS["aws_access_key_id"],
-            "KILN_S3_SECRET_ACCESS_KEY": S3_CREDENTIALS["aws_secret_access_key"],
+            "KILN_S3_ACCESS_KEY_ID": S3_KEY_ID,
+            "KILN_S3_SECRET_ACCESS_KEY": S3_SECRET,
             "KILN_PIPELINES": '["default", "tiny", "busy"]',
             "KILN_TEST_COMPLETIONS": str(folder / "completions.log"),
             "KILN_BENCH_FORWARDS": str(folder / "forwards.log"),
@@ -215,36 +227,18 @@ def services(args: argparse.Namespace, tmp: Path) -> Iterator[Services]:
 # --- requests and waiting ----------------------------------------------------------------------
 
 
+def job_requests(pipeline: str, count: int, size: int, tag: str) -> list[JobRequest]:
+    """`count` png jobs of `pipeline`, size x size, 4 steps, seeds 0.."""
+    return [
+        JobRequest(pipeline=pipeline, prompt=f"{tag} {i}", width=size, height=size, steps=4,
+                   seed=i, output_format="png")
+        for i in range(count)
+    ]  # fmt: skip
+
+
 def tiny_requests(count: int, tag: str) -> list[JobRequest]:
     """64x64, 4 steps, png jobs of the tiny pipeline."""
-    return [
-        JobRequest(
-            pipeline="tiny",
-            prompt=f"{tag} {i}",
-            width=64,
-            height=64,
-            steps=4,
-            seed=i,
-            output_format="png",
-        )
-        for i in range(count)
-    ]
-
-
-def busy_requests(count: int, size: int) -> list[JobRequest]:
-    """`busy` jobs of size x size, png."""
-    return [
-        JobRequest(
-            pipeline="busy",
-            prompt=f"busy {i}",
-            width=size,
-            height=size,
-            steps=4,
-            seed=i,
-            output_format="png",
-        )
-        for i in range(count)
-    ]
+    return job_requests("tiny", count, 64, tag)
 
 
 def wait_event(store: JobStore, job_id: str, timeout_s: float = 120.0) -> str:
@@ -615,7 +609,7 @@ def print_report(
         for result in busy[:-1]:
             summary.append(
                 (
-                    f"busy, {result.label[5:-1]}",
+                    f"busy ratio, Kiln {result.label.split(', ')[-1][:-1]}",
                     f"{result.busy_ratio:.1%}",
                     f"baseline {base.busy_ratio:.1%}",
                     ">= 95 %",
@@ -684,7 +678,7 @@ def main() -> None:
             overhead = run_overhead(found, tiny_requests(args.overhead_jobs, "overhead"))
         if "busy" in args.only:
             size = size or calibrate_busy_size(found, target_s=0.3 * args.sleep)
-            requests = busy_requests(args.jobs, size)
+            requests = job_requests("busy", args.jobs, size, "busy")
             for max_batch in args.busy_batches:
                 print(f"# 2. busy, Kiln max-batch {max_batch}", flush=True)
                 busy.append(run_kiln_stream(found, max_batch, requests))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import (
@@ -69,7 +70,7 @@ def sd3_medium(device: torch.device) -> DiffusersPipeline:
     dtype = default_dtype(device)
     torch.manual_seed(0)
     with torch.device(device):
-        pipe = StableDiffusion3Pipeline(
+        pipe: Any = StableDiffusion3Pipeline(
             transformer=_transformer(),
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
             vae=_vae(),
