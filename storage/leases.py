@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from storage.base import StoreBase
 from storage.boundary import redis_boundary
 
@@ -64,3 +66,14 @@ class LeaseOps(StoreBase):
         """True while a cancel of the running job is pending (one EXISTS; cheap)."""
         self._require_id(job_id)
         return bool(self.redis.exists(self.keys.cancel(job_id)))
+
+    @redis_boundary
+    def cancels_requested(self, job_ids: Sequence[str]) -> set[str]:
+        """Which of these running jobs have a pending cancel: one pipelined round trip."""
+        if not job_ids:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(self.keys.cancel(job_id))
+        flags = pipe.execute()
+        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}

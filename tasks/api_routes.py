@@ -216,7 +216,9 @@ def _page(
 
 
 @router.get(
-    "/v1/jobs/{job_id}/webhooks", response_model=WebhookAttempts, responses=JOB_ERRORS,
+    "/v1/jobs/{job_id}/webhooks",
+    response_model=WebhookAttempts,
+    responses=JOB_ERRORS,
     tags=["webhooks"],
 )
 def webhook_attempts(ctx: Ctx, caller: Caller, job_id: JobId) -> WebhookAttempts:
@@ -268,7 +270,10 @@ def readyz(
     elif pipeline is not None and pipeline not in served:
         reason = f"no live node serves pipeline {pipeline!r}"
     body = Readiness(
-        ready=reason is None, redis=True, live_nodes=len(nodes), served_pipelines=served,
+        ready=reason is None,
+        redis=True,
+        live_nodes=len(nodes),
+        served_pipelines=served,
         reason=reason,
     )
     if reason is not None:

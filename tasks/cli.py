@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--batch-window-ms",
         type=float,
-        default=5.0,
-        help="how long an idle group waits for compatible jobs to batch with the first",
+        default=0.0,
+        help="how long an idle group waits for compatible jobs to batch with the first "
+        "(jobs that queue up while the group is busy are batched anyway)",
     )
     w.add_argument("--parallel", choices=["none", "batch", "context"], default="none")
     w.add_argument("--concurrency", type=int)

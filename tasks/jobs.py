@@ -20,7 +20,8 @@ from storage.errors import IllegalTransition, JobNotFound, LeaseHeld, StaleLease
 from storage.status import TERMINAL_STATES, JobRecord, JobState
 from tasks.app import RUN_JOB_TASK
 from tasks.node import Node, StopReason, TrackedJob, current_node
-from tasks.policy import CancelCheck, ProgressThrottle, error_dict, retry_delay
+from tasks.policy import error_dict, retry_delay
+from tasks.progress_writer import PendingProgress
 from tasks.uploads import encode_and_upload
 
 log = logging.getLogger(__name__)
@@ -125,39 +126,34 @@ class JobRunner:
             log.warning("job %s: lease lost to another node; leaving it to them", self.job_id)
         except StorageError as exc:
             self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
-        except ValueError as exc:  # encoding refused the request's options
+        except Exception as exc:  # a bug or a bad request: fail the job, never loop on it
+            log.exception("job %s failed unexpectedly", self.job_id)
             self._failed(record, tracked, error_dict(exc), retryable=False)
 
     def _generate_and_store(self, record: JobRecord, tracked: TrackedJob) -> None:
         result = self._generate(record, tracked)
         if tracked.stop_reason is not None:
             raise JobStopped(tracked.stop_reason)
-        throttle = ProgressThrottle(0.0)
         report = encode_and_upload(
             self.node.objects,
             self.job_id,
             record.request,
             result.outputs,
             retry_for_s=self.settings.upload_retry_s,
-            on_stage=lambda stage, step, total: self._progress(
-                tracked, throttle, stage, step, total
-            ),
+            on_stage=lambda stage, step, total: self._progress(tracked, stage, step, total),
         )
         metrics = self._metrics(record, result, report.encode_s, report.upload_s)
+        self.node.progress.discard(self.job_id)  # the terminal state supersedes it
         self.store.succeed(self.job_id, tracked.lease_token, report.outputs, metrics)
         self._notify("completed")
 
     def _generate(self, record: JobRecord, tracked: TrackedJob) -> GenerationResult:
-        throttle = ProgressThrottle(self.settings.progress_interval_s)
-        cancel_check = CancelCheck(self.store, self.job_id)
-
+        # Both callbacks run on the coordinator's threads between steps: memory only, no I/O.
         def on_progress(progress: Progress) -> None:
-            self._progress(tracked, throttle, progress.stage, progress.step, progress.total)
+            self._progress(tracked, progress.stage, progress.step, progress.total)
 
         def should_stop() -> bool:
-            if tracked.stop_reason is None and cancel_check():
-                tracked.stop_reason = StopReason.CANCELED
-            return tracked.stop_reason is not None
+            return tracked.stop_reason is not None  # set by the heartbeat and cancel watch
 
         max_run = record.request.get("max_run_seconds")
         future = self.node.coordinator.submit(
@@ -168,21 +164,18 @@ class JobRunner:
         )
         return future.result()
 
-    def _progress(
-        self, tracked: TrackedJob, throttle: ProgressThrottle, stage: str, step: int, total: int
-    ) -> None:
+    def _progress(self, tracked: TrackedJob, stage: str, step: int, total: int) -> None:
         tracked.last_progress_at = time.time()
-        if not throttle.due(stage, step == total):
-            return
-        try:
-            self.store.set_progress(
-                self.job_id, tracked.lease_token, {"stage": stage, "step": step, "total": total}
-            )
-            self._notify("progress")
-        except StorageError as exc:  # progress is best effort; the outcome is not
-            log.debug("progress of %s not written: %s", self.job_id, exc)
+        changed = stage != tracked.last_stage or step == total
+        tracked.last_stage = stage
+        after_write = (lambda: self._notify("progress")) if self.webhook else None
+        pending = PendingProgress(
+            tracked.lease_token, {"stage": stage, "step": step, "total": total}, after_write
+        )
+        self.node.progress.update(self.job_id, pending, urgent=changed)
 
     def _stopped(self, record: JobRecord, tracked: TrackedJob) -> None:
+        self.node.progress.discard(self.job_id)
         token = tracked.lease_token
         if tracked.stop_reason == StopReason.CANCELED:
             self.store.finish_canceled(self.job_id, token)
@@ -196,6 +189,7 @@ class JobRunner:
     def _failed(
         self, record: JobRecord, tracked: TrackedJob, error: dict[str, Any], *, retryable: bool
     ) -> None:
+        self.node.progress.discard(self.job_id)
         token = tracked.lease_token
         attempts = record.attempts  # the record `start` returned: this run is counted
         if retryable and attempts < self.settings.max_attempts:

@@ -15,6 +15,8 @@ from tasks.node import Node, StopReason
 log = logging.getLogger(__name__)
 
 PRUNE_INTERVAL_S = 60.0
+# A cancel must land within a denoising step; one pipelined read per poll is cheap.
+CANCEL_POLL_S = 0.02
 
 
 def renew_leases(node: Node) -> None:
@@ -41,6 +43,13 @@ def reap_expired(node: Node) -> int:
             reaped += 1
             log.info("reaped job %s (its lease expired while running)", job_id)
     return reaped
+
+
+def watch_cancels(node: Node) -> None:
+    """Tell running jobs whose cancel was requested to stop (one pipelined read for all)."""
+    running = {t.job_id: t for t in node.tracked_jobs() if t.stop_reason is None}
+    for job_id in node.store.cancels_requested(list(running)):
+        running[job_id].stop_reason = StopReason.CANCELED
 
 
 def prune_indexes(node: Node) -> int:
@@ -82,6 +91,7 @@ class Maintenance:
             ("reaper", settings.reaper_interval_s, lambda: reap_expired(self.node)),
             ("sweeper", settings.reaper_interval_s, lambda: sweep_unpublished(self.node)),
             ("pruner", PRUNE_INTERVAL_S, lambda: prune_indexes(self.node)),
+            ("cancels", CANCEL_POLL_S, lambda: watch_cancels(self.node)),
         ]
         heartbeat(self.node)
         for name, interval, step in loops:

@@ -23,6 +23,7 @@ from gpu_worker.coordinator import Coordinator
 from storage.objects import ObjectStore, open_object_store
 from storage.settings import StorageSettings
 from storage.status import JobStore
+from tasks.progress_writer import ProgressWriter
 from tasks.settings import KilnSettings
 from tasks.submit import Submitter, celery_publisher
 
@@ -45,6 +46,7 @@ class TrackedJob:
     lease_token: int
     stop_reason: str | None = None
     last_progress_at: float = field(default_factory=time.time)
+    last_stage: str = ""
 
 
 def default_node_id() -> str:
@@ -73,6 +75,7 @@ class Node:
         self.celery_app = celery_app
         self.submitter = Submitter(self.store, settings, celery_publisher(celery_app))
         self.coordinator = Coordinator(group)
+        self.progress = ProgressWriter(self.store, settings.progress_interval_s)
         self.draining = threading.Event()
         self._jobs: dict[str, TrackedJob] = {}
         self._lock = threading.Lock()
@@ -81,10 +84,12 @@ class Node:
     def start(self) -> None:
         """Spawn and warm up the group; raises if it cannot start."""
         self.coordinator.start()
+        self.progress.start()
 
     def shutdown(self) -> None:
-        """Stop the group (idempotent)."""
+        """Stop the group and the progress writer (idempotent)."""
         self.coordinator.shutdown()
+        self.progress.stop()
 
     @contextlib.contextmanager
     def tracking(self, job_id: str, lease_token: int) -> Iterator[TrackedJob]:

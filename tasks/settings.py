@@ -51,9 +51,7 @@ class KilnSettings(BaseSettings):
         default=120.0, description="How long a node keeps retrying an unreachable object store."
     )
     progress_interval_s: float = Field(default=0.25, description="Throttle for progress writes.")
-    drain_grace_s: float = Field(
-        default=30.0, description="SIGTERM: time to finish running jobs."
-    )
+    drain_grace_s: float = Field(default=30.0, description="SIGTERM: time to finish running jobs.")
     bulk_share_every: int = Field(
         default=4,
         description="A node lets one bulk job through after this many interactive ones in a row.",

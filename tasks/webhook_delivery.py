@@ -161,7 +161,10 @@ def send(url: str, headers: dict[str, str], payload: str, settings: KilnSettings
         return AttemptResult("gone", status_code=code, latency_ms=latency, error="410 Gone")
     retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
     return AttemptResult(
-        "retrying", status_code=code, latency_ms=latency, error=f"HTTP {code}",
+        "retrying",
+        status_code=code,
+        latency_ms=latency,
+        error=f"HTTP {code}",
         retry_after=retry_after,
     )
 
@@ -202,8 +205,12 @@ def deliver_once(
     if outcome == "retrying":
         settings = deps.settings
         delay = retry_delay(
-            delivery.attempt, settings.webhook_retry_schedule_s, settings.webhook_retry_jitter,
-            rng or random.Random(), result.retry_after, settings.webhook_retry_after_max_s,
+            delivery.attempt,
+            settings.webhook_retry_schedule_s,
+            settings.webhook_retry_jitter,
+            rng or random.Random(),
+            result.retry_after,
+            settings.webhook_retry_after_max_s,
         )
         if delay is None:
             outcome = "gave_up"

@@ -32,7 +32,7 @@ class WorkerOptions:
     devices: str = "cpu:1"
     lanes: tuple[str, ...] = LANES
     max_batch: int = 4
-    batch_window_ms: float = 5.0
+    batch_window_ms: float = 0.0
     parallel: str = "none"
     concurrency: int | None = None
     webhooks: bool = False

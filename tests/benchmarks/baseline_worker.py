@@ -167,7 +167,8 @@ def load(worker: Worker, specs: dict[str, str], redis_url: str, endpoint: str) -
     from gpu_worker.pipelines import load_pipeline
     from gpu_worker.protocol import GenerationRequest
 
-    # Same thread count as a Kiln rank that has the machine to itself (GroupConfig: cores / ranks).
+    # A Kiln rank's default (GroupConfig: cores / ranks); bench_node.py loads `tiny` through
+    # bench_pipelines:tiny, which then pins KILN_BENCH_TORCH_THREADS like it does on every side.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     for name, spec in specs.items():
         pipeline = load_pipeline(spec, torch.device("cpu"))

@@ -125,22 +125,40 @@ def main() -> None:
     key = new_api_key()
     ApiKeyStore(store.redis, storage).create(hash_api_key(key), "bench", admin=False)
     port = free_port()
-    env = {**os.environ, "KILN_REDIS_URL": redis_url, "KILN_REDIS_NAMESPACE": namespace,
-           "KILN_MAX_QUEUE_DEPTH": str(10**9), "KILN_AUTH_ENABLED": "true"}
+    env = {
+        **os.environ,
+        "KILN_REDIS_URL": redis_url,
+        "KILN_REDIS_NAMESPACE": namespace,
+        "KILN_MAX_QUEUE_DEPTH": str(10**9),
+        "KILN_AUTH_ENABLED": "true",
+    }
     api = start_api(env, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        print(f"{args.jobs} jobs per line; API: 1 uvicorn process, auth on; "
-              f"{os.cpu_count()} CPUs shared by server and load", flush=True)
+        print(
+            f"{args.jobs} jobs per line; API: 1 uvicorn process, auth on; "
+            f"{os.cpu_count()} CPUs shared by server and load",
+            flush=True,
+        )
         http_submitter(url, key)(20)  # warm up
-        rate("API: httpx keep-alive, 1 connection", args.jobs,
-             lambda: http_submitter(url, key)(args.jobs))
-        rate(f"API: httpx keep-alive, {args.concurrency} concurrent", args.jobs,
-             lambda: spread(args.jobs, args.concurrency, http_submitter(url, key)))
-        rate("KilnClient.submit, 1 client", args.jobs,
-             lambda: client_submitter(url, key)(args.jobs))
-        rate(f"KilnClient.submit, {args.concurrency} concurrent", args.jobs,
-             lambda: spread(args.jobs, args.concurrency, client_submitter(url, key)))
+        rate(
+            "API: httpx keep-alive, 1 connection",
+            args.jobs,
+            lambda: http_submitter(url, key)(args.jobs),
+        )
+        rate(
+            f"API: httpx keep-alive, {args.concurrency} concurrent",
+            args.jobs,
+            lambda: spread(args.jobs, args.concurrency, http_submitter(url, key)),
+        )
+        rate(
+            "KilnClient.submit, 1 client", args.jobs, lambda: client_submitter(url, key)(args.jobs)
+        )
+        rate(
+            f"KilnClient.submit, {args.concurrency} concurrent",
+            args.jobs,
+            lambda: spread(args.jobs, args.concurrency, client_submitter(url, key)),
+        )
         submitter_rate(store, storage, args.jobs)
         storage_ceiling(store, args.jobs)
     finally:

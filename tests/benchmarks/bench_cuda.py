@@ -32,13 +32,23 @@ def run_batch(coordinator: Coordinator, size: int, batch: int, steps: int) -> di
             step_times.append(time.perf_counter())
 
     requests = [
-        GenerationRequest(request_id=uuid.uuid4().hex, pipeline="sd3m", prompt=f"a photo {i}",
-                          width=size, height=size, steps=steps, seed=i, guidance_scale=5.0)
+        GenerationRequest(
+            request_id=uuid.uuid4().hex,
+            pipeline="sd3m",
+            prompt=f"a photo {i}",
+            width=size,
+            height=size,
+            steps=steps,
+            seed=i,
+            guidance_scale=5.0,
+        )
         for i in range(batch)
     ]
     started = time.perf_counter()
-    futures = [coordinator.submit(r, on_progress=on_progress if i == 0 else None)
-               for i, r in enumerate(requests)]
+    futures = [
+        coordinator.submit(r, on_progress=on_progress if i == 0 else None)
+        for i, r in enumerate(requests)
+    ]
     results = [f.result(timeout=600) for f in futures]
     wall = time.perf_counter() - started
     metrics = results[0].metrics
@@ -48,8 +58,11 @@ def run_batch(coordinator: Coordinator, size: int, batch: int, steps: int) -> di
     png = encode(frames, OutputSpec(format="png"))
     denoise_s = step_times[-1] - step_times[0] if len(step_times) > 1 else float("nan")
     return {
-        "batch_run": metrics.batch_size, "steps_per_s": (len(step_times) - 1) / denoise_s,
-        "run_s": metrics.run_s, "wall_s": wall, "peak_mb": metrics.peak_memory_mb,
+        "batch_run": metrics.batch_size,
+        "steps_per_s": (len(step_times) - 1) / denoise_s,
+        "run_s": metrics.run_s,
+        "wall_s": wall,
+        "peak_mb": metrics.peak_memory_mb,
         "png_kb": len(png.data) / 1024,
     }
 
@@ -64,8 +77,15 @@ def main() -> None:
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     print(f"torch {torch.__version__}, {gpu}", flush=True)
-    config = GroupConfig(devices=[args.device], pipelines={"sd3m": PIPELINE}, max_batch=8,
-                         batch_window_s=0.2, ready_timeout_s=600, warmup=False, node_name="bench")
+    config = GroupConfig(
+        devices=[args.device],
+        pipelines={"sd3m": PIPELINE},
+        max_batch=8,
+        batch_window_s=0.2,
+        ready_timeout_s=600,
+        warmup=False,
+        node_name="bench",
+    )
     coordinator = Coordinator(config)
     started = time.perf_counter()
     coordinator.start()
@@ -76,9 +96,12 @@ def main() -> None:
             run_batch(coordinator, size, 1, 2)  # warm-up: kernels, allocator, cuDNN
             for batch in (int(b) for b in args.batches.split(",")):
                 r = run_batch(coordinator, size, batch, args.steps)
-                print(f"{size:>4}  {batch:>5}  {r['batch_run']:>6}  {r['steps_per_s']:>7.2f}  "
-                      f"{r['run_s']:>5.2f}  {r['wall_s']:>6.2f}  {r['peak_mb']:>8.0f}  "
-                      f"{r['png_kb']:>7.0f}", flush=True)
+                print(
+                    f"{size:>4}  {batch:>5}  {r['batch_run']:>6}  {r['steps_per_s']:>7.2f}  "
+                    f"{r['run_s']:>5.2f}  {r['wall_s']:>6.2f}  {r['peak_mb']:>8.0f}  "
+                    f"{r['png_kb']:>7.0f}",
+                    flush=True,
+                )
     finally:
         coordinator.shutdown()
 

@@ -143,6 +143,7 @@ class Services:
             "KILN_BENCH_FORWARDS": str(folder / "forwards.log"),
             "KILN_BENCH_SLEEP_S": str(self.sleep_s),
             "KILN_BENCH_TORCH_THREADS": str(self.threads),
+            "KILN_CPU_THREADS_PER_RANK": str(self.threads),
             "PYTHONUNBUFFERED": "1",
         }
 

@@ -143,11 +143,12 @@ class Recorded:
 def tiny(device: torch.device) -> Pipeline:
     """`python:tests.benchmarks.bench_pipelines:tiny`: the `tiny` pipeline, threads pinned.
 
-    `kiln worker` gives a CPU rank `cores / ranks` torch threads and (in this version) ignores
-    KILN_CPU_THREADS_PER_RANK; on a shared 2-core machine two OpenMP threads per process are
-    pathological (a 64x64 image takes seconds instead of ~0.15 s). Loading through this factory
-    sets `KILN_BENCH_TORCH_THREADS` threads in whichever process loads it, so Kiln's rank, the
-    baseline and the direct path all compute with the same count. Forwards are recorded.
+    On a shared 2-core machine two OpenMP threads per process are pathological (measured: a
+    64x64 image took 1.5-12.7 s instead of ~0.15-0.25 s with one thread, and `kiln worker` gives
+    a CPU rank `cores / ranks` threads unless KILN_CPU_THREADS_PER_RANK says otherwise). Loading
+    through this factory sets `KILN_BENCH_TORCH_THREADS` threads in whichever process loads it,
+    so Kiln's rank, the baseline and the direct path all compute with the same count; each
+    forward is recorded like `BusyPipeline`'s.
     """
     threads = os.environ.get(THREADS_ENV)
     if threads:

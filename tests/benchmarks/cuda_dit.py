@@ -30,9 +30,15 @@ POOLED_DIM = 2048  # SD3-medium: CLIP-L (768) + CLIP-G (1280) pooled projections
 
 def _text_encoder(vocab: dict[str, int], projection_dim: int) -> CLIPTextModelWithProjection:
     config = CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_hidden_layers=2, max_position_embeddings=MAX_LENGTH, projection_dim=projection_dim,
-        bos_token_id=vocab[START_TOKEN], eos_token_id=vocab[END_TOKEN],
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        max_position_embeddings=MAX_LENGTH,
+        projection_dim=projection_dim,
+        bos_token_id=vocab[START_TOKEN],
+        eos_token_id=vocab[END_TOKEN],
         pad_token_id=vocab[END_TOKEN],
     )
     return CLIPTextModelWithProjection(config)
@@ -40,11 +46,18 @@ def _text_encoder(vocab: dict[str, int], projection_dim: int) -> CLIPTextModelWi
 
 def _vae() -> AutoencoderKL:
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16,
-        block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        use_quant_conv=False, use_post_quant_conv=False,
-        shift_factor=0.0609, scaling_factor=1.5305, sample_size=1024,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5305,
+        sample_size=1024,
     )
 
 
@@ -52,10 +65,17 @@ def _transformer() -> SD3Transformer2DModel:
     # KILN_BENCH_SMOKE=1 shrinks the DiT so the script can be checked on a CPU first.
     smoke = os.environ.get("KILN_BENCH_SMOKE") == "1"
     return SD3Transformer2DModel(
-        sample_size=128, patch_size=2, in_channels=16, num_layers=1 if smoke else 24,
-        attention_head_dim=64, num_attention_heads=2 if smoke else 24, joint_attention_dim=4096,
-        caption_projection_dim=128 if smoke else 1536, pooled_projection_dim=POOLED_DIM,
-        out_channels=16, pos_embed_max_size=192,
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        num_layers=1 if smoke else 24,
+        attention_head_dim=64,
+        num_attention_heads=2 if smoke else 24,
+        joint_attention_dim=4096,
+        caption_projection_dim=128 if smoke else 1536,
+        pooled_projection_dim=POOLED_DIM,
+        out_channels=16,
+        pos_embed_max_size=192,
     )
 
 

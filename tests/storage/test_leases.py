@@ -9,7 +9,7 @@ import pytest
 
 from storage.errors import JobNotFound, LeaseHeld, StaleLease
 from storage.settings import StorageSettings
-from storage.status import JobState, JobStore
+from storage.status import JobState, JobStore, NewJob
 from tests.storage.helpers import WORKER, event_types, job_in_state
 
 
@@ -130,3 +130,16 @@ def test_reap_with_pending_cancel_cancels(job_store: JobStore) -> None:
     assert job_store.reap(job_id) is True
     assert job_store.get(job_id).state == JobState.CANCELED
     assert job_store.queue_depth() == 0
+
+
+def test_cancels_requested_reads_many_flags_in_one_call(job_store: JobStore) -> None:
+    ids = []
+    for index in range(3):
+        job_id = f"many{index}"
+        job_store.create_job(NewJob(id=job_id, request={"pipeline": "tiny"}))
+        job_store.start(job_id, job_store.acquire_lease(job_id, f"w{index}"))
+        ids.append(job_id)
+    assert job_store.cancels_requested(ids) == set()
+    job_store.cancel("many1")
+    assert job_store.cancels_requested(ids) == {"many1"}
+    assert job_store.cancels_requested([]) == set()

@@ -1,11 +1,12 @@
-"""Named run policies: retry backoff, progress throttling, cancel polling (tasks.policy)."""
+"""Run policies (tasks.policy) and the progress writer (tasks.progress_writer)."""
 
 from __future__ import annotations
 
 import time
 
 from storage.status import JobStore, NewJob
-from tasks.policy import CancelCheck, ProgressThrottle, error_dict, retry_delay
+from tasks.policy import error_dict, retry_delay
+from tasks.progress_writer import PendingProgress, ProgressWriter
 from tasks.settings import KilnSettings
 from tasks.worker import parse_lanes, parse_pipelines
 
@@ -17,35 +18,50 @@ def test_retry_delay_doubles_and_is_capped() -> None:
         assert all(ceiling / 2 <= d <= ceiling for d in delays), (attempt, delays)
 
 
-def test_progress_throttle_passes_stage_changes_and_last_steps() -> None:
-    throttle = ProgressThrottle(interval_s=60.0)
-    assert throttle.due("denoising", last_step=False)
-    assert not throttle.due("denoising", last_step=False)
-    assert throttle.due("denoising", last_step=True)
-    assert throttle.due("encoding", last_step=False)
+def running_job(store: JobStore, job_id: str) -> int:
+    store.create_job(NewJob(id=job_id, request={"pipeline": "tiny"}))
+    token = store.acquire_lease(job_id, "node/1")
+    store.start(job_id, token)
+    return token
 
 
-def test_cancel_check_reads_the_real_flag(job_store: JobStore) -> None:
-    job_store.create_job(NewJob(id="j1", request={"pipeline": "tiny"}))
-    token = job_store.acquire_lease("j1", "node/1")
-    job_store.start("j1", token)
-    check = CancelCheck(job_store, "j1", poll_s=0.0)
-    assert not check()
-    job_store.cancel("j1")
-    assert check()
-    assert check()  # once seen it stays set, without another read
+def test_progress_writer_writes_only_the_newest_progress(job_store: JobStore) -> None:
+    token = running_job(job_store, "p1")
+    writer = ProgressWriter(job_store, interval_s=60.0)
+    written: list[str] = []
+    for step in range(1, 6):
+        progress = {"stage": "denoising", "step": step, "total": 5}
+        writer.update("p1", PendingProgress(token, progress, lambda: written.append("p1")), False)
+    writer.flush()
+    progress_events = [e for e in job_store.events("p1") if e.type == "progress"]
+    assert [e.payload["step"] for e in progress_events] == [5]
+    assert job_store.get("p1").progress == {"stage": "denoising", "step": 5, "total": 5}
+    assert written == ["p1"]
 
 
-def test_cancel_check_polls_at_most_every_poll_interval(job_store: JobStore) -> None:
-    job_store.create_job(NewJob(id="j2", request={"pipeline": "tiny"}))
-    token = job_store.acquire_lease("j2", "node/1")
-    job_store.start("j2", token)
-    check = CancelCheck(job_store, "j2", poll_s=30.0)
-    assert not check()
-    job_store.cancel("j2")
-    assert not check()  # within the poll interval the last answer stands
-    check._checked_at = time.monotonic() - 31
-    assert check()
+def test_progress_writer_thread_flushes_urgent_updates(job_store: JobStore) -> None:
+    token = running_job(job_store, "p2")
+    writer = ProgressWriter(job_store, interval_s=60.0)
+    writer.start()
+    try:
+        pending = PendingProgress(token, {"stage": "encoding", "step": 1, "total": 1})
+        writer.update("p2", pending, urgent=True)
+        deadline = time.monotonic() + 10
+        while job_store.get("p2").progress is None:
+            assert time.monotonic() < deadline, "urgent progress never written"
+            time.sleep(0.01)
+    finally:
+        writer.stop()
+
+
+def test_progress_writer_discard_and_stale_token(job_store: JobStore) -> None:
+    token = running_job(job_store, "p3")
+    writer = ProgressWriter(job_store, interval_s=60.0)
+    writer.update("p3", PendingProgress(token, {"stage": "denoising", "step": 1}), False)
+    writer.discard("p3")
+    writer.update("p4", PendingProgress(999, {"stage": "denoising", "step": 1}), False)
+    writer.flush()  # an unknown job or a stale token is skipped, never raised
+    assert job_store.get("p3").progress is None
 
 
 def test_error_dict_carries_type_and_retryable() -> None:
