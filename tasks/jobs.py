@@ -140,7 +140,9 @@ class JobRunner:
             record.request,
             result.outputs,
             retry_for_s=self.settings.upload_retry_s,
-            on_stage=lambda stage, step, total: self._progress(tracked, stage, step, total),
+            on_stage=lambda stage, step, total: self._progress(
+                tracked, stage, step, total, on_task_thread=True
+            ),
         )
         metrics = self._metrics(record, result, report.encode_s, report.upload_s)
         self.node.progress.discard(self.job_id)  # the terminal state supersedes it
@@ -164,7 +166,9 @@ class JobRunner:
         )
         return future.result()
 
-    def _progress(self, tracked: TrackedJob, stage: str, step: int, total: int) -> None:
+    def _progress(
+        self, tracked: TrackedJob, stage: str, step: int, total: int, on_task_thread: bool = False
+    ) -> None:
         tracked.last_progress_at = time.time()
         changed = stage != tracked.last_stage or step == total
         tracked.last_stage = stage
@@ -172,7 +176,10 @@ class JobRunner:
         pending = PendingProgress(
             tracked.lease_token, {"stage": stage, "step": step, "total": total}, after_write
         )
-        self.node.progress.update(self.job_id, pending, urgent=changed)
+        if on_task_thread:  # encoding/uploading: off the compute path, so written right away
+            self.node.progress.write_now(self.job_id, pending)
+        else:
+            self.node.progress.update(self.job_id, pending, urgent=changed)
 
     def _stopped(self, record: JobRecord, tracked: TrackedJob) -> None:
         self.node.progress.discard(self.job_id)

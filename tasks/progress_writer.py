@@ -38,6 +38,7 @@ class ProgressWriter:
         self.interval_s = interval_s
         self._pending: dict[str, PendingProgress] = {}
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # keeps one job's writes in order across threads
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-progress", daemon=True)
@@ -64,18 +65,31 @@ class ProgressWriter:
         with self._lock:
             self._pending.pop(job_id, None)
 
+    def write_now(self, job_id: str, pending: PendingProgress) -> None:
+        """Write a job's progress on the calling thread, superseding anything pending for it.
+
+        For callers that are off the compute path anyway (the job's own task thread).
+        """
+        with self._write_lock:
+            self.discard(job_id)
+            self._write(job_id, pending)
+
     def flush(self) -> None:
         """Write everything pending now (one Lua call per job)."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for job_id, item in pending.items():
-            try:
-                self.store.set_progress(job_id, item.lease_token, item.progress)
-            except StorageError as exc:  # progress is best effort; a stale token is expected
-                log.debug("progress of %s not written: %s", job_id, exc)
-                continue
-            if item.after_write is not None:
-                item.after_write()
+        with self._write_lock:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            for job_id, item in pending.items():
+                self._write(job_id, item)
+
+    def _write(self, job_id: str, item: PendingProgress) -> None:
+        try:
+            self.store.set_progress(job_id, item.lease_token, item.progress)
+        except StorageError as exc:  # progress is best effort; a stale token is expected
+            log.debug("progress of %s not written: %s", job_id, exc)
+            return
+        if item.after_write is not None:
+            item.after_write()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -95,3 +95,14 @@ def test_worker_options_parse_and_refuse_mistakes() -> None:
         assert "urgent" in str(exc)
     else:
         raise AssertionError("unknown lane accepted")
+
+
+def test_progress_writer_write_now_supersedes_pending(job_store: JobStore) -> None:
+    token = running_job(job_store, "p5")
+    writer = ProgressWriter(job_store, interval_s=60.0)
+    writer.update("p5", PendingProgress(token, {"stage": "decoding", "step": 4, "total": 4}), False)
+    writer.write_now("p5", PendingProgress(token, {"stage": "encoding", "step": 1, "total": 1}))
+    writer.flush()  # nothing older may land after the newer stage
+    assert job_store.get("p5").progress == {"stage": "encoding", "step": 1, "total": 1}
+    stages = [e.payload["stage"] for e in job_store.events("p5") if e.type == "progress"]
+    assert stages == ["encoding"]
