@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,7 +90,8 @@ def redis_url() -> Iterator[str]:
 
 def run_demo(image_jobs: int = 4) -> int:
     """Run the demo; returns 0 when every job succeeded."""
-    console = Console()
+    # A pipe or CI log has no width; rich would squeeze the table to 80 columns.
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 100)
     outputs_dir = Path("kiln-outputs").resolve()
     console.print(
         "[bold yellow]kiln demo: API auth is OFF (KILN_AUTH_ENABLED=false) — local use only[/]"
@@ -134,6 +136,8 @@ def run_demo(image_jobs: int = 4) -> int:
             finals = wait_for_jobs(backend, [v.id for v in views], timeout_s=300, console=console)
             elapsed = time.monotonic() - started
     console.print(results_table(finals))
+    for line in output_lines(finals):
+        console.print(line, soft_wrap=True, highlight=False)
     ok = sum(v.status == "succeeded" for v in finals)
     console.print(
         f"{ok}/{len(finals)} jobs succeeded in {elapsed:.1f}s; outputs under {outputs_dir}"
@@ -153,34 +157,32 @@ def _wait_for_node(api_url: str, console: Console) -> None:
 
 
 def results_table(views: list[JobView]) -> Table:
-    """The demo's final table: one row per output."""
+    """The demo's final table: one row per job, its timings and output count."""
     table = Table(title="kiln demo — jobs")
-    for column in (
-        "job",
-        "pipeline",
-        "status",
-        "queue s",
-        "run s",
-        "encode s",
-        "upload s",
-        "output",
-    ):
-        table.add_column(column)
+    for column in ("job", "pipeline", "status", "queue s", "run s", "encode s", "upload s", "outs"):
+        table.add_column(column, no_wrap=True)
     for view in views:
         m = view.metrics
-        cells = [
+        timings = (m.queue_s, m.run_s, m.encode_s, m.upload_s)
+        table.add_row(
             view.id[:12],
             view.parameters.pipeline,
             view.status,
-            *(
-                f"{v:.3f}" if v is not None else "-"
-                for v in (m.queue_s, m.run_s, m.encode_s, m.upload_s)
-            ),
-        ]
-        urls = [o.url.removeprefix("file://") for o in view.outputs] or [
-            view.error.message if view.error else "-"
-        ]
-        for url in urls:
-            table.add_row(*cells, url)
-            cells = ["", "", "", "", "", "", ""]
+            *(f"{v:.3f}" if v is not None else "-" for v in timings),
+            str(len(view.outputs)),
+        )
     return table
+
+
+def output_lines(views: list[JobView]) -> list[str]:
+    """Where each output is (or why a job has none), one line each, paths relative when local."""
+    lines = []
+    for view in views:
+        for output in view.outputs:
+            location = output.url.removeprefix("file://")
+            with contextlib.suppress(ValueError):
+                location = str(Path(location).relative_to(Path.cwd()))
+            lines.append(f"{view.id[:12]}  {output.content_type:<10}  {location}")
+        if view.error is not None:
+            lines.append(f"{view.id[:12]}  {view.status}: {view.error.message}")
+    return lines
