@@ -130,9 +130,9 @@ def _known_error_line(exc: Exception) -> str | None:
         return f"no such job: {exc}"
     if isinstance(exc, StorageError | UnknownPipeline):
         return str(exc)
-    from tasks.client import KilnClientError
+    from tasks.client import KilnError
 
-    if isinstance(exc, KilnClientError):
+    if isinstance(exc, KilnError | TimeoutError):  # API errors; `wait --timeout` ran out
         return str(exc)
     return None
 

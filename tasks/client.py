@@ -20,9 +20,6 @@ class KilnError(Exception):
     """Base of every client error."""
 
 
-KilnClientError = KilnError  # the name the CLI catches
-
-
 class KilnConnectionError(KilnError):
     """The API could not be reached (or the connection broke)."""
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tasks.schemas import JobRequest
+from tasks.schemas import JobRequest, Lane
 from tasks.submit import Submitter
 from tests.e2e.cluster import SLEEPY, Cluster
 
@@ -28,11 +31,42 @@ def test_job_whose_publish_failed_is_accepted_and_swept_later(cluster_factory) -
     assert cluster.completion_count(record.id) == 1
 
 
+def test_submit_many_writes_in_bulk_and_every_job_runs(cluster_factory) -> None:
+    cluster: Cluster = cluster_factory()
+    requests = [
+        JobRequest(
+            pipeline="sleepy", prompt=f"bulk {i}", width=64, height=64, steps=1, priority=Lane.bulk
+        )
+        for i in range(6)
+    ]
+    job_ids = cluster.submitter.submit_many(requests)
+    records = cluster.store.get_many(job_ids)
+    assert all(r is not None and r.published and r.lane == "bulk" for r in records)
+    cluster.start_worker(f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
+    for job_id in job_ids:
+        assert str(cluster.wait_for(job_id, timeout_s=60).state) == "succeeded"
+        assert cluster.completion_count(job_id) == 1
+
+
+def test_cli_wait_timeout_is_one_line(cluster_factory) -> None:
+    cluster: Cluster = cluster_factory()
+    job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=1)
+    result = subprocess.run(
+        [sys.executable, "-m", "tasks.cli", "wait", job_id, "--timeout", "0.5"],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "not finished" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_interactive_jobs_start_first_and_bulk_still_gets_its_share(cluster_factory) -> None:
     cluster: Cluster = cluster_factory(KILN_BULK_SHARE_EVERY="4")
     bulk = [
         cluster.submit(
-            pipeline="sleepy", prompt=f"b{i}", width=64, height=64, steps=1, priority="bulk"
+            pipeline="sleepy", prompt=f"b{i}", width=64, height=64, steps=1, priority=Lane.bulk
         )
         for i in range(4)
     ]
