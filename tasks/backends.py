@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tasks.schemas import JobRequest, JobView
+from tasks.schemas import JobRequest, JobView, job_view
 
 
 class JobsBackend(Protocol):
@@ -34,21 +34,15 @@ class DirectBackend:
 
     def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
         """Accept a job; an idempotent repeat returns the existing one."""
-        from tasks.schemas import job_view
-
         record, _ = self.submitter.submit(request, idempotency_key=idempotency_key)
         return job_view(record, self.objects)
 
     def get(self, job_id: str) -> JobView:
         """The job's current view."""
-        from tasks.schemas import job_view
-
         return job_view(self.store.get(job_id), self.objects)
 
     def cancel(self, job_id: str) -> JobView:
         """Cancel (queued: at once; running: at its next step)."""
-        from tasks.schemas import job_view
-
         return job_view(self.store.cancel(job_id), self.objects)
 
 

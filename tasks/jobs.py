@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -23,6 +24,7 @@ from tasks.node import Node, StopReason, TrackedJob, current_node
 from tasks.policy import error_dict, retry_delay
 from tasks.progress_writer import PendingProgress
 from tasks.uploads import encode_and_upload
+from tasks.webhooks import enqueue_webhook_events
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class JobRunner:
     def _refused_before_start(self, record: JobRecord) -> bool:
         start_by = record.request.get("start_by")
         if start_by is not None and time.time() > float(start_by):
-            self._transition_quietly(lambda: self.store.expire(self.job_id), "expired")
+            self._transition_quietly(lambda: self.store.expire(self.job_id))
             return True
         if record.attempts >= self.settings.max_attempts:
             error = {
@@ -92,7 +94,7 @@ class JobRunner:
                 "message": f"the job was started {record.attempts} times without finishing",
                 "retryable": False,
             }
-            self._transition_quietly(lambda: self.store.fail(self.job_id, None, error), "failed")
+            self._transition_quietly(lambda: self.store.fail(self.job_id, None, error))
             return True
         return False
 
@@ -119,7 +121,7 @@ class JobRunner:
         try:
             self._generate_and_store(record, tracked)
         except JobStopped:
-            self._stopped(record, tracked)
+            self._stopped(tracked)
         except GpuWorkerError as exc:
             self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
         except StaleLease:
@@ -181,7 +183,7 @@ class JobRunner:
         else:
             self.node.progress.update(self.job_id, pending, urgent=changed)
 
-    def _stopped(self, record: JobRecord, tracked: TrackedJob) -> None:
+    def _stopped(self, tracked: TrackedJob) -> None:
         self.node.progress.discard(self.job_id)
         token = tracked.lease_token
         if tracked.stop_reason == StopReason.CANCELED:
@@ -223,7 +225,7 @@ class JobRunner:
             metrics["peak_memory_mb"] = round(result.metrics.peak_memory_mb, 1)
         return metrics
 
-    def _transition_quietly(self, transition: Any, event: str) -> None:
+    def _transition_quietly(self, transition: Callable[[], object]) -> None:
         try:
             transition()
             self._notify("completed")
@@ -233,8 +235,6 @@ class JobRunner:
     def _notify(self, event: str) -> None:
         if self.webhook is None:
             return
-        from tasks.webhooks import enqueue_webhook_events
-
         try:
             enqueue_webhook_events(
                 self.store,

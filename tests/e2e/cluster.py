@@ -170,6 +170,16 @@ class Cluster:
         record, _ = self.submitter.submit(JobRequest.model_validate(fields))
         return record.id
 
+    def run_cli(self, *args: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
+        """Run `kiln ARGS...` as a user would, against this cluster; capture its output."""
+        return subprocess.run(
+            [sys.executable, "-m", "tasks.cli", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+
     def wait_for(
         self, job_id: str, timeout_s: float = 60.0, states: Iterable[str] = ()
     ) -> JobRecord:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,13 +20,7 @@ def sleepy_cluster(module_cluster_factory):
 
 def test_queued_job_canceled_never_runs(sleepy_cluster: Cluster) -> None:
     job_id = sleepy_cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=3)
-    result = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "cancel", job_id, "--json"],
-        env=sleepy_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = sleepy_cluster.run_cli("cancel", job_id, "--json")
     assert result.returncode == 0, result.stderr
     assert '"status": "canceled"' in result.stdout
     sleepy_cluster.start_worker(f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": "0.1"})

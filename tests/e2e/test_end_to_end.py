@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 
 import pytest
 
@@ -68,28 +66,19 @@ def test_video_job_produces_mp4(tiny_cluster: Cluster) -> None:
 
 
 def test_submit_through_cli_waits_and_prints_outputs(tiny_cluster: Cluster) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tasks.cli",
-            "submit",
-            "a lighthouse",
-            "--width",
-            "64",
-            "--height",
-            "64",
-            "--steps",
-            "3",
-            "--wait",
-            "--json",
-            "--timeout",
-            "120",
-        ],
-        env=tiny_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=180,
+    result = tiny_cluster.run_cli(
+        "submit",
+        "a lighthouse",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--steps",
+        "3",
+        "--wait",
+        "--json",
+        "--timeout",
+        "120",
     )
     assert result.returncode == 0, result.stderr
     import json
@@ -101,26 +90,14 @@ def test_submit_through_cli_waits_and_prints_outputs(tiny_cluster: Cluster) -> N
 
 
 def test_cli_user_mistake_is_one_line_and_exit_2(tiny_cluster: Cluster) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "submit", "x", "--width", "65"],
-        env=tiny_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = tiny_cluster.run_cli("submit", "x", "--width", "65")
     assert result.returncode == 2
     assert "width" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_cli_unknown_job_is_one_line(tiny_cluster: Cluster) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "status", "nope"],
-        env=tiny_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = tiny_cluster.run_cli("status", "nope")
     assert result.returncode != 0
     assert "nope" in result.stderr and "Traceback" not in result.stderr
 

@@ -48,7 +48,8 @@ def test_rank_killed_mid_job_is_retried_and_succeeds_once(cluster_factory) -> No
     record = cluster.wait_for(job_id, timeout_s=120)
     assert record.attempts == 2
     assert_one_output_set(cluster, job_id, num_outputs=2)
-    assert record.error is None or str(record.state) == "succeeded"
+    retries = [e for e in cluster.store.events(job_id) if e.type == "queued" and e.seq > 1]
+    assert [e.payload["error"]["type"] for e in retries] == ["WorkerGroupDied"]
 
 
 def test_node_killed_mid_job_finishes_on_the_other_node(cluster_factory) -> None:

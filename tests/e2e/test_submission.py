@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from tasks.schemas import JobRequest, Lane
@@ -51,13 +48,7 @@ def test_submit_many_writes_in_bulk_and_every_job_runs(cluster_factory) -> None:
 def test_cli_wait_timeout_is_one_line(cluster_factory) -> None:
     cluster: Cluster = cluster_factory()
     job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=1)
-    result = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "wait", job_id, "--timeout", "0.5"],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = cluster.run_cli("wait", job_id, "--timeout", "0.5")
     assert result.returncode == 1
     assert "not finished" in result.stderr and "Traceback" not in result.stderr
 
