@@ -26,12 +26,19 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# Every test run starts from empty caches, as on a fresh machine: the model cache and every
+# other cache a library might write under ~/.cache, removed afterwards.
+COLD_CACHES = cache="$$(mktemp -d -t kiln-test-cache.XXXXXX)"; trap 'rm -rf "$$cache"' EXIT; \
+	export KILN_MODEL_CACHE="$$cache/models" XDG_CACHE_HOME="$$cache/xdg" HF_HOME="$$cache/hf" \
+	TORCHINDUCTOR_CACHE_DIR="$$cache/inductor" HF_HUB_OFFLINE=1 KILN_TEST_COLD_CACHE=1; \
+	url="$$(.ci/ensure-redis)" || exit 1; export KILN_TEST_REDIS_URL="$$url"
+
 test: lint
-	KILN_TEST_REDIS_URL="$$(.ci/ensure-redis)" $(BIN)/pytest $(PYTEST_ARGS)
+	@$(COLD_CACHES); set -x; $(BIN)/pytest $(PYTEST_ARGS)
 
 # While iterating: skips the slowest crash tests (CI runs them all).
 test-fast: lint
-	KILN_TEST_REDIS_URL="$$(.ci/ensure-redis)" $(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+	@$(COLD_CACHES); set -x; $(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/kiln demo

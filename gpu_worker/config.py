@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from gpu_worker.parallel import ParallelSpec
 from gpu_worker.settings import GpuWorkerSettings
@@ -16,6 +18,7 @@ class GroupConfig:
 
     `devices`: "cpu:2" expands to two CPU ranks (gloo); "cuda:0,cuda:1" (or one entry per
     device) to one rank per GPU (nccl). `pipelines` maps the names requests use to load specs.
+    `parallel` defaults to `auto`, which is `none` on one rank; `none` on several is refused.
     """
 
     devices: list[str]
@@ -40,7 +43,13 @@ class GroupConfig:
             raise ValueError("a worker group needs at least one pipeline")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
-        expand_devices(self.devices)  # fail on a malformed device list at construction
+        # Fail here, before any rank is spawned: a malformed or absent device, or ranks that
+        # would all compute the same thing.
+        world = check_devices(self.devices)
+        check_parallel(self.parallel, len(world))
+        if self.parallel.mode == "auto" and len(world) == 1:
+            # One rank has nothing to divide; ranks then log no "runs unsplit" warning either.
+            object.__setattr__(self, "parallel", replace(self.parallel, mode="none"))
 
     @classmethod
     def from_settings(
@@ -84,7 +93,7 @@ def expand_devices(devices: Sequence[str]) -> list[str]:
     for entry in devices:
         for item in (part.strip() for part in entry.split(",")):
             kind, _, index = item.partition(":")
-            if kind == "cpu":
+            if kind == "cpu" and (index.isdigit() or not index):
                 count = int(index) if index else 1
                 if count < 1:
                     raise ValueError(f"device {item!r}: need at least one CPU rank")
@@ -99,6 +108,34 @@ def expand_devices(devices: Sequence[str]) -> list[str]:
         raise ValueError(f"devices {devices}: a GPU appears twice")
     backend_for(world)
     return world
+
+
+def check_devices(devices: Sequence[str]) -> list[str]:
+    """`expand_devices`, also refusing a CUDA device this torch build or machine does not have."""
+    world = expand_devices(devices)
+    wanted = [int(device.split(":")[1]) for device in world if device.startswith("cuda:")]
+    if not wanted:
+        return world
+    if not torch.backends.cuda.is_built():
+        raise ValueError(
+            f"cuda:{wanted[0]} asked for, but this torch build ({torch.__version__}) has no CUDA; "
+            "use cpu:<ranks>, or install a CUDA build of torch"
+        )
+    count = torch.cuda.device_count()
+    missing = [index for index in wanted if index >= count]
+    if missing:
+        seen = ", ".join(f"cuda:{index}" for index in range(count)) or "none"
+        raise ValueError(f"cuda:{missing[0]} asked for, but the visible CUDA devices are: {seen}")
+    return world
+
+
+def check_parallel(spec: ParallelSpec, ranks: int) -> None:
+    """Refuse `none` on several ranks: each would compute every job in full, for nothing."""
+    if spec.mode == "none" and ranks > 1:
+        raise ValueError(
+            f"parallel mode 'none' on {ranks} ranks makes every rank compute every job in full; "
+            "use 'auto' (the default), 'batch' or 'context', or a single device"
+        )
 
 
 def backend_for(world: Sequence[str]) -> str:

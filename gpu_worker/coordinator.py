@@ -29,6 +29,7 @@ from gpu_worker.errors import (
     WorkerGroupDied,
 )
 from gpu_worker.group import WorkerGroup
+from gpu_worker.limits import DeclaredLimits
 from gpu_worker.protocol import (
     GenerationRequest,
     GenerationResult,
@@ -52,6 +53,7 @@ class Coordinator(GroupEvents):
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self._limits: dict[str, DeclaredLimits] = {}
 
     def start(self) -> None:
         """Spawn the group, load and warm up every pipeline; raise `RankStartupFailed`."""
@@ -95,6 +97,11 @@ class Coordinator(GroupEvents):
     def pipelines(self) -> list[str]:
         """Names of the pipelines this coordinator serves."""
         return sorted(self.config.pipelines)
+
+    def pipeline_limits(self) -> dict[str, DeclaredLimits]:
+        """What each pipeline declares it takes, as rank 0 loaded it (empty before `start`)."""
+        with self._cond:
+            return dict(self._limits)
 
     def stats(self) -> dict[str, Any]:
         """Counters for heartbeats and health checks."""
@@ -175,17 +182,31 @@ class Coordinator(GroupEvents):
                 ticket.fail(ticket.expired_in_queue_error())
 
     def _take_batch(self, now: float) -> tuple[list[Ticket], float | None]:
-        planned = plan_batch(self._queue, self.config.max_batch)
+        max_outputs = self._batch_cap()
+        planned = plan_batch(self._queue, max_outputs)
         deadlines = [t.deadline_at for t in self._queue if t.deadline_at is not None]
         next_deadline = min(deadlines) if deadlines else None
         if not planned:
             return [], next_deadline
-        wait_s = window_remaining(planned, self.config.max_batch, self.config.batch_window_s, now)
+        wait_s = window_remaining(planned, max_outputs, self.config.batch_window_s, now)
         if wait_s > 0:
             return [], min(now + wait_s, next_deadline or float("inf"))
         for ticket in planned:
             self._queue.remove(ticket)
         return planned, None
+
+    def _batch_cap(self) -> int:
+        """Outputs the next batch may hold: `max_batch`, within its pipeline's memory budget."""
+        # Requests that each fit the declared budget (pixels × frames × outputs) must not add up
+        # to a forward that does not; a first request over it still runs, alone.
+        if not self._queue:
+            return self.config.max_batch
+        oldest = self._queue[0].request  # plan_batch builds the batch around it
+        budget = self._limits.get(oldest.pipeline, {}).get("max_pixels_frames_outputs")
+        if budget is None:
+            return self.config.max_batch
+        per_output = oldest.width * oldest.height * oldest.num_frames
+        return max(1, min(self.config.max_batch, budget // max(1, per_output)))
 
     def _dispatch(self, planned: list[Ticket]) -> None:
         batch = []
@@ -278,6 +299,7 @@ class Coordinator(GroupEvents):
             raise RankStartupFailed(f"starting the worker group failed: {exc}") from exc
         with self._cond:
             self._group = group
+            self._limits = dict(group.limits)
 
     def _fail_queued(self, error: BaseException) -> None:
         with self._cond:

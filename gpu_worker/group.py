@@ -27,8 +27,12 @@ import torch.distributed as dist
 
 from gpu_worker.config import GroupConfig
 from gpu_worker.errors import RankStartupFailed, WorkerGroupDied
+from gpu_worker.limits import DeclaredLimits
+from gpu_worker.oom_kills import oom_kill_count
+from gpu_worker.pipelines import prepare_pipeline
 from gpu_worker.protocol import (
     CoordinatorCommand,
+    FailureKind,
     LeaderMessage,
     RankFailed,
     RankFault,
@@ -36,6 +40,7 @@ from gpu_worker.protocol import (
     ShutdownGroup,
 )
 from gpu_worker.rank import RankArgs, RankPipes, rank_main
+from gpu_worker.settings import GpuWorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +84,8 @@ class WorkerGroup:
         self._state_lock = threading.Lock()
         self._stopping = False
         self._dead_reason: str | None = None
+        self.limits: dict[str, DeclaredLimits] = {}  # per pipeline, as rank 0 loaded it
+        self._oom_kills_at_start: int | None = None
         self._monitor: threading.Thread | None = None
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
 
@@ -105,11 +112,13 @@ class WorkerGroup:
         """
         atexit.register(self.shutdown)
         try:
+            self._prepare_pipelines()
             self._spawn()
             self._await_ready()
         except BaseException:
             self.kill()
             raise
+        self._oom_kills_at_start = oom_kill_count()
         self._monitor = threading.Thread(target=self._watch, name="kiln-group-monitor", daemon=True)
         self._monitor.start()
 
@@ -133,6 +142,18 @@ class WorkerGroup:
         self._stop(ask=False, grace_s=0.0)
 
     # --- spawning ------------------------------------------------------------------------------
+
+    def _prepare_pipelines(self) -> None:
+        # Here, outside any process group: a pipeline built inside one is saved whole only on
+        # rank 0 (transformers), and ranks racing to build the same cache is wasted work.
+        settings = self.config.settings or GpuWorkerSettings()
+        for name, spec in self.config.pipelines.items():
+            try:
+                prepare_pipeline(spec, settings)
+            except Exception as exc:
+                raise RankStartupFailed(
+                    f"pipeline {name} ({spec}) could not be prepared: {exc}"
+                ) from exc
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
@@ -209,6 +230,8 @@ class WorkerGroup:
             except (EOFError, OSError):
                 message = None
         if isinstance(message, RankReady):
+            if rank == 0:
+                self.limits = dict(message.limits)
             del waiting[rank]
         elif isinstance(message, RankFailed):
             raise RankStartupFailed(f"rank {rank} failed to start:\n{message.message}")
@@ -244,6 +267,9 @@ class WorkerGroup:
             return
         if isinstance(message, (RankReady, RankFailed)):
             return
+        self._handle(message)
+
+    def _handle(self, message: GroupMessage) -> None:
         try:
             self._on_message(message)
         except Exception:  # a bad handler must not blind the monitor
@@ -257,6 +283,13 @@ class WorkerGroup:
         process = self._processes[rank]
         process.join(timeout=5.0)  # the sentinel closes a moment before the exit status exists
         reason = f"rank {rank} (pid {process.pid}) {describe_exit(process.exitcode)}"
+        oom_rank = self._oom_killed_rank()
+        if oom_rank is not None:
+            oom = f"rank {oom_rank} was killed by the kernel's out-of-memory killer (host memory)"
+            reason += f"; {oom}"
+            # Reported as that rank's own OOM: the request fails as OutOfMemory, not retryable,
+            # instead of killing the rebuilt group again on each retry.
+            self._handle(RankFault(oom_rank, None, FailureKind.OOM, oom, True))
         self._dead_reason = reason
         for other in self._processes:
             if other.is_alive():
@@ -267,6 +300,19 @@ class WorkerGroup:
             self._on_death(reason)
         except Exception:
             logger.exception("worker group death handler failed")
+
+    def _oom_killed_rank(self) -> int | None:
+        # A SIGKILL could come from anyone; the cgroup's OOM-kill count going up while this group
+        # lived says the kernel sent it. Looked at before we SIGKILL the other ranks ourselves.
+        killed = [
+            rank
+            for rank, process in enumerate(self._processes)
+            if not process.is_alive() and process.exitcode == -signal.SIGKILL
+        ]
+        if not killed or self._oom_kills_at_start is None:
+            return None
+        now = oom_kill_count()
+        return killed[0] if now is not None and now > self._oom_kills_at_start else None
 
     # --- the shutdown ladder -------------------------------------------------------------------
 

@@ -1,9 +1,17 @@
 """Division of one forward's work across the ranks of a group.
 
+- `auto` (the default): on one rank, `none`. On several, each forward is divided: its rows are
+  split when they divide evenly by the ranks (one all-gather, no attention traffic); otherwise
+  it runs context parallel when the model has a plan the ranks can run (on CPU: Ulysses, heads
+  divisible by the ranks) and this forward's sequence divides by the ranks; otherwise its rows
+  are split unevenly. A model without a usable plan is always split by rows. No row is computed
+  twice (a rank short of a row sits the forward out).
 - `batch`: the denoiser's `forward` is wrapped so that each rank computes a contiguous slice of
   the batch rows (the CFG unconditional/conditional halves and the multiple outputs), then the
   slices are all-gathered, so every rank holds the same full prediction and steps its scheduler
-  identically. Uneven splits are padded for the collective and trimmed after it.
+  identically. Uneven splits are padded for the collective and trimmed after it. A rank with no
+  row (fewer rows than ranks) computes nothing: it learns the output's layout from rank 0, which
+  always has a row, and takes its part of the all-gather.
 - `context`: diffusers' sequence parallelism (`ContextParallelConfig`, Ulysses or ring attention)
   for models that ship a context-parallel plan (`_cp_plan`: Wan, LTX, Flux, QwenImage, ...).
   diffusers 0.42's `enable_parallelism` computes `rank % torch.accelerator.device_count()`, which
@@ -11,12 +19,14 @@
   own pieces (`ParallelConfig.setup`, `apply_context_parallel`). On CPU only Ulysses runs: ring
   attention needs an attention backend that returns the log-sum-exp, and torch's native CPU
   attention does not. The CUDA path uses the public `enable_parallelism`.
+- `none`: every rank computes the whole forward; for one rank (`GroupConfig` refuses it on more).
 
 Every mode counts the denoiser's calls and rows on each rank (`denoiser_counters`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -26,26 +36,32 @@ import torch.distributed as dist
 
 from gpu_worker.pipelines.base import Pipeline
 
-ParallelMode = Literal["none", "batch", "context"]
+logger = logging.getLogger(__name__)
+
+ParallelMode = Literal["auto", "none", "batch", "context"]
 ContextKind = Literal["ulysses", "ring"]
+PARALLEL_MODES: tuple[ParallelMode, ...] = ("auto", "none", "batch", "context")
 
 _COUNTERS_ATTR = "_kiln_denoiser_counters"
 # Keyword arguments that are per-sequence, not per-row, even when their first dimension happens
 # to equal the batch size (Flux's position ids, precomputed rotary tables).
 _NOT_BATCHED = frozenset({"img_ids", "txt_ids", "image_rotary_emb", "rotary_emb", "freqs_cis"})
 _PRIMARY_INPUTS = ("sample", "hidden_states", "x")
+# diffusers' EquipartitionSharder asserts this when a sequence does not divide by the ranks; it
+# fails on every rank alike (same shapes), before the attention's collectives.
+_UNEVEN_SEQUENCE = "must be divisible by mesh size"
 
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """How a group divides a forward: none, batch split, or context (sequence) parallel."""
+    """How a group divides a forward: auto, none, batch split, or context (sequence) parallel."""
 
-    mode: ParallelMode = "none"
+    mode: ParallelMode = "auto"
     context_kind: ContextKind = "ulysses"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("none", "batch", "context"):
-            raise ValueError(f"parallel mode must be none|batch|context, got {self.mode!r}")
+        if self.mode not in PARALLEL_MODES:
+            raise ValueError(f"parallel mode must be {'|'.join(PARALLEL_MODES)}, got {self.mode!r}")
         if self.context_kind not in ("ulysses", "ring"):
             raise ValueError(f"context_kind must be ulysses|ring, got {self.context_kind!r}")
 
@@ -55,12 +71,13 @@ class DenoiserCounters:
     """Work done by this rank's denoiser since the last reset."""
 
     calls: int = 0
-    rows: int = 0  # batch rows computed for a result
-    padding_rows: int = 0  # rows computed only to keep a collective in step (batch < ranks)
+    rows: int = 0  # batch rows computed for a result (a context-parallel row counts whole)
+    idle_calls: int = 0  # forwards sat out: fewer rows than ranks left this rank none
+    context_calls: int = 0  # forwards run context parallel (a slice of every row's sequence)
 
     def reset(self) -> None:
         """Zero every counter."""
-        self.calls = self.rows = self.padding_rows = 0
+        self.calls = self.rows = self.idle_calls = self.context_calls = 0
 
 
 def apply_parallel(
@@ -73,18 +90,13 @@ def apply_parallel(
     """
     denoiser = pipeline.denoiser()
     if denoiser is None:
-        if spec.mode == "none":
-            return
+        if spec.mode in ("none", "auto"):
+            return  # nothing to divide; a pipeline without a denoiser module runs as it is
         raise ValueError(f"{pipeline.name}: no denoiser module, so no {spec.mode} parallelism")
     if hasattr(denoiser, _COUNTERS_ATTR):
         raise RuntimeError(f"{pipeline.name}: parallelism is already applied")
     counters = DenoiserCounters()
-    if spec.mode == "context":
-        _enable_context_parallel(denoiser, spec.context_kind)
-    if spec.mode == "batch":
-        wrapped = _batch_split_forward(denoiser.forward, counters, group)
-    else:
-        wrapped = _counting_forward(denoiser.forward, counters)
+    wrapped = _wrap_forward(denoiser, spec, counters, group)
     # An instance attribute shadows the class method: `.config`, `.dtype`, hooks keep working.
     denoiser.forward = wrapped
     setattr(denoiser, _COUNTERS_ATTR, counters)
@@ -96,12 +108,38 @@ def denoiser_counters(pipeline: Pipeline) -> DenoiserCounters | None:
     return getattr(denoiser, _COUNTERS_ATTR, None) if denoiser is not None else None
 
 
+def _wrap_forward(
+    denoiser: torch.nn.Module,
+    spec: ParallelSpec,
+    counters: DenoiserCounters,
+    group: dist.ProcessGroup | None,
+) -> Callable[..., Any]:
+    ranks = _group_size(group)
+    if spec.mode == "none" or (spec.mode == "auto" and ranks == 1):
+        return _counting_forward(denoiser.forward, counters, context=False)
+    if spec.mode == "batch":
+        return _batch_split_forward(denoiser.forward, counters, group)
+    if spec.mode == "context":
+        _enable_context_parallel(denoiser, spec.context_kind)
+        return _counting_forward(denoiser.forward, counters, context=ranks > 1)
+    switch = _auto_context(denoiser, spec.context_kind)
+    if switch is None:
+        return _batch_split_forward(denoiser.forward, counters, group)
+    # Captured after enabling: diffusers' root hook replaces `forward` with the hooked one.
+    return _auto_forward(denoiser.forward, switch, counters, group)
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
 def _counting_forward(
-    original: Callable[..., Any], counters: DenoiserCounters
+    original: Callable[..., Any], counters: DenoiserCounters, context: bool
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         counters.calls += 1
         counters.rows += _batch_rows(args, kwargs) or 0
+        counters.context_calls += int(context)
         return original(*args, **kwargs)
 
     return forward
@@ -110,29 +148,68 @@ def _counting_forward(
 def _batch_split_forward(
     original: Callable[..., Any], counters: DenoiserCounters, group: dist.ProcessGroup | None
 ) -> Callable[..., Any]:
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-
     def forward(*args: Any, **kwargs: Any) -> Any:
         counters.calls += 1
         rows = _batch_rows(args, kwargs)
         if rows is None:  # nothing batch-shaped: every rank computes the same thing
             return original(*args, **kwargs)
-        sizes = split_sizes(rows, world)
-        start = sum(sizes[:rank])
-        stop = start + sizes[rank]
-        if sizes[rank] == 0:
-            # More ranks than rows: compute one row anyway to learn the output's shape for the
-            # all-gather; it is dropped after.
-            start, stop = rows - 1, rows
-            counters.padding_rows += 1
+        return _split_rows(original, args, kwargs, rows, counters, group)
+
+    return forward
+
+
+def _auto_forward(
+    original: Callable[..., Any],
+    switch: _ContextSwitch,
+    counters: DenoiserCounters,
+    group: dist.ProcessGroup | None,
+) -> Callable[..., Any]:
+    ranks = dist.get_world_size(group)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        counters.calls += 1
+        rows = _batch_rows(args, kwargs)
+        if rows is not None and rows % ranks == 0:
+            switch.set(False)  # an even row split needs one all-gather, no attention traffic
+            return _split_rows(original, args, kwargs, rows, counters, group)
+        switch.set(True)
+        try:
+            output = original(*args, **kwargs)
+        except AssertionError as exc:
+            if rows is None or _UNEVEN_SEQUENCE not in str(exc):
+                raise
+            switch.set(False)  # this sequence does not divide by the ranks: split rows instead
+            return _split_rows(original, args, kwargs, rows, counters, group)
+        counters.rows += rows or 0
+        counters.context_calls += 1
+        return output
+
+    return forward
+
+
+def _split_rows(
+    original: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rows: int,
+    counters: DenoiserCounters,
+    group: dist.ProcessGroup | None,
+) -> Any:
+    rank = dist.get_rank(group)
+    sizes = split_sizes(rows, dist.get_world_size(group))
+    start = sum(sizes[:rank])
+    stop = start + sizes[rank]
+    local: Any = None
+    if sizes[rank]:
         counters.rows += sizes[rank]
         local = original(
             *_take_rows(args, rows, start, stop), **_take_rows(kwargs, rows, start, stop)
         )
-        return _gather(local, stop - start, sizes, group)
-
-    return forward
+    else:
+        counters.idle_calls += 1
+    if 0 in sizes:
+        local = _share_layout(local, sizes[0], _input_device(args, kwargs), group)
+    return _gather(local, sizes[rank], sizes, group)
 
 
 def split_sizes(rows: int, world: int) -> list[int]:
@@ -142,10 +219,20 @@ def split_sizes(rows: int, world: int) -> list[int]:
 
 
 def _batch_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    primary = args[0] if args else next((kwargs[k] for k in _PRIMARY_INPUTS if k in kwargs), None)
+    primary = _primary_input(args, kwargs)
     if isinstance(primary, torch.Tensor) and primary.ndim > 0:
         return int(primary.shape[0])
     return None
+
+
+def _primary_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else next((kwargs[k] for k in _PRIMARY_INPUTS if k in kwargs), None)
+
+
+def _input_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    primary = _primary_input(args, kwargs)
+    assert isinstance(primary, torch.Tensor)  # only called once `_batch_rows` found rows
+    return primary.device
 
 
 def _take_rows(value: Any, rows: int, start: int, stop: int) -> Any:
@@ -158,6 +245,40 @@ def _take_rows(value: Any, rows: int, start: int, stop: int) -> Any:
         }
     if type(value) in (tuple, list):
         return type(value)(_take_rows(item, rows, start, stop) for item in value)
+    return value
+
+
+def _share_layout(
+    local: Any, leader_rows: int, device: torch.device, group: dist.ProcessGroup | None
+) -> Any:
+    """Rank 0's output layout to the ranks that computed nothing: row tensors empty, the rest whole.
+
+    One small object broadcast per forward, and only while a forward has fewer rows than ranks.
+    """
+    holder = [_layout(local, leader_rows) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(holder, group_src=0, group=group)
+    return local if local is not None else _to_device(holder[0], device)
+
+
+def _layout(value: Any, local_rows: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.ndim > 0 and value.shape[0] == local_rows:
+            return torch.empty((0, *value.shape[1:]), dtype=value.dtype)
+        return value.detach().cpu()  # not per row: every rank gets rank 0's
+    if isinstance(value, dict):
+        return type(value)(**{key: _layout(item, local_rows) for key, item in value.items()})
+    if type(value) in (tuple, list):
+        return type(value)(_layout(item, local_rows) for item in value)
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)(**{key: _to_device(item, device) for key, item in value.items()})
+    if type(value) in (tuple, list):
+        return type(value)(_to_device(item, device) for item in value)
     return value
 
 
@@ -184,6 +305,69 @@ def _all_gather_rows(
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)])
+
+
+def _auto_context(denoiser: torch.nn.Module, kind: ContextKind) -> _ContextSwitch | None:
+    """Context parallel for `auto`, when this model and these ranks can run it; else None."""
+    name = type(denoiser).__name__
+    if getattr(denoiser, "_cp_plan", None) is None:
+        return None
+    if next(denoiser.parameters()).device.type == "cpu":
+        kind = "ulysses"  # the only kind CPU attention can run
+    try:
+        _enable_context_parallel(denoiser, kind)
+    except ValueError as exc:  # e.g. heads not divisible by ranks: rows are still split
+        logger.info("%s: no context parallel (%s); its forwards split rows only", name, exc)
+        return None
+    return _ContextSwitch(denoiser)
+
+
+class _ContextSwitch:
+    """Turns a model's context parallelism off and on between forwards.
+
+    diffusers enables it as hooks on submodules plus a `_parallel_config` on the attention
+    processors. Removing the hooks would also reset the model's `forward`, which Kiln's wrapper
+    replaced, so the hooks stay registered and their pre/post steps are swapped for pass-through
+    ones while it is off (diffusers 0.42 internals: `ModelHook.fn_ref`).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from diffusers.hooks.context_parallel import (
+            ContextParallelGatherHook,
+            ContextParallelSplitHook,
+        )
+
+        hook_types = (ContextParallelGatherHook, ContextParallelSplitHook)
+        self._refs: list[tuple[Any, Any, Any]] = []
+        self._configs: list[tuple[Any, Any]] = []
+        for module in model.modules():
+            registry: Any = getattr(module, "_diffusers_hook", None)
+            hooks = registry.hooks.values() if registry is not None else ()
+            for hook in (h for h in hooks if isinstance(h, hook_types)):
+                self._refs.append((hook.fn_ref, hook.fn_ref.pre_forward, hook.fn_ref.post_forward))
+            for owner in (module, getattr(module, "processor", None)):
+                config = getattr(owner, "_parallel_config", None)
+                if config is not None:
+                    self._configs.append((owner, config))
+        self.on = True
+
+    def set(self, on: bool) -> None:
+        """Context parallel for the next forwards (`on`), or a plain forward on every rank."""
+        if on == self.on:
+            return
+        for ref, pre, post in self._refs:
+            ref.pre_forward, ref.post_forward = (pre, post) if on else (_pass_inputs, _pass_output)
+        for owner, config in self._configs:
+            owner._parallel_config = config if on else None
+        self.on = on
+
+
+def _pass_inputs(module: Any, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return args, kwargs
+
+
+def _pass_output(module: Any, output: Any) -> Any:
+    return output
 
 
 def _enable_context_parallel(denoiser: torch.nn.Module, kind: ContextKind) -> None:

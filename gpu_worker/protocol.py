@@ -11,6 +11,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from gpu_worker.limits import DeclaredLimits
 from gpu_worker.shm import FrameDescriptor
 
 
@@ -159,10 +160,11 @@ class BatchFailed:
 
 @dataclass(frozen=True)
 class RankReady:
-    """Rank -> group owner: loaded, parallelised, warmed up."""
+    """Rank -> group owner: loaded, parallelised, warmed up; with its pipelines' limits."""
 
     rank: int
     pid: int
+    limits: dict[str, DeclaredLimits] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from gpu_worker.errors import UnsupportedRequest
 from gpu_worker.forward import ForwardResult, LeaderLink, StepSync, run_forward
 from gpu_worker.leader import report_batch, screen_batch
+from gpu_worker.limits import declared_limits
 from gpu_worker.parallel import ParallelSpec, apply_parallel
 from gpu_worker.pipelines import Pipeline, load_pipeline
 from gpu_worker.protocol import (
@@ -95,10 +96,11 @@ def rank_main(args: RankArgs, pipes: RankPipes) -> None:
     )
     try:
         runtime = start_rank(args)
+        limits = {name: declared_limits(pipeline) for name, pipeline in runtime.pipelines.items()}
     except BaseException:
         _send_quietly(pipes.status, RankFailed(args.rank, traceback.format_exc()))
         _exit(1)
-    pipes.status.send(RankReady(args.rank, os.getpid()))
+    pipes.status.send(RankReady(args.rank, os.getpid(), limits))
     try:
         if args.rank == 0:
             assert pipes.commands is not None and pipes.results is not None

@@ -47,6 +47,8 @@ def redis_client(settings: StorageSettings) -> redis.Redis[str]:
         decode_responses=True,
         socket_timeout=settings.redis_socket_timeout_s,
         socket_connect_timeout=settings.redis_connect_timeout_s,
+        # bounded, so a flood of clients fails fast instead of opening Redis connections unbounded
+        max_connections=settings.redis_max_connections,
         # a few quick retries ride out a blip; longer outages surface as StorageUnavailable
         # (retryable) instead of stalling the caller for seconds
         retry=Retry(EqualJitterBackoff(cap=0.5, base=0.05), 3),

@@ -30,3 +30,7 @@ class NodeOps(StoreBase):
             "live_nodes", [self.keys.nodes], [self.keys.node_prefix]
         )
         return [json.loads(info) for info in infos]
+
+    def served_pipelines(self) -> set[str]:
+        """Names of the pipelines that some live node serves right now (from the heartbeats)."""
+        return {str(name) for node in self.live_nodes() for name in node.get("pipelines", [])}

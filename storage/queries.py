@@ -53,6 +53,13 @@ class QueryOps(StoreBase):
         return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
 
     @redis_boundary
+    def latest_events(self, job_id: str, count: int = 32) -> list[JobEvent]:
+        """The job's newest `count` events, newest first (an unknown job has none)."""
+        self._require_id(job_id)
+        entries = self.redis.xrevrange(self.keys.events(job_id), "+", "-", count=count)
+        return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
+
+    @redis_boundary
     def queue_depth(self) -> int:
         """Jobs in `queued` (a counter the transition scripts move)."""
         return int(self.redis.get(self.keys.queue_depth) or 0)

@@ -34,6 +34,9 @@ class StorageSettings(BaseSettings):
         default=30.0, gt=0, description="Redis socket timeout; also caps blocking event reads."
     )
     redis_connect_timeout_s: float = Field(default=5.0, gt=0, description="Redis connect timeout.")
+    redis_max_connections: int = Field(
+        default=128, ge=1, description="Size of each process's Redis connection pool."
+    )
     storage_url: str = Field(
         default="file://./kiln-outputs",
         description="Where outputs go: `s3://bucket/prefix` or `file:///absolute/path`.",

@@ -1,8 +1,9 @@
 """The HTTP API (FastAPI): `create_app` builds it, `serve_api` runs it under uvicorn (`kiln api`).
 
 Routes live in `tasks.api_routes`; this module wires the parts they share (`ApiContext`), the error
-translation (storage errors → 409/503, submit refusals → 422 in FastAPI's own error shape) and the
-body size limit.
+translation (`tasks.api_errors`: storage errors → 409/503, refusals → 422 in FastAPI's own error
+shape), the body size limit, and checks at start-up that event streams leave Redis connections
+for everything else. `tasks.http_guard` holds the connection-level limits uvicorn runs with.
 """
 
 from __future__ import annotations
@@ -12,25 +13,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import uvicorn
 from celery import Celery
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 
 from storage.apikeys import ApiKeyStore
 from storage.errors import IdempotencyConflict, StorageUnavailable
 from storage.objects import ObjectStore, open_object_store
 from storage.settings import StorageSettings
 from storage.status import JobStore
+from tasks.api_errors import idempotency_conflict, storage_unavailable, validation_error
 from tasks.app import make_celery_app
 from tasks.auth import Authenticator
+from tasks.http_guard import uvicorn_config
 from tasks.http_limits import BodySizeLimit
 from tasks.settings import KilnSettings
+from tasks.sse import StreamSlots
 from tasks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
 from tasks.submit import Submitter, celery_publisher
 
 log = logging.getLogger(__name__)
 API_VERSION = "1.0.0"
-SSE_MAX_CONCURRENT_READS = 256
+# Sync routes and dependencies run in anyio's default thread pool (40 threads); each may hold a
+# Redis connection while it runs, so that many must stay free of event streams.
+API_THREADS = 40
 
 
 @dataclass
@@ -44,10 +51,13 @@ class ApiContext:
     auth: Authenticator
     celery: Celery | None
     policy: UrlPolicy
+    sse_slots: StreamSlots
     resolve: Resolver = system_resolver
-    sse_limiter: anyio.CapacityLimiter = field(
-        default_factory=lambda: anyio.CapacityLimiter(SSE_MAX_CONCURRENT_READS)
-    )
+    # threads for the streams' blocking reads; a stream has one read at a time, so one per slot
+    sse_limiter: anyio.CapacityLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sse_limiter = anyio.CapacityLimiter(self.sse_slots.total)
 
 
 def build_context(
@@ -71,19 +81,25 @@ def build_context(
         ),
         celery=celery,
         policy=policy_from(settings.webhook_allow_http, settings.webhook_allow_hosts),
+        sse_slots=StreamSlots(settings.sse_max_streams_per_key, settings.sse_max_streams_total),
         resolve=resolve,
     )
 
 
-async def _storage_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(
-        {"detail": f"job store unavailable: {exc}"}, status_code=503, headers={"Retry-After": "1"}
-    )
-
-
-async def _idempotency_conflict(request: Request, exc: Exception) -> JSONResponse:
-    detail = "Idempotency-Key was already used with a different request body"
-    return JSONResponse({"detail": detail}, status_code=409)
+def check_connection_budget(settings: KilnSettings, storage_settings: StorageSettings) -> None:
+    """Refuse to start when event streams could take the Redis connections requests need."""
+    per_key, total = settings.sse_max_streams_per_key, settings.sse_max_streams_total
+    pool = storage_settings.redis_max_connections
+    if per_key > total:
+        raise ValueError(
+            f"KILN_SSE_MAX_STREAMS_PER_KEY ({per_key}) is above "
+            f"KILN_SSE_MAX_STREAMS_TOTAL ({total})"
+        )
+    if total + API_THREADS > pool:
+        raise ValueError(
+            f"KILN_SSE_MAX_STREAMS_TOTAL ({total}) plus the API's {API_THREADS} request threads "
+            f"is above KILN_REDIS_MAX_CONNECTIONS ({pool}): streams could starve requests"
+        )
 
 
 def create_app(
@@ -95,18 +111,20 @@ def create_app(
     """The FastAPI app; pass `context` to supply prebuilt parts (tests: a resolver)."""
     from tasks.api_routes import router
 
+    check_connection_budget(settings, storage_settings)
     ctx = context or build_context(settings, storage_settings)
     if not settings.auth_enabled:
         log.warning("AUTH IS DISABLED (KILN_AUTH_ENABLED=false): every caller is an admin")
     app = FastAPI(
         title="Kiln",
         version=API_VERSION,
-        description="Durable queue for GPU image and video generation jobs (DESIGN.md §3).",
+        description="Durable queue for GPU image and video generation jobs.",
     )
     app.state.kiln = ctx
     app.include_router(router)
-    app.add_exception_handler(StorageUnavailable, _storage_unavailable)
-    app.add_exception_handler(IdempotencyConflict, _idempotency_conflict)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StorageUnavailable, storage_unavailable)
+    app.add_exception_handler(IdempotencyConflict, idempotency_conflict)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app
 
@@ -119,12 +137,9 @@ def serve_api(
     **uvicorn_options: Any,
 ) -> None:
     """Run the API under uvicorn until interrupted (what `kiln api` calls)."""
-    import uvicorn
-
     app = create_app(settings, storage_settings)
-    uvicorn.run(
-        app,
-        host=host or settings.api_host,
-        port=port if port is not None else settings.api_port,
-        **uvicorn_options,
-    )
+    if host:
+        uvicorn_options["host"] = host
+    if port is not None:
+        uvicorn_options["port"] = port
+    uvicorn.Server(uvicorn_config(app, settings, **uvicorn_options)).run()

@@ -47,23 +47,29 @@ def no_unknown_query(request: Request) -> None:
         )
 
 
+RETRY_AFTER_DOC = {
+    "Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer"}}
+}
+
+
 def error_docs(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` entries for error statuses with an `ErrorBody`."""
     docs: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in codes}
     if 429 in docs:
-        docs[429]["headers"] = {
-            "Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer"}}
-        }
+        docs[429]["headers"] = RETRY_AFTER_DOC
     return docs
 
 
 def json_error_docs(*codes: int) -> dict[int | str, dict[str, Any]]:
     """Like `error_docs`, for routes whose success is not JSON (their errors still are)."""
     schema = {"$ref": "#/components/schemas/ErrorBody"}
-    return {
+    docs: dict[int | str, dict[str, Any]] = {
         code: {"description": "Error", "content": {"application/json": {"schema": schema}}}
         for code in codes
     }
+    if 429 in docs:
+        docs[429]["headers"] = RETRY_AFTER_DOC
+    return docs
 
 
 def context(request: Request) -> ApiContext:

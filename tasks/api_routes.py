@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
 from storage.keys import valid_id
 from storage.status import JobRecord, JobState
@@ -22,6 +27,7 @@ from tasks.api_deps import (
     no_unknown_query,
     visible_job,
 )
+from tasks.api_limits import refuse_over_limits
 from tasks.api_models import (
     CancelResult,
     Health,
@@ -32,13 +38,20 @@ from tasks.api_models import (
     WebhookAttempts,
     WebhookAttemptView,
 )
+from tasks.auth import Principal
+from tasks.json_guard import StrictJsonRoute
 from tasks.schemas import JobRequest, JobStatus, JobView, job_view
 from tasks.sse import EventStream
 from tasks.ssrf import UnsafeUrl, check_url
 from tasks.submit import UnknownPipeline
 from tasks.webhooks import enqueue_webhook_events
 
-router = APIRouter(dependencies=[Depends(no_unknown_query)])
+log = logging.getLogger(__name__)
+REDIS_DOWN = "job store (Redis) unavailable"
+router = APIRouter(dependencies=[Depends(no_unknown_query)], route_class=StrictJsonRoute)
+# Event ids are Redis stream ids `<seq>-0`, and Redis takes at most 64 bits: above that the stream
+# read fails after the 200 has gone out.
+MAX_SEQ = 2**64 - 1
 
 
 def _admit(ctx: ApiContext) -> None:
@@ -54,6 +67,7 @@ def _check_request(ctx: ApiContext, request: JobRequest) -> None:
         msg = f"unknown pipeline {request.pipeline!r}; served: {', '.join(known) or 'none'}"
         loc = ("body", "pipeline")
         raise field_error(loc, msg, "unknown_pipeline", request.pipeline, known=known)
+    refuse_over_limits(ctx.submitter, request)
     if request.webhook is None:
         return
     url_loc = ("body", "webhook", "url")
@@ -100,14 +114,20 @@ def submit_job(
         raise field_error(
             ("body", "pipeline"), str(exc), "unknown_pipeline", exc.name, known=exc.known
         ) from exc
+    except ValidationError as exc:
+        # The Submitter re-checks limits against heartbeats that may have changed since
+        # _check_request: still the caller's request that is over them, so still a 422.
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]
+        raise RequestValidationError(errors) from exc
     response.status_code = 201 if created else 200
-    return job_view(record, ctx.objects)
+    return job_view(record, ctx.objects, ctx.store.served_pipelines())
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=JOB_ERRORS, tags=["jobs"])
 def get_job(ctx: Ctx, caller: Caller, job_id: JobId) -> JobView:
     """A job's view; output URLs are presigned now."""
-    return job_view(visible_job(ctx, caller, job_id), ctx.objects)
+    record = visible_job(ctx, caller, job_id)
+    return job_view(record, ctx.objects, ctx.store.served_pipelines())
 
 
 @router.post(
@@ -128,9 +148,18 @@ def cancel_job(ctx: Ctx, caller: Caller, job_id: JobId) -> CancelResult:
 
 
 class EventStreamResponse(StreamingResponse):
-    """`text/event-stream` response."""
+    """`text/event-stream` response; `on_close` runs when it ends, however it ends."""
 
     media_type = "text/event-stream"
+    on_close: Callable[[], None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream, then run `on_close` (end of stream, client gone, or an error)."""
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
 
 EVENTS_DOC: dict[int | str, dict[str, Any]] = {
@@ -139,7 +168,7 @@ EVENTS_DOC: dict[int | str, dict[str, Any]] = {
         "JSON ({seq, type, time, payload}). Ends after the terminal event.",
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     },
-    **json_error_docs(401, 403, 404),
+    **json_error_docs(401, 403, 404, 429),
 }
 
 
@@ -153,14 +182,23 @@ def job_events(
     ctx: Ctx,
     caller: Caller,
     job_id: JobId,
-    after: Annotated[int | None, Query(ge=0, description="Resume after this seq.")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=MAX_SEQ, description="Resume after this seq.")
+    ] = None,
     last_event_id: Annotated[
-        int | None, Header(alias="Last-Event-ID", ge=0, description="SSE resume (wins over after).")
+        int | None,
+        Header(alias="Last-Event-ID", ge=0, le=MAX_SEQ, description="SSE resume (wins over after)"),
     ] = None,
 ) -> EventStreamResponse:
     """The job's events as server-sent events, from the start or after a seq."""
     visible_job(ctx, caller, job_id)
     start = last_event_id if last_event_id is not None else (after or 0)
+    release = ctx.sse_slots.acquire(caller.key_id or "-")
+    if release is None:
+        retry_after = str(ctx.settings.sse_busy_retry_after_s)
+        raise HTTPException(
+            429, "too many open event streams; retry later", headers={"Retry-After": retry_after}
+        )
     stream = EventStream(
         ctx.store,
         job_id,
@@ -169,9 +207,11 @@ def job_events(
         keepalive_s=ctx.settings.sse_keepalive_s,
         limiter=ctx.sse_limiter,
     )
-    return EventStreamResponse(
+    response = EventStreamResponse(
         stream.frames(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
+    response.on_close = release
+    return response
 
 
 @router.get("/v1/jobs", response_model=JobList, responses=error_docs(401, 403), tags=["jobs"])
@@ -230,8 +270,22 @@ def webhook_attempts(ctx: Ctx, caller: Caller, job_id: JobId) -> WebhookAttempts
 
 @router.get("/v1/nodes", response_model=NodeList, responses=AUTH_ERRORS, tags=["operations"])
 def nodes(ctx: Ctx, caller: Caller) -> NodeList:
-    """Live worker nodes from their heartbeats."""
-    return NodeList(nodes=ctx.store.live_nodes())
+    """Live worker nodes from their heartbeats; process ids for admin keys only."""
+    return NodeList(nodes=[_node_for(caller, node) for node in ctx.store.live_nodes()])
+
+
+PID_KEYS = frozenset({"pid", "pids"})
+
+
+def _node_for(caller: Principal, info: Any) -> Any:
+    # Process ids help an operator (and an attacker on the host): admin keys only.
+    if caller.admin:
+        return info
+    if isinstance(info, dict):
+        return {k: _node_for(caller, v) for k, v in info.items() if k not in PID_KEYS}
+    if isinstance(info, list):
+        return [_node_for(caller, item) for item in info]
+    return info
 
 
 @router.get("/v1/pipelines", response_model=PipelineList, responses=AUTH_ERRORS, tags=["jobs"])
@@ -259,8 +313,10 @@ def readyz(
     try:
         nodes = ctx.store.live_nodes()
     except Exception as exc:  # readiness reports any failure, it never raises
+        # a fixed reason: the error text names hosts and ports (it stays in the log)
+        log.warning("readiness: the job store did not answer: %s", exc)
         body = Readiness(
-            ready=False, redis=False, live_nodes=0, served_pipelines=[], reason=str(exc)
+            ready=False, redis=False, live_nodes=0, served_pipelines=[], reason=REDIS_DOWN
         )
         return JSONResponse(body.model_dump(mode="json"), status_code=503)
     served = sorted({str(p) for node in nodes for p in node.get("pipelines", [])})

@@ -1,4 +1,4 @@
-"""The Celery app and its reliability configuration (DESIGN.md §4).
+"""The Celery app and its reliability configuration (docs/operations.md §5).
 
 Importing this module never imports torch: producers publish by task name, and only the node
 worker imports `tasks.jobs`, where the GPU work lives.

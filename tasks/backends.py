@@ -8,7 +8,7 @@ from tasks.schemas import JobRequest, JobView, job_view
 
 
 class JobsBackend(Protocol):
-    """The four job operations the CLI needs."""
+    """The three job operations the CLI needs."""
 
     def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView: ...
 
@@ -35,11 +35,11 @@ class DirectBackend:
     def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
         """Accept a job; an idempotent repeat returns the existing one."""
         record, _ = self.submitter.submit(request, idempotency_key=idempotency_key)
-        return job_view(record, self.objects)
+        return job_view(record, self.objects, self.store.served_pipelines())
 
     def get(self, job_id: str) -> JobView:
         """The job's current view."""
-        return job_view(self.store.get(job_id), self.objects)
+        return job_view(self.store.get(job_id), self.objects, self.store.served_pipelines())
 
     def cancel(self, job_id: str) -> JobView:
         """Cancel (queued: at once; running: at its next step)."""

@@ -15,6 +15,8 @@ from pydantic import ValidationError
 
 EXIT_JOB_FAILED = 1
 EXIT_USAGE = 2
+EXIT_WAIT_TIMEOUT = 3  # `--timeout` ran out before the jobs finished
+EXIT_NOT_SERVED = 4  # no live node serves the job's pipeline (see --wait-for-node)
 
 
 class UsageError(Exception):
@@ -46,7 +48,16 @@ def _add_submit(sub: Any) -> None:
     p.add_argument("--idempotency-key")
     p.add_argument("--wait", action="store_true", help="show progress and wait for the outputs")
     p.add_argument("--timeout", type=float, help="seconds to wait with --wait")
+    _wait_for_node_arg(p)
     _job_args(p)
+
+
+def _wait_for_node_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wait-for-node",
+        action="store_true",
+        help="keep waiting while no live node serves the job's pipeline (default: exit 4)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long an idle group waits for compatible jobs to batch with the first "
         "(jobs that queue up while the group is busy are batched anyway)",
     )
-    w.add_argument("--parallel", choices=["none", "batch", "context"], default="none")
+    w.add_argument(
+        "--parallel",
+        choices=["auto", "none", "batch", "context"],
+        default="auto",
+        help="how ranks share a job: auto = split batch rows, context parallel where the model "
+        "has a plan (none is for one device)",
+    )
     w.add_argument("--concurrency", type=int)
     w.add_argument("--webhooks", action="store_true", help="also deliver webhooks")
     w.add_argument("--node-id")
@@ -79,11 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         _job_args(p)
     p = sub.add_parser("wait", help="wait for jobs to finish, with progress")
     p.add_argument("job_ids", nargs="+")
-    p.add_argument("--timeout", type=float)
+    p.add_argument("--timeout", type=float, help="seconds to wait; exit 3 when they run out")
+    _wait_for_node_arg(p)
     _job_args(p)
     a = sub.add_parser("api", help="serve the HTTP API")
-    a.add_argument("--host", default="127.0.0.1")
-    a.add_argument("--port", type=int, default=8000)
+    a.add_argument("--host", help="listen address (default: KILN_API_HOST, else 127.0.0.1)")
+    a.add_argument("--port", type=int, help="listen port (default: KILN_API_PORT, else 8000)")
     k = sub.add_parser("keys", help="manage API keys")
     k.add_argument("action", choices=["create", "list", "revoke"])
     k.add_argument("name_or_id", nargs="?")
@@ -104,36 +122,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kiln: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ValidationError as exc:
-        print(f"kiln: invalid job: {_validation_line(exc)}", file=sys.stderr)
+        print(f"kiln: {_validation_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a known failure of a dependency is still one line, not a trace
-        line = _known_error_line(exc)
-        if line is None:
+        known = _known_error(exc)
+        if known is None:
             raise
+        line, code = known
         print(f"kiln: {line}", file=sys.stderr)
-        return EXIT_JOB_FAILED
+        return code
 
 
 def _validation_line(exc: ValidationError) -> str:
-    return "; ".join(
+    # Settings classes are named *Settings and read KILN_* variables: name the variable.
+    if exc.title.endswith("Settings"):
+        return "; ".join(
+            f"invalid setting {_env_name(err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+    return "invalid job: " + "; ".join(
         f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}" for err in exc.errors()
     )
 
 
-def _known_error_line(exc: Exception) -> str | None:
+def _env_name(loc: tuple[int | str, ...]) -> str:
+    return "KILN_" + str(loc[0]).upper() if loc else "KILN_*"
+
+
+def _known_error(exc: Exception) -> tuple[str, int] | None:
     from storage.errors import JobNotFound, StorageError
+    from tasks.embedded import DemoFailed
+    from tasks.progress_display import JobWaitTimeout
     from tasks.submit import UnknownPipeline
 
     if isinstance(exc, JobNotFound):
-        return f"no such job: {exc}"
-    if isinstance(exc, StorageError | UnknownPipeline):
-        return str(exc)
+        return f"no such job: {exc}", EXIT_JOB_FAILED
+    if isinstance(exc, JobWaitTimeout):
+        return str(exc), EXIT_WAIT_TIMEOUT
+    if isinstance(exc, StorageError | UnknownPipeline | DemoFailed):
+        return str(exc), EXIT_JOB_FAILED
     from tasks.client import KilnError
 
-    if isinstance(exc, KilnError | TimeoutError):  # API errors; `wait --timeout` ran out
-        return str(exc)
+    if isinstance(exc, KilnError):  # the API refused or failed the request
+        return str(exc), EXIT_JOB_FAILED
     return None
 
 
@@ -158,4 +190,8 @@ def print_json(data: Any) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m tasks.cli` runs this file as __main__; the subcommands import `tasks.cli`, so
+    # the real module's `main` must run, or its UsageError would be a different class here.
+    from tasks.cli import main as real_main
+
+    sys.exit(real_main())

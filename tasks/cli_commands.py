@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tasks.backends import DirectBackend, HttpBackend, JobsBackend
-from tasks.cli import EXIT_JOB_FAILED, UsageError, print_json
+from tasks.cli import EXIT_JOB_FAILED, EXIT_NOT_SERVED, UsageError, print_json
 from tasks.progress_display import wait_for_jobs
 from tasks.schemas import JobRequest, JobView
 
@@ -101,7 +101,10 @@ def cmd_api(args: argparse.Namespace) -> int:
     from tasks.api import serve_api
     from tasks.settings import KilnSettings
 
-    serve_api(KilnSettings(), StorageSettings(), args.host, args.port)
+    settings = KilnSettings()
+    host = args.host if args.host is not None else settings.api_host
+    port = args.port if args.port is not None else settings.api_port
+    serve_api(settings, StorageSettings(), host, port)
     return 0
 
 
@@ -120,6 +123,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _wait_and_show(args: argparse.Namespace, backend: JobsBackend, job_ids: list[str]) -> int:
+    if not args.wait_for_node:
+        unserved = [view for view in map(backend.get, job_ids) if view.waiting_for]
+        if unserved:
+            for view in unserved:
+                print(f"kiln: job {view.id}: {view.waiting_for}", file=sys.stderr)
+            print("kiln: not waiting; pass --wait-for-node to wait anyway", file=sys.stderr)
+            return EXIT_NOT_SERVED
     show_bars = not args.json and sys.stderr.isatty()
     views = wait_for_jobs(
         backend, job_ids, timeout_s=args.timeout, show=show_bars, console=Console(stderr=True)
@@ -146,6 +156,8 @@ def job_table(view: JobView) -> Table:
     """A human view of one job."""
     table = Table(title=f"job {view.id}", show_header=False)
     table.add_row("status", view.status)
+    if view.waiting_for:
+        table.add_row("waiting for", view.waiting_for)
     if view.progress:
         table.add_row(
             "progress", f"{view.progress.stage} {view.progress.step}/{view.progress.total}"

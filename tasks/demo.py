@@ -21,12 +21,13 @@ from rich.table import Table
 
 from tasks.backends import HttpBackend
 from tasks.embedded import (
+    ChildWatch,
+    DemoFailed,
     child_env,
     child_process,
     embedded_redis,
     free_port,
     kiln_command,
-    wait_for_port,
 )
 from tasks.progress_display import wait_for_jobs
 from tasks.schemas import JobRequest, JobView
@@ -121,19 +122,27 @@ def run_demo(image_jobs: int = 4) -> int:
         )
         console.print(f"redis: {url}   outputs: {outputs_dir}   logs: {logs.resolve()}")
         with (
-            child_process(worker_args, env=env, log_path=logs / "worker.log"),
+            child_process(worker_args, env=env, log_path=logs / "worker.log") as worker,
             child_process(
                 kiln_command("api", "--port", str(port)), env=env, log_path=logs / "api.log"
-            ),
+            ) as api,
         ):
-            wait_for_port(port, 60)
+            children = ChildWatch(
+                {"worker": (worker, logs / "worker.log"), "api": (api, logs / "api.log")}
+            )
             api_url = f"http://127.0.0.1:{port}"
+            _wait_for_node(api_url, console, children)
             backend = HttpBackend(api_url, None)
-            _wait_for_node(api_url, console)
             started = time.monotonic()
             views = [backend.submit(request) for request in demo_requests(image_jobs)]
             console.print(f"submitted {len(views)} jobs through the API")
-            finals = wait_for_jobs(backend, [v.id for v in views], timeout_s=300, console=console)
+            finals = wait_for_jobs(
+                backend,
+                [v.id for v in views],
+                timeout_s=300,
+                console=console,
+                check=children.check,
+            )
             elapsed = time.monotonic() - started
     console.print(results_table(finals))
     for line in output_lines(finals):
@@ -145,15 +154,19 @@ def run_demo(image_jobs: int = 4) -> int:
     return 0 if ok == len(finals) else 1
 
 
-def _wait_for_node(api_url: str, console: Console) -> None:
+def _wait_for_node(api_url: str, console: Console, children: ChildWatch) -> None:
     console.print("starting the node (spawning 2 CPU ranks, building the tiny pipelines once)…")
     deadline = time.monotonic() + NODE_START_TIMEOUT_S
     while time.monotonic() < deadline:
+        children.check()  # a dead worker or API ends the wait at once, with its last lines
         # /readyz: Redis reachable and a live node serving pipelines (from its heartbeat).
-        if httpx.get(f"{api_url}/readyz", timeout=5).json().get("ready"):
-            return
-        time.sleep(0.5)
-    raise TimeoutError("the demo worker did not come up; see .kiln/worker.log")
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if httpx.get(f"{api_url}/readyz", timeout=5).json().get("ready"):
+                return
+        time.sleep(0.25)
+    raise DemoFailed(
+        f"the demo worker did not come up within {NODE_START_TIMEOUT_S:.0f} s; see .kiln/worker.log"
+    )
 
 
 def results_table(views: list[JobView]) -> Table:

@@ -97,3 +97,36 @@ def child_env(**overrides: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(overrides)
     return env
+
+
+class DemoFailed(RuntimeError):
+    """The demo cannot go on (a child process died, or never came up); the message says why."""
+
+
+LAST_LINES = 15
+
+
+class ChildWatch:
+    """Child processes the caller depends on, each with its log: `check` raises once one ends."""
+
+    def __init__(self, children: dict[str, tuple[subprocess.Popen[bytes], Path]]) -> None:
+        self.children = children
+
+    def check(self) -> None:
+        """Raise `DemoFailed` with the child's last log lines if any child has exited."""
+        for name, (process, log_path) in self.children.items():
+            code = process.poll()
+            if code is not None:
+                raise DemoFailed(
+                    f"the demo {name} exited (code {code}); last lines of {log_path}:\n"
+                    + last_lines(log_path, LAST_LINES)
+                )
+
+
+def last_lines(path: Path, count: int) -> str:
+    """The last `count` lines of a text file ('' when it is missing)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(f"  {line}" for line in lines[-count:])

@@ -1,4 +1,11 @@
-"""ASGI middleware that answers 413 to request bodies over a size limit, before any parsing."""
+"""ASGI middleware that answers 413 to request bodies over a size limit, before any parsing.
+
+The 413 does not close the connection: closing with unread upload data in the socket makes the
+kernel send a reset, and a client still uploading (httpx sends the whole body before it reads)
+then sees "connection reset" instead of the 413. Left open, uvicorn discards the rest of the body
+(it drops body data once the response is complete), the client reads the 413, and the connection
+serves the next request. `tasks.http_guard`'s body deadline bounds how long that drain may take.
+"""
 
 from __future__ import annotations
 
@@ -50,7 +57,6 @@ class BodySizeLimit:
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
                 ],
             }
         )

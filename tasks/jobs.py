@@ -1,4 +1,4 @@
-"""`run_job(job_id)`: one delivery of one job on a GPU node (DESIGN.md §1 and §4).
+"""`run_job(job_id)`: one delivery of one job on a GPU node (docs/contract.md §4–§5).
 
 A delivery either finds the job done (ack), finds it held by a live lease elsewhere (re-publish
 later, ack), or takes the lease and runs it. Every write after that is fenced by the lease token,
@@ -20,6 +20,7 @@ from gpu_worker.protocol import GenerationRequest, GenerationResult, Progress
 from storage.errors import IllegalTransition, JobNotFound, LeaseHeld, StaleLease, StorageError
 from storage.status import TERMINAL_STATES, JobRecord, JobState
 from tasks.app import RUN_JOB_TASK
+from tasks.limits import ERROR_TYPE as LIMIT_ERROR
 from tasks.node import Node, StopReason, TrackedJob, current_node
 from tasks.policy import error_dict, retry_delay
 from tasks.progress_writer import PendingProgress
@@ -96,7 +97,24 @@ class JobRunner:
             }
             self._transition_quietly(lambda: self.store.fail(self.job_id, None, error))
             return True
-        return False
+        return self._refused_over_limits(record)
+
+    def _refused_over_limits(self, record: JobRecord) -> bool:
+        # Checked again here, not only at submit: a job may predate the limits or have been
+        # accepted against another node's. Over them it fails alone, for good, before any rank
+        # runs it, instead of taking the group down with it attempt after attempt.
+        request = generation_request(record)
+        violation = self.node.over_limits(request.pipeline, request)
+        if violation is None:
+            return False
+        error = {
+            "type": LIMIT_ERROR,
+            "message": violation.describe(),
+            "retryable": False,
+            "limit": violation.limit,
+        }
+        self._transition_quietly(lambda: self.store.fail(self.job_id, None, error))
+        return True
 
     def _lease_and_run(self, record: JobRecord) -> None:
         # One owner per delivery: a second delivery on this node must see LeaseHeld, not

@@ -23,6 +23,7 @@ from gpu_worker.coordinator import Coordinator
 from storage.objects import ObjectStore, open_object_store
 from storage.settings import StorageSettings
 from storage.status import JobStore
+from tasks.limits import LimitViolation, PipelineLimits, RequestShape
 from tasks.progress_writer import ProgressWriter
 from tasks.settings import KilnSettings
 from tasks.submit import Submitter, celery_publisher
@@ -117,12 +118,26 @@ class Node:
             if tracked.stop_reason is None:
                 tracked.stop_reason = StopReason.HANDED_BACK
 
+    def pipeline_limits(self) -> dict[str, PipelineLimits]:
+        """Per served pipeline, the limits its ranks declared (schema ranges where none)."""
+        declared = self.coordinator.pipeline_limits()
+        return {
+            name: PipelineLimits.from_dict(declared.get(name, {}))
+            for name in self.group_config.pipelines
+        }
+
+    def over_limits(self, pipeline: str, request: RequestShape) -> LimitViolation | None:
+        """Why this node's `pipeline` does not take `request`; None when it does."""
+        limits = self.pipeline_limits().get(pipeline)
+        return limits.violation(pipeline, request) if limits is not None else None
+
     def health(self) -> dict[str, object]:
         """What the heartbeat publishes about this node."""
         jobs = self.tracked_jobs()
         return {
             "node_id": self.node_id,
             "pipelines": sorted(self.group_config.pipelines),
+            "limits": {name: limits.to_dict() for name, limits in self.pipeline_limits().items()},
             "devices": list(self.group_config.devices),
             "jobs_running": len(jobs),
             "last_progress_at": max((j.last_progress_at for j in jobs), default=None),

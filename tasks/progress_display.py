@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -34,8 +34,12 @@ def wait_for_jobs(
     show: bool = True,
     console: Console | None = None,
     poll_s: float = 0.2,
+    check: Callable[[], None] | None = None,
 ) -> list[JobView]:
-    """Poll until every job is terminal, drawing one bar per job; returns the final views."""
+    """Poll until every job is terminal, drawing one bar per job; returns the final views.
+
+    `check`, called once per poll, may raise to stop waiting (the demo: its worker died).
+    """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     columns = (
         TextColumn("{task.fields[job]}"),
@@ -51,6 +55,8 @@ def wait_for_jobs(
             for job_id in job_ids
         }
         while True:
+            if check is not None:
+                check()
             for job_id in job_ids:
                 if job_id in views and views[job_id].status in TERMINAL:
                     continue

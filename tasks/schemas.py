@@ -1,9 +1,10 @@
-"""The job contract of DESIGN.md §3: the request model, the job view, events and their building."""
+"""The job contract (docs/contract.md §1–§3): the request model, the job view, events."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -219,6 +220,10 @@ class JobView(BaseModel):
     parameters: JobParameters
     batch_id: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    waiting_for: str | None = Field(
+        default=None,
+        description="Why a queued job cannot start yet, e.g. no live node serves its pipeline.",
+    )
 
 
 def output_view(output: dict[str, Any], objects: ObjectStore | None) -> OutputView:
@@ -237,8 +242,16 @@ def output_view(output: dict[str, Any], objects: ObjectStore | None) -> OutputVi
     )
 
 
-def job_view(record: JobRecord, objects: ObjectStore | None = None) -> JobView:
-    """Build the view of a stored record; output URLs are presigned at read time."""
+def job_view(
+    record: JobRecord,
+    objects: ObjectStore | None = None,
+    served: Collection[str] | None = None,
+) -> JobView:
+    """Build the view of a stored record; output URLs are presigned at read time.
+
+    `served`: the pipelines live nodes serve now; a queued job whose pipeline is not among them
+    says so in `waiting_for` (it waits in its queue until such a node starts).
+    """
     return JobView(
         id=record.id,
         status=str(record.state),  # type: ignore[arg-type]
@@ -254,6 +267,18 @@ def job_view(record: JobRecord, objects: ObjectStore | None = None) -> JobView:
         parameters=JobParameters.model_validate(record.request),
         batch_id=record.batch_id,
         metadata=dict(record.metadata),
+        waiting_for=_waiting_for(record, served),
+    )
+
+
+def _waiting_for(record: JobRecord, served: Collection[str] | None) -> str | None:
+    pipeline = str(record.request.get("pipeline", ""))
+    if served is None or record.state != "queued" or pipeline in served:
+        return None
+    serving = ", ".join(sorted(served)) or "none"
+    return (
+        f"no live node serves pipeline {pipeline!r} (live nodes serve: {serving}); "
+        "the job waits in its queue until one does"
     )
 
 

@@ -24,9 +24,10 @@ class KilnSettings(BaseSettings):
         default=3600,
         description="Redis visibility timeout; the lease, not this, prevents double runs.",
     )
-    pipelines: list[str] = Field(
+    pipelines: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["default", "tiny", "tiny-video"],
-        description="Pipeline names the API accepts even while no node announces them.",
+        description="Pipeline names the API accepts even while no node announces them "
+        "(comma-separated).",
     )
     max_attempts: int = Field(default=3, description="Runs of a job before it is failed for good.")
     retry_backoff_s: float = Field(
@@ -79,6 +80,29 @@ class KilnSettings(BaseSettings):
     list_limit_max: int = Field(default=200, ge=1, description="Largest page of GET /v1/jobs.")
     sse_block_ms: int = Field(default=2000, ge=10, description="One blocking SSE read (ms).")
     sse_keepalive_s: float = Field(default=15.0, gt=0, description="SSE comment when this idle.")
+    sse_max_streams_per_key: int = Field(
+        default=16, ge=1, description="Open event streams one API key may hold; more: 429."
+    )
+    sse_max_streams_total: int = Field(
+        default=64,
+        ge=1,
+        description="Open event streams in all; more: 429. Must leave Redis connections spare.",
+    )
+    sse_busy_retry_after_s: int = Field(
+        default=2, ge=1, description="Retry-After of a 429 for too many event streams."
+    )
+    max_json_depth: int = Field(
+        default=32, ge=2, description="Request JSON nested deeper than this: 422."
+    )
+    http_header_timeout_s: float = Field(
+        default=5.0, gt=0, description="Time to send a request line and headers; then closed."
+    )
+    http_body_timeout_s: float = Field(
+        default=10.0, gt=0, description="Time to send a request body after its headers."
+    )
+    http_keepalive_timeout_s: int = Field(
+        default=5, ge=1, description="An idle keep-alive connection is closed after this."
+    )
     webhook_secret: SecretStr | None = Field(
         default=None,
         description="Standard Webhooks signing secret (`whsec_...`); required for webhooks.",
@@ -118,7 +142,7 @@ class KilnSettings(BaseSettings):
             raise ValueError("webhook_secret must carry at least 16 random bytes")
         return value
 
-    @field_validator("webhook_allow_hosts", "webhook_retry_schedule_s", mode="before")
+    @field_validator("pipelines", "webhook_allow_hosts", "webhook_retry_schedule_s", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         # Env values are plain comma lists (KILN_WEBHOOK_ALLOW_HOSTS=127.0.0.1,::1) or JSON arrays.

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 import anyio.to_thread
@@ -20,6 +22,39 @@ def format_event(event: JobEvent) -> str:
     """One SSE frame: `id` is the event's seq, so `Last-Event-ID` resumes right after it."""
     data = json.dumps(event_view(event).model_dump(mode="json"), separators=(",", ":"))
     return f"id: {event.seq}\nevent: {event.type}\ndata: {data}\n\n"
+
+
+class StreamSlots:
+    """Counts open event streams per API key and in total, refusing any past either cap.
+
+    Each open stream holds a Redis connection in its blocking read; the caps keep streams below
+    the connection pool, so plain requests always find a connection.
+    """
+
+    def __init__(self, per_key: int, total: int) -> None:
+        self.per_key = per_key
+        self.total = total
+        self._open: Counter[str] = Counter()
+        self._lock = threading.Lock()  # acquired in route threads, released on the event loop
+
+    def acquire(self, key: str) -> Callable[[], None] | None:
+        """A slot for `key` as its release function (idempotent), or None when at a cap."""
+        with self._lock:
+            if self._open[key] >= self.per_key or self._open.total() >= self.total:
+                return None
+            self._open[key] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self._open[key] -= 1
+                    if not self._open[key]:
+                        del self._open[key]
+
+        return release
 
 
 class EventStream:

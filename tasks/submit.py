@@ -12,11 +12,19 @@ import random
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from storage.errors import StorageError
 from storage.status import JobRecord, JobStore, NewJob
 from tasks.lanes import queue_name
+from tasks.limits import (
+    BUILTIN_LIMITS,
+    LimitViolation,
+    PipelineLimits,
+    announced_limits,
+    first_violation,
+)
 from tasks.schemas import JobRequest, fingerprint
 from tasks.settings import KilnSettings
 
@@ -39,6 +47,14 @@ class UnknownPipeline(ValueError):
         super().__init__(f"unknown pipeline {name!r}; served: {', '.join(known) or 'none'}")
         self.name = name
         self.known = list(known)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What submission may name: pipeline names, and per name the limits live nodes announce."""
+
+    names: list[str] = field(default_factory=list)
+    limits: dict[str, list[PipelineLimits]] = field(default_factory=dict)
 
 
 def celery_publisher(app: Any) -> Publish:
@@ -77,19 +93,37 @@ class Submitter:
 
             publish = celery_publisher(make_celery_app(settings, store.settings))
         self._publish = publish
-        self._known: tuple[float, list[str]] = (0.0, [])
+        self._served: tuple[float, Served] = (0.0, Served())
 
     def known_pipelines(self) -> list[str]:
         """Configured pipelines plus those announced by live nodes (cached for a moment)."""
-        fetched_at, known = self._known
+        return self._served_now().names
+
+    def limits_for(self, pipeline: str) -> list[PipelineLimits]:
+        """Limits of each live node announcing `pipeline`, else a built-in name's static ones."""
+        announced = self._served_now().limits.get(pipeline)
+        if announced:
+            return announced
+        builtin = BUILTIN_LIMITS.get(pipeline)
+        return [builtin] if builtin is not None else []
+
+    def over_limits(self, request: JobRequest) -> LimitViolation | None:
+        """Why no live node (nor the static limits) takes `request`; None when one does."""
+        return first_violation(request.pipeline, self.limits_for(request.pipeline), request)
+
+    def _served_now(self) -> Served:
+        fetched_at, served = self._served
         if time.monotonic() - fetched_at < KNOWN_PIPELINES_CACHE_S:
-            return known
+            return served
         names = set(self.settings.pipelines)
+        limits: dict[str, list[PipelineLimits]] = {}
         for node in self.store.live_nodes():
             names.update(str(p) for p in node.get("pipelines", []))
-        known = sorted(names)
-        self._known = (time.monotonic(), known)
-        return known
+            for name, announced in announced_limits(node).items():
+                limits.setdefault(name, []).append(announced)
+        served = Served(sorted(names), limits)
+        self._served = (time.monotonic(), served)
+        return served
 
     def submit(
         self,
@@ -100,7 +134,10 @@ class Submitter:
         batch_id: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Accept one job; returns its record and whether it was created (vs an idempotent hit)."""
+        # Refusals: UnknownPipeline, or a pydantic ValidationError naming the pipeline limit the
+        # request is over (what JobRequest's callers already handle as an invalid request).
         self._check_pipeline(request.pipeline)
+        self._check_limits(request)
         new = self._new_job(
             request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id
         )
@@ -117,8 +154,9 @@ class Submitter:
         batch_id: str | None = None,
     ) -> list[str]:
         """Accept many jobs with one pipelined write, then publish each; returns their ids."""
-        for request in requests:
+        for index, request in enumerate(requests):
             self._check_pipeline(request.pipeline)
+            self._check_limits(request, (index,))
         news = [self._new_job(r, owner=owner, batch_id=batch_id) for r in requests]
         self.store.create_jobs(news)
         for new in news:
@@ -141,6 +179,11 @@ class Submitter:
         known = self.known_pipelines()
         if name not in known:
             raise UnknownPipeline(name, known)
+
+    def _check_limits(self, request: JobRequest, loc: tuple[str | int, ...] = ()) -> None:
+        violation = self.over_limits(request)
+        if violation is not None:
+            raise violation.error(loc)
 
     def _new_job(
         self,

@@ -1,7 +1,11 @@
 """One webhook delivery attempt: sign (Standard Webhooks), send pinned, classify, schedule, record.
 
 `deliver_once` is what the Celery task in `tasks.webhooks` runs; it never touches a job's state,
-so a failing receiver cannot change a job's outcome (DESIGN.md §4).
+so a failing receiver cannot change a job's outcome (docs/contract.md §7).
+
+A message reports one job event, pinned when it is queued. Its body is built from that event at the
+first attempt and travels with every retry, so all attempts of a `webhook-id` send the same bytes
+(only `webhook-timestamp`, and so the signature, is new per attempt).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import random
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,13 +27,23 @@ from standardwebhooks import Webhook
 
 from storage.errors import JobNotFound
 from storage.objects import ObjectStore
-from storage.status import JobRecord, JobStore
-from tasks.schemas import job_view
+from storage.status import TERMINAL_STATES, JobEvent, JobRecord, JobStore
+from tasks.schemas import JobView, Metrics, Progress, job_view
 from tasks.settings import KilnSettings
 from tasks.ssrf import UnresolvableHost, UnsafeUrl, check_url, pinned_client, policy_from
 
 log = logging.getLogger(__name__)
 USER_AGENT = "Kiln-Webhooks/1"
+_TERMINAL_TYPES = frozenset(str(state) for state in TERMINAL_STATES)
+# the job event types each webhook event reports
+EVENT_TYPES: dict[str, frozenset[str]] = {
+    "started": frozenset({"running"}),
+    "progress": frozenset({"progress"}),
+    "completed": _TERMINAL_TYPES,
+}
+# events looked through for the one a webhook reports: it is the newest of its kind when the
+# webhook is queued right after the write, so a short look back is plenty
+EVENT_LOOKBACK = 32
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,8 @@ class Delivery:
     webhook_id: str
     attempt: int = 1
     not_before: float | None = None
+    source: JobEvent | None = None  # the job event reported, pinned when the webhook was queued
+    body: str | None = None  # fixed by the first attempt; every later attempt sends these bytes
 
     def as_kwargs(self) -> dict[str, Any]:
         """Task keyword arguments."""
@@ -50,7 +66,27 @@ class Delivery:
             "webhook_id": self.webhook_id,
             "attempt": self.attempt,
             "not_before": self.not_before,
+            "source": None if self.source is None else asdict(self.source),
+            "body": self.body,
         }
+
+
+def event_from_kwargs(source: dict[str, Any] | None) -> JobEvent | None:
+    """The pinned job event of a task message (None in messages queued before events were)."""
+    if source is None:
+        return None
+    return JobEvent(
+        seq=int(source["seq"]),
+        type=str(source["type"]),
+        time=float(source["time"]),
+        payload=dict(source["payload"]),
+    )
+
+
+def find_event(store: JobStore, job_id: str, event: str) -> JobEvent | None:
+    """The job's newest event that webhook `event` (started|progress|completed) reports."""
+    types = EVENT_TYPES.get(event, frozenset())
+    return next((e for e in store.latest_events(job_id, EVENT_LOOKBACK) if e.type in types), None)
 
 
 @dataclass(frozen=True)
@@ -115,12 +151,43 @@ def parse_retry_after(value: str | None, now: float) -> float | None:
     return max(when.timestamp() - now, 0.0)
 
 
-def webhook_payload(record: JobRecord, event: str, objects: ObjectStore | None) -> str:
-    """The JSON body: `{type: job.<event>, timestamp, data: <job view>}`."""
+def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) -> JobView:
+    """The job's view as of `source`: from the event, the record only for what it cannot change.
+
+    A finished job's record is final, so a terminal event takes it whole; a start or a progress
+    write is reported as the running job it was then, whatever the job has become since.
+    """
+    view = job_view(record, objects)
+    if source.type in _TERMINAL_TYPES:
+        return view.model_copy(update={"status": source.type})
+    update: dict[str, Any] = {
+        "status": "running",
+        "finished_at": None,
+        "outputs": [],
+        "error": None,
+        "metrics": Metrics(),
+    }
+    if source.type == "running":
+        attempts = int(source.payload.get("attempts", record.attempts))
+        update.update(started_at=source.time, attempts=attempts, progress=None)
+    else:
+        update["progress"] = Progress.model_validate(source.payload)
+    return view.model_copy(update=update)
+
+
+def webhook_payload(
+    record: JobRecord, event: str, source: JobEvent, objects: ObjectStore | None
+) -> str:
+    """The JSON body: `{type: job.<event>, timestamp, seq, data: <job view>}`, all as of `source`.
+
+    `timestamp` is when the event happened and `seq` its place in the job's event stream, so a
+    receiver can order webhooks that arrive out of order.
+    """
     body = {
         "type": f"job.{event}",
-        "timestamp": datetime.now(UTC).isoformat(),
-        "data": job_view(record, objects).model_dump(mode="json"),
+        "timestamp": datetime.fromtimestamp(source.time, tz=UTC).isoformat(),
+        "seq": source.seq,
+        "data": view_at(record, source, objects).model_dump(mode="json"),
     }
     return json.dumps(body, separators=(",", ":"))
 
@@ -176,16 +243,54 @@ def endpoint_gone(store: JobStore, job_id: str, url: str) -> bool:
     )
 
 
-def _attempt_once(deps: WebhookDeps, delivery: Delivery, record: JobRecord) -> AttemptResult:
+def with_body(deps: WebhookDeps, delivery: Delivery, record: JobRecord) -> Delivery | None:
+    """The delivery with its body fixed: kept if an earlier attempt fixed it, else built now.
+
+    None when there is no event to report (a message from before events were pinned whose event
+    is gone).
+    """
+    if delivery.body is not None:
+        return delivery
+    # messages queued before events were pinned carry none: the newest such event stands in
+    source = delivery.source or find_event(deps.store, delivery.job_id, delivery.event)
+    if source is None:
+        return None
+    body = webhook_payload(record, delivery.event, source, deps.objects)
+    return replace(delivery, source=source, body=body)
+
+
+def _attempt_once(
+    deps: WebhookDeps, delivery: Delivery, record: JobRecord, body: str
+) -> AttemptResult:
     url = str(record.request["webhook"]["url"])
     if endpoint_gone(deps.store, record.id, url):
         return AttemptResult("skipped", error="endpoint answered 410 Gone earlier")
     secret = deps.settings.webhook_secret
     if secret is None or not secret.get_secret_value():
         return AttemptResult("refused", error="no webhook secret configured (KILN_WEBHOOK_SECRET)")
-    payload = webhook_payload(record, delivery.event, deps.objects)
-    headers = signed_headers(secret.get_secret_value(), delivery.webhook_id, payload, time.time())
-    return send(url, headers, payload, deps.settings)
+    headers = signed_headers(secret.get_secret_value(), delivery.webhook_id, body, time.time())
+    return send(url, headers, body, deps.settings)
+
+
+def _schedule(
+    settings: KilnSettings, delivery: Delivery, result: AttemptResult, rng: random.Random
+) -> tuple[str, Delivery | None]:
+    """The attempt's final outcome and the retry to send, if any (it carries the same body)."""
+    if result.outcome != "retrying":
+        return result.outcome, None
+    delay = retry_delay(
+        delivery.attempt,
+        settings.webhook_retry_schedule_s,
+        settings.webhook_retry_jitter,
+        rng,
+        result.retry_after,
+        settings.webhook_retry_after_max_s,
+    )
+    if delay is None:
+        return "gave_up", None
+    return "retrying", replace(
+        delivery, attempt=delivery.attempt + 1, not_before=time.time() + delay
+    )
 
 
 def deliver_once(
@@ -199,27 +304,14 @@ def deliver_once(
         return None
     if not record.request.get("webhook"):
         return None
-    result = _attempt_once(deps, delivery, record)
-    following: Delivery | None = None
-    outcome = result.outcome
-    if outcome == "retrying":
-        settings = deps.settings
-        delay = retry_delay(
-            delivery.attempt,
-            settings.webhook_retry_schedule_s,
-            settings.webhook_retry_jitter,
-            rng or random.Random(),
-            result.retry_after,
-            settings.webhook_retry_after_max_s,
-        )
-        if delay is None:
-            outcome = "gave_up"
-        else:
-            following = replace(
-                delivery, attempt=delivery.attempt + 1, not_before=time.time() + delay
-            )
+    fixed = with_body(deps, delivery, record)
+    if fixed is None or fixed.body is None:
+        log.warning("webhook %s: no %s event to report", delivery.webhook_id, delivery.event)
+        return None
+    result = _attempt_once(deps, fixed, record, fixed.body)
+    outcome, following = _schedule(deps.settings, fixed, result, rng or random.Random())
     if outcome != "skipped":
-        _record(deps.store, delivery, record, replace(result, outcome=outcome), following)
+        _record(deps.store, fixed, record, replace(result, outcome=outcome), following)
     return following
 
 

@@ -1,9 +1,11 @@
 """Webhooks: which job events become callbacks, and the Celery task that delivers them.
 
 Delivery runs on the `webhooks` queue, never in a GPU node's task thread, so a slow receiver never
-holds a GPU. Retries are new messages carrying an absolute `not_before`; a delay longer than half
-the broker's visibility timeout travels in hops, because a Redis-broker message held past the
-visibility timeout would be delivered twice.
+holds a GPU. Each message pins the job event it reports (seq, type, time, payload) when queued, so a
+webhook says what happened then, not where the job is by the time it is sent. Retries are new
+messages carrying an absolute `not_before`; a delay longer than half the broker's visibility timeout
+travels in hops, because a Redis-broker message held past the visibility timeout would be delivered
+twice.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ from celery import Celery, current_app, shared_task
 
 from storage.objects import open_object_store
 from storage.settings import StorageSettings
-from storage.status import TERMINAL_STATES, JobRecord, JobStore
+from storage.status import TERMINAL_STATES, JobEvent, JobRecord, JobStore
 from tasks.lanes import WEBHOOKS_QUEUE
 from tasks.schemas import WebhookEvent
 from tasks.settings import KilnSettings
-from tasks.webhook_delivery import Delivery, WebhookDeps, deliver_once
+from tasks.webhook_delivery import (
+    Delivery,
+    WebhookDeps,
+    deliver_once,
+    event_from_kwargs,
+    find_event,
+)
 
 log = logging.getLogger(__name__)
 DELIVER_WEBHOOK_TASK = "kiln.deliver_webhook"
@@ -42,15 +50,15 @@ def webhook_event_for(job_event: str) -> WebhookEvent | None:
     return None
 
 
-def webhook_id_for(record: JobRecord, event: WebhookEvent) -> str:
-    """A deterministic id per (job, event occurrence): the same on every retry and re-enqueue."""
+def webhook_id_for(job_id: str, event: WebhookEvent, source: JobEvent) -> str:
+    """A deterministic id per reported job event: the same on every retry and re-enqueue.
+
+    A job completes once, so `completed` keeps one id; a start or a progress write is named by its
+    event's seq, unique in the job's stream (steps restart at 1 in each stage, seqs never repeat).
+    """
     if event is WebhookEvent.completed:
-        return f"msg_{record.id}_completed"
-    if event is WebhookEvent.started:
-        return f"msg_{record.id}_started_{record.attempts}"
-    step = (record.progress or {}).get("step")
-    marker = step if step is not None else int(time.time() * 1000)
-    return f"msg_{record.id}_progress_{record.attempts}_{marker}"
+        return f"msg_{job_id}_completed"
+    return f"msg_{job_id}_{event}_{source.seq}"
 
 
 class ProgressThrottle:
@@ -89,27 +97,42 @@ def enqueue_webhook_events(
 ) -> str | None:
     """Queue the webhook for a job event (a state name or `progress`) if the job asked for it.
 
-    Call after each state change and each progress write; progress is throttled here. Returns the
-    webhook id queued, or None. Never raises for a publishing failure: webhooks are best effort.
+    Call after each state change and each progress write; progress is throttled here. The message
+    pins the job's newest event of that kind. Returns the webhook id queued, or None. Never raises
+    for a publishing failure: webhooks are best effort.
     """
     kind = webhook_event_for(event)
-    if kind is None:
-        return None
-    if kind is WebhookEvent.completed:
-        _throttle.forget(job_id)
-    elif kind is WebhookEvent.progress and not _throttle.allow(job_id, progress_interval_s):
+    if kind is None or not _throttle_allows(job_id, kind, progress_interval_s):
         return None
     record = record if record is not None else store.get(job_id)
     spec = record.request.get("webhook")
     if not spec or str(kind) not in spec.get("events", []):
         return None
-    delivery = Delivery(job_id=job_id, event=str(kind), webhook_id=webhook_id_for(record, kind))
     try:
-        publish_delivery(app or current_app, delivery, countdown=0.0)
+        delivery = pinned_delivery(store, job_id, kind)
+        if delivery is not None:
+            publish_delivery(app or current_app, delivery, countdown=0.0)
     except Exception as exc:  # a webhook must never fail the job that caused it
-        log.warning("could not queue webhook %s: %s", delivery.webhook_id, exc)
+        log.warning("could not queue the %s webhook of job %s: %s", kind, job_id, exc)
         return None
-    return delivery.webhook_id
+    return None if delivery is None else delivery.webhook_id
+
+
+def _throttle_allows(job_id: str, kind: WebhookEvent, interval_s: float) -> bool:
+    """Whether this webhook may go now (only progress is throttled; completion resets it)."""
+    if kind is WebhookEvent.completed:
+        _throttle.forget(job_id)
+        return True
+    return kind is not WebhookEvent.progress or _throttle.allow(job_id, interval_s)
+
+
+def pinned_delivery(store: JobStore, job_id: str, kind: WebhookEvent) -> Delivery | None:
+    """The first delivery of the webhook reporting the job's newest `kind` event, if any."""
+    source = find_event(store, job_id, str(kind))
+    if source is None:
+        log.warning("job %s has no event for a %s webhook; none queued", job_id, kind)
+        return None
+    return Delivery(job_id, str(kind), webhook_id_for(job_id, kind, source), source=source)
 
 
 def publish_delivery(app: Celery, delivery: Delivery, countdown: float) -> None:
@@ -158,7 +181,11 @@ def deliver_webhook(
     webhook_id: str,
     attempt: int = 1,
     not_before: float | None = None,
+    source: dict[str, Any] | None = None,
+    body: str | None = None,
 ) -> None:
     """Celery task: deliver one webhook message (one attempt; retries are new messages)."""
-    delivery = Delivery(job_id, event, webhook_id, attempt, not_before)
+    delivery = Delivery(
+        job_id, event, webhook_id, attempt, not_before, event_from_kwargs(source), body
+    )
     run_delivery(self.app, _worker_deps(), delivery)

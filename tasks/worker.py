@@ -9,6 +9,7 @@ worker exits within the grace and no job is lost.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,11 @@ from tasks.settings import KilnSettings
 
 log = logging.getLogger(__name__)
 
+WEBHOOKS_ONLY_NOTICE = (
+    "kiln worker: no --pipeline given, so this worker serves no pipeline and only delivers "
+    f"webhooks (queue {WEBHOOKS_QUEUE!r})"
+)
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -33,11 +39,39 @@ class WorkerOptions:
     lanes: tuple[str, ...] = LANES
     max_batch: int = 4
     batch_window_ms: float = 0.0
-    parallel: str = "none"
+    parallel: str = "auto"
     concurrency: int | None = None
     webhooks: bool = False
     node_id: str | None = None
     loglevel: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.pipelines:  # a webhooks-only worker has no group, and must not import torch
+            check_group_options(self.devices, self.parallel)
+
+
+def check_group_options(devices: str, parallel: str) -> None:
+    """Refuse, naming the flag, devices this machine lacks and a parallel mode that wastes them.
+
+    Raised while the options are built, before Celery or any rank starts (ValueError: the CLI
+    prints it as one line).
+    """
+    from gpu_worker.config import check_devices, check_parallel
+    from gpu_worker.parallel import ParallelSpec
+
+    try:
+        world = check_devices(split_devices(devices))
+    except ValueError as exc:
+        raise ValueError(f"--devices {devices}: {exc}") from exc
+    try:
+        check_parallel(ParallelSpec(mode=parallel), len(world))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"--parallel {parallel}: {exc}") from exc
+
+
+def split_devices(devices: str) -> list[str]:
+    """`cuda:0, cuda:1` → ['cuda:0', 'cuda:1']."""
+    return [device.strip() for device in devices.split(",")]
 
 
 def parse_pipelines(values: Sequence[str]) -> dict[str, str]:
@@ -75,6 +109,9 @@ def run_worker(options: WorkerOptions) -> None:
     """Start the node (if it serves pipelines), then the Celery worker; stop both at the end."""
     settings, storage_settings = KilnSettings(), StorageSettings()
     app = make_celery_app(settings, storage_settings)
+    if not options.pipelines:
+        # Printed, not logged: Celery sets logging up only later, inside `worker_main`.
+        print(WEBHOOKS_ONLY_NOTICE, file=sys.stderr, flush=True)
     node, maintenance = _start_node(app, options, settings, storage_settings)
     concurrency = options.concurrency or (2 * options.max_batch if node else 8)
     argv = [
@@ -111,7 +148,7 @@ def _start_node(
 
     group = GroupConfig.from_settings(
         GpuWorkerSettings(),
-        devices=[d.strip() for d in options.devices.split(",")],
+        devices=split_devices(options.devices),
         pipelines=options.pipelines,
         parallel=ParallelSpec(mode=options.parallel),  # type: ignore[arg-type]
         max_batch=options.max_batch,

@@ -16,6 +16,11 @@ from pydantic import SecretStr
 from storage.settings import StorageSettings
 from storage.status import JobStore
 
+# Read before any test runs: `make test` hands the run a model cache that must not exist yet.
+MODEL_CACHE_EXISTED_AT_START = (
+    Path(os.environ.get("KILN_MODEL_CACHE", "~/.cache/kiln/models")).expanduser().exists()
+)
+
 S3_REGION = "us-east-1"
 S3_KEY_ID = S3_SECRET = "testing"
 

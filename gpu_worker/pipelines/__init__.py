@@ -12,6 +12,7 @@ import importlib
 
 import torch
 
+from gpu_worker.limits import TINY_LIMITS
 from gpu_worker.pipelines.base import Pipeline, PipelineFactory, StepCallback, StopDenoising
 from gpu_worker.settings import GpuWorkerSettings
 
@@ -21,6 +22,7 @@ __all__ = [
     "StepCallback",
     "StopDenoising",
     "load_pipeline",
+    "prepare_pipeline",
 ]
 
 TINY_SPECS = frozenset({"tiny", "tiny-video"})
@@ -40,15 +42,32 @@ def load_pipeline(
     raise ValueError(f"unknown pipeline spec {spec!r}; expected {SPEC_GRAMMAR}")
 
 
-def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings) -> Pipeline:
+def prepare_pipeline(spec: str, settings: GpuWorkerSettings) -> None:
+    """Make what `spec` loads from ready on disk; call it once, before any rank starts.
+
+    Only the tiny pipelines are built here (saved into the model cache, verified); other specs
+    load from where they already are. Ranks then find a complete folder and never build.
+    """
+    if spec in TINY_SPECS:
+        from gpu_worker.pipelines.tiny import ensure_tiny
+
+        _quiet_progress_bars()
+        ensure_tiny(spec, settings.model_cache)
+
+
+def _quiet_progress_bars() -> None:
     import diffusers
     import transformers
 
-    from gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
-
-    # Ranks log to files; download/loading progress bars there are only noise.
+    # Workers and ranks log to files; save/load progress bars there are only noise.
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
+
+
+def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings) -> Pipeline:
+    from gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+
+    _quiet_progress_bars()
     dtype = None if settings.torch_dtype == "auto" else getattr(torch, settings.torch_dtype)
     if spec in TINY_SPECS:
         from gpu_worker.pipelines.tiny import ensure_tiny
@@ -56,7 +75,9 @@ def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings
         source = str(ensure_tiny(spec, settings.model_cache))
     else:
         source = spec.split(":", 1)[1]
-    return DiffusersPipeline.load(source, device, name=spec, dtype=dtype)
+    # The tiny pipelines declare CPU-sized limits; other models derive theirs from their configs.
+    limits = TINY_LIMITS.get(spec)
+    return DiffusersPipeline.load(source, device, name=spec, dtype=dtype, limits=limits)
 
 
 def _load_python(spec: str, target: str, device: torch.device) -> Pipeline:

@@ -4,6 +4,10 @@ A pipeline is loaded once per rank and stays resident. `run` takes a batch of co
 requests (equal `GenerationRequest.batch_key()`) and calls `on_step_end(step, total)` after every
 denoising step; that callback may raise `StopDenoising`, which must abort the forward at once on
 this rank (the rank loop makes the same decision on every rank, so the collective stays in step).
+
+Optionally, `limits() -> gpu_worker.limits.DeclaredLimits` declares the sizes, steps, frame counts
+and memory budget the pipeline takes; the node announces them and requests over them are refused
+before they reach a rank. It is not part of the protocol, so existing pipelines stay valid.
 """
 
 from __future__ import annotations

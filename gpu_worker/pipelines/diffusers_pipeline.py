@@ -15,7 +15,9 @@ import torch
 from diffusers import DiffusionPipeline
 
 from gpu_worker.errors import JobFailed, UnsupportedRequest
+from gpu_worker.limits import DeclaredLimits
 from gpu_worker.pipelines.base import StepCallback
+from gpu_worker.pipelines.diffusers_limits import derive_limits
 from gpu_worker.protocol import GenerationRequest
 
 SEED_MASK = (1 << 63) - 1
@@ -46,12 +48,21 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
 class DiffusersPipeline:
     """A loaded diffusers pipeline on one device; stays resident between requests."""
 
-    def __init__(self, pipe: DiffusionPipeline, device: torch.device, name: str) -> None:
+    def __init__(
+        self,
+        pipe: DiffusionPipeline,
+        device: torch.device,
+        name: str,
+        limits: DeclaredLimits | None = None,
+    ) -> None:
         self.pipe: Any = pipe  # diffusers' pipelines are dynamically typed
         self.device = device
         self.name = name
-        self._call_params = frozenset(inspect.signature(type(pipe).__call__).parameters)
+        parameters = inspect.signature(type(pipe).__call__).parameters
+        self._call_params = frozenset(parameters)
+        self._call_defaults = {n: p.default for n, p in parameters.items()}
         self.is_video = "num_frames" in self._call_params
+        self._limits = limits
 
     @classmethod
     def load(
@@ -61,12 +72,14 @@ class DiffusersPipeline:
         *,
         name: str | None = None,
         dtype: torch.dtype | None = None,
+        limits: DeclaredLimits | None = None,
     ) -> DiffusersPipeline:
         """`from_pretrained(source)` in the device's dtype, moved to `device`, progress bars off."""
+        # `limits`, when given, replaces what `limits()` would derive from the model.
         pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype or default_dtype(device))
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, device, name or f"diffusers:{source}")
+        return cls(pipe, device, name or f"diffusers:{source}", limits)
 
     def supported_fields(self) -> frozenset[str]:
         """The request fields this pipeline's `__call__` can honour."""
@@ -74,6 +87,19 @@ class DiffusersPipeline:
         if self.is_video:
             optional.add("num_frames")
         return _BASE_FIELDS | optional
+
+    def limits(self) -> DeclaredLimits:
+        """The limits given at load, else ones derived from the model's own defaults."""
+        if self._limits is not None:
+            return DeclaredLimits(**self._limits)
+        temporal = self._temporal() if self.is_video else None
+        return derive_limits(
+            self.pipe,
+            self._call_defaults,
+            size_multiple=self._size_multiple(),
+            temporal=temporal,
+            denoiser=self.denoiser(),
+        )
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise `UnsupportedRequest` naming the field the pipeline cannot serve as asked."""
@@ -100,11 +126,15 @@ class DiffusersPipeline:
                     f"not {num_frames}"
                 )
             return
-        temporal = int(getattr(self.pipe, "vae_scale_factor_temporal", 1) or 1)
+        temporal = self._temporal()
         if num_frames < 1 or (num_frames - 1) % temporal:
             raise UnsupportedRequest(
                 f"num_frames: {num_frames} must be {temporal}*k + 1 for {self.name}"
             )
+
+    def _temporal(self) -> int:
+        # Frames per latent frame: a video VAE takes 1 + temporal * k frames (Wan: 4).
+        return int(getattr(self.pipe, "vae_scale_factor_temporal", 1) or 1)
 
     def _size_multiple(self) -> int:
         # Pixels per latent cell times the denoiser's spatial patch: what the pipeline would

@@ -9,6 +9,7 @@ code runs. Weights come from a fixed torch seed: every build writes the same ten
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, UMT5Config, UMT5EncoderModel
 
+from gpu_worker.pipelines.cache_folder import cache_folder_is_complete, seal_cache_folder
 from gpu_worker.pipelines.tiny_tokenizer import END_TOKEN, MAX_LENGTH, START_TOKEN, write_tiny_vocab
 
 # Bump when a config below changes, so caches built from the old one are not reused.
@@ -158,15 +160,19 @@ def tiny_folder(kind: str, cache_dir: Path) -> Path:
 
 
 def ensure_tiny(kind: str, cache_dir: Path) -> Path:
-    """Build and save `kind` under `cache_dir` unless already there; return its folder.
+    """Build and save `kind` under `cache_dir` unless a complete copy is there; return its folder.
 
-    Safe when several ranks or processes race: each builds in its own temporary folder and
-    renames it into place; the rename is atomic, and a loser keeps the winner's folder.
+    Call it outside any torch.distributed process group (the worker group does, before it spawns
+    ranks): transformers writes weight files only on distributed rank 0, so a save on another rank
+    is incomplete. Such a save, or one cut short by a crash, is never put in place: each build
+    saves to its own temporary folder, is verified, gets its manifest written last, and is renamed
+    into place atomically; a racing loser keeps the winner's folder. An incomplete folder found in
+    the cache is moved aside and rebuilt.
     """
     if kind not in TINY_BUILDERS:
         raise ValueError(f"unknown tiny pipeline {kind!r}; known: {sorted(TINY_BUILDERS)}")
     final = tiny_folder(kind, cache_dir)
-    if _is_complete(final):
+    if cache_folder_is_complete(final):
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
@@ -175,15 +181,21 @@ def ensure_tiny(kind: str, cache_dir: Path) -> Path:
         # Fork the RNG so seeding the weights leaves the caller's random state alone.
         with torch.random.fork_rng(devices=[]):
             TINY_BUILDERS[kind](workdir).save_pretrained(staging)
+        seal_cache_folder(staging)
+        _move_aside_if_broken(final, workdir)
         try:
             os.rename(staging, final)
         except OSError:
-            if not _is_complete(final):  # not a lost race: a foreign or broken folder is there
+            if not cache_folder_is_complete(final):  # not a lost race: something else is there
                 raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return final
 
 
-def _is_complete(folder: Path) -> bool:
-    return (folder / "model_index.json").is_file()
+def _move_aside_if_broken(final: Path, trash: Path) -> None:
+    # A folder without a valid manifest is a crashed or rank>0 build: it would shadow the good
+    # one forever. Moving it into our temporary folder deletes it with that folder.
+    if final.exists() and not cache_folder_is_complete(final):
+        with contextlib.suppress(FileNotFoundError):  # another process moved it first
+            os.rename(final, trash / "broken")

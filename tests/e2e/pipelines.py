@@ -15,12 +15,14 @@ import numpy as np
 import torch
 
 from gpu_worker.errors import UnsupportedRequest
+from gpu_worker.limits import DeclaredLimits
 from gpu_worker.pipelines.base import StepCallback
 from gpu_worker.protocol import GenerationRequest
 
 STEP_SECONDS_ENV = "KILN_TEST_STEP_SECONDS"
 COMPLETIONS_ENV = "KILN_TEST_COMPLETIONS"
 POISON_PROMPT = "poison"
+MAX_STEPS = 300  # what the sleepy pipeline declares: enough for the long jobs of the cancel tests
 
 
 def frames_for(request: GenerationRequest, index: int) -> np.ndarray:
@@ -47,6 +49,10 @@ class SleepyPipeline:
         return frozenset(
             {"prompt", "width", "height", "steps", "seed", "num_frames", "num_outputs"}
         )
+
+    def limits(self) -> DeclaredLimits:
+        # Announced by the node: the API and the node refuse what is over them up front.
+        return DeclaredLimits(max_width=1024, max_steps=MAX_STEPS)
 
     def validate(self, request: GenerationRequest) -> None:
         if request.width > 1024:

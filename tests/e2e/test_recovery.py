@@ -1,4 +1,4 @@
-"""Crash and recovery: nothing lost, nothing run twice (DESIGN.md §4).
+"""Crash and recovery: nothing lost, nothing run twice (docs/operations.md §5).
 
 These start real `celery worker` node processes with a sleepy fixture pipeline and kill or stop
 parts of the system mid-job. They are marked slow: CI runs them, `make test-fast` skips them.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tasks.cli import EXIT_WAIT_TIMEOUT
 from tasks.schemas import JobRequest, Lane
 from tasks.submit import Submitter
 from tests.e2e.cluster import SLEEPY, Cluster
@@ -48,8 +49,8 @@ def test_submit_many_writes_in_bulk_and_every_job_runs(cluster_factory) -> None:
 def test_cli_wait_timeout_is_one_line(cluster_factory) -> None:
     cluster: Cluster = cluster_factory()
     job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=1)
-    result = cluster.run_cli("wait", job_id, "--timeout", "0.5")
-    assert result.returncode == 1
+    result = cluster.run_cli("wait", job_id, "--timeout", "0.5", "--wait-for-node")
+    assert result.returncode == EXIT_WAIT_TIMEOUT
     assert "not finished" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -1,5 +1,8 @@
 """Parallelism across real ranks: 2 spawned processes, gloo over 127.0.0.1, the tiny pipelines.
 
+Each rank runs the image cases with an explicit batch split and with `auto` (the default), and the
+video cases with explicit context parallel and with `auto`, counting what its denoiser computed.
+
 Tolerance: a 2-rank output may differ from the 1-rank output by at most 1 level of 255 per pixel
 (a slice of a batch and the whole batch go through differently blocked matmuls on CPU); the ranks
 of one group agree with each other exactly.
@@ -51,22 +54,70 @@ IMAGE_CASES: dict[str, tuple[list[GenerationRequest], int]] = {
     "fewer_rows_than_ranks": ([replace(_BASE, guidance_scale=1.0)], 1),
 }
 VIDEO_REQUEST = replace(_BASE, pipeline="tiny-video", num_frames=5, steps=2)
+# tiny-video (Wan) calls its transformer twice per step (conditional, unconditional), each with
+# one row per output. How `auto` divides each call on 2 ranks:
+AUTO_VIDEO_CASES: dict[str, GenerationRequest] = {
+    "one_row": VIDEO_REQUEST,  # 1 row: context parallel (16 tokens per frame, 2 heads)
+    "two_outputs": replace(VIDEO_REQUEST, num_outputs=2),  # 2 rows: one row per rank
+    # 48x48, 1 frame: 9 tokens do not divide by 2 ranks, so rank 0 takes the row, rank 1 idles.
+    "odd_sequence": replace(VIDEO_REQUEST, width=48, height=48, num_frames=1),
+}
 
 
 def _noop(step: int, total: int) -> None:
     pass
 
 
-def _run_cases(pipeline: Pipeline) -> tuple[dict[str, np.ndarray], dict[str, list[int]]]:
+Frames = dict[str, np.ndarray]
+Counts = dict[str, list[int]]
+
+
+def _run_cases(
+    pipeline: Pipeline, cases: dict[str, list[GenerationRequest]], prefix: str = ""
+) -> tuple[Frames, Counts]:
+    """Per case: every output stacked, and [calls, rows, idle_calls, context_calls]."""
     counters = denoiser_counters(pipeline)
     assert counters is not None
-    frames: dict[str, np.ndarray] = {}
-    counts: dict[str, list[int]] = {}
-    for name, (requests, _) in IMAGE_CASES.items():
+    frames: Frames = {}
+    counts: Counts = {}
+    for name, requests in cases.items():
         counters.reset()
         outputs = pipeline.run(requests, _noop)
-        frames[name] = np.stack([array for per_request in outputs for array in per_request])
-        counts[name] = [counters.calls, counters.rows, counters.padding_rows]
+        arrays = [array for per_request in outputs for array in per_request]
+        frames[prefix + name] = np.stack(arrays)
+        counts[prefix + name] = [
+            counters.calls,
+            counters.rows,
+            counters.idle_calls,
+            counters.context_calls,
+        ]
+    return frames, counts
+
+
+def _image_cases() -> dict[str, list[GenerationRequest]]:
+    return {name: requests for name, (requests, _) in IMAGE_CASES.items()}
+
+
+def _video_cases() -> dict[str, list[GenerationRequest]]:
+    return {name: [request] for name, request in AUTO_VIDEO_CASES.items()}
+
+
+def _run_everything(settings: GpuWorkerSettings) -> tuple[Frames, Counts]:
+    """On a rank: batch split and auto on the image cases, context and auto on the videos."""
+    frames: Frames = {}
+    counts: Counts = {}
+    runs = [
+        ("tiny", "batch", _image_cases(), ""),
+        ("tiny", "auto", _image_cases(), "auto:"),
+        ("tiny-video", "context", {"video": [VIDEO_REQUEST]}, ""),
+        ("tiny-video", "auto", _video_cases(), "auto:video:"),
+    ]
+    for spec, mode, cases, prefix in runs:
+        pipeline = load_pipeline(spec, CPU, settings)
+        apply_parallel(pipeline, ParallelSpec(mode))  # type: ignore[arg-type]
+        run_frames, run_counts = _run_cases(pipeline, cases, prefix)
+        frames.update(run_frames)
+        counts.update(run_counts)
     return frames, counts
 
 
@@ -80,13 +131,7 @@ def _rank_main(rank: int, port: int, cache: str, out_dir: str) -> None:
         timeout=timedelta(seconds=120),
     )
     try:
-        settings = GpuWorkerSettings(model_cache=Path(cache))
-        image = load_pipeline("tiny", CPU, settings)
-        apply_parallel(image, ParallelSpec("batch"))
-        frames, counts = _run_cases(image)
-        video = load_pipeline("tiny-video", CPU, settings)
-        apply_parallel(video, ParallelSpec("context"))
-        frames["video"] = video.run([VIDEO_REQUEST], _noop)[0][0]
+        frames, counts = _run_everything(GpuWorkerSettings(model_cache=Path(cache)))
         arrays: dict[str, Any] = frames
         np.savez(Path(out_dir) / f"rank{rank}.npz", **arrays)
         report = {"counts": counts}
@@ -128,9 +173,13 @@ def group_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         settings = GpuWorkerSettings(model_cache=cache)
         image = load_pipeline("tiny", CPU, settings)  # builds the cache before the ranks start
         apply_parallel(image, ParallelSpec("none"))
-        reference, reference_counts = _run_cases(image)
+        reference, reference_counts = _run_cases(image, _image_cases())
         video = load_pipeline("tiny-video", CPU, settings)
-        reference["video"] = video.run([VIDEO_REQUEST], _noop)[0][0]
+        apply_parallel(video, ParallelSpec("none"))
+        cases = {"video": [VIDEO_REQUEST], **_video_cases()}
+        video_frames, video_counts = _run_cases(video, cases)
+        reference.update(video_frames)
+        reference_counts.update(video_counts)
         _spawn_group(cache, out_dir)
     finally:
         torch.set_num_threads(threads)
@@ -150,29 +199,55 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
 
 
-@pytest.mark.parametrize("case", [*IMAGE_CASES, "video"])
-def test_two_ranks_match_one_rank(group_run: dict[str, Any], case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "reference"),
+    [
+        *((name, name) for name in IMAGE_CASES),
+        *((f"auto:{name}", name) for name in IMAGE_CASES),
+        ("video", "video"),
+        *((f"auto:video:{name}", name) for name in AUTO_VIDEO_CASES),
+    ],
+)
+def test_two_ranks_match_one_rank(group_run: dict[str, Any], case: str, reference: str) -> None:
     rank0, rank1 = group_run["ranks"]
     assert np.array_equal(rank0[case], rank1[case])  # every rank stepped identically
-    assert _max_diff(rank0[case], group_run["reference"][case]) <= TOLERANCE
+    assert _max_diff(rank0[case], group_run["reference"][reference]) <= TOLERANCE
 
 
+@pytest.mark.parametrize("mode", ["", "auto:"])
 @pytest.mark.parametrize("case", list(IMAGE_CASES))
-def test_batch_split_divides_the_rows(group_run: dict[str, Any], case: str) -> None:
+def test_batch_split_divides_the_rows(group_run: dict[str, Any], case: str, mode: str) -> None:
+    # The tiny UNet has no context-parallel plan, so `auto` splits its rows like `batch`.
     requests, rows_per_step = IMAGE_CASES[case]
     steps = requests[0].steps
-    assert group_run["reference_counts"][case] == [steps, steps * rows_per_step, 0]
+    assert group_run["reference_counts"][case] == [steps, steps * rows_per_step, 0, 0]
     expected_rows = split_sizes(rows_per_step, WORLD)
     for rank, report in enumerate(group_run["reports"]):
-        calls, rows, padding = report["counts"][case]
-        assert calls == steps
-        assert rows == steps * expected_rows[rank]
-        assert padding == (steps if expected_rows[rank] == 0 else 0)
+        calls, rows, idle, context = report["counts"][mode + case]
+        assert (calls, rows, context) == (steps, steps * expected_rows[rank], 0)
+        # A rank without a row sits the forward out instead of recomputing someone else's.
+        assert idle == (steps if expected_rows[rank] == 0 else 0)
 
 
 def test_cfg_halves_go_to_different_ranks(group_run: dict[str, Any]) -> None:
     counts = [report["counts"]["cfg_two_outputs"] for report in group_run["reports"]]
-    assert [rows for _, rows, _ in counts] == [6, 6]  # 3 steps x (4 rows / 2 ranks)
+    assert [rows for _, rows, _, _ in counts] == [6, 6]  # 3 steps x (4 rows / 2 ranks)
+
+
+def test_auto_divides_every_video_forward(group_run: dict[str, Any]) -> None:
+    reference = group_run["reference_counts"]
+    per_rank = [report["counts"] for report in group_run["reports"]]
+    calls, rows = reference["one_row"][:2]
+    # One row per call: both ranks work on it, each on half its sequence.
+    assert [counts["auto:video:one_row"] for counts in per_rank] == [[calls, rows, 0, calls]] * 2
+    # Two rows per call: one each, and together exactly the rows one rank computes.
+    calls, rows = reference["two_outputs"][:2]
+    two = [counts["auto:video:two_outputs"] for counts in per_rank]
+    assert two == [[calls, rows // 2, 0, 0]] * 2
+    # An odd sequence cannot be split: rank 0 computes the row once, rank 1 computes nothing.
+    calls, rows = reference["odd_sequence"][:2]
+    odd = [counts["auto:video:odd_sequence"] for counts in per_rank]
+    assert odd == [[calls, rows, 0, 0], [calls, 0, calls, 0]]
 
 
 @pytest.mark.parametrize(
@@ -200,6 +275,7 @@ def test_parallel_needs_a_denoiser() -> None:
             return None
 
     apply_parallel(NoDenoiser(), ParallelSpec("none"))  # type: ignore[arg-type]
+    apply_parallel(NoDenoiser(), ParallelSpec())  # type: ignore[arg-type]  # auto: nothing to do
     with pytest.raises(ValueError, match="no denoiser"):
         apply_parallel(NoDenoiser(), ParallelSpec("batch"))  # type: ignore[arg-type]
 

@@ -15,16 +15,19 @@ from tests.tasks.helpers import Api, ApiFactory, Receiver, ThreadServer, api_set
 
 @pytest.fixture
 def make_api(storage_settings: StorageSettings) -> Iterator[ApiFactory]:
-    """Start APIs with settings overrides; each has keys alice, bob and admin."""
+    """Start APIs with settings overrides (`storage`: StorageSettings); keys alice, bob, admin."""
     servers: list[ThreadServer] = []
     apis: list[Api] = []
 
-    def make(resolve: Resolver = system_resolver, **overrides: Any) -> Api:
+    def make(
+        resolve: Resolver = system_resolver, storage: dict[str, Any] | None = None, **overrides: Any
+    ) -> Api:
         settings = api_settings(**overrides)
-        ctx = build_context(settings, storage_settings, resolve=resolve)
-        server = ThreadServer(create_app(settings, storage_settings, context=ctx)).__enter__()
+        stored = storage_settings.model_copy(update=storage or {})
+        ctx = build_context(settings, stored, resolve=resolve)
+        server = ThreadServer(create_app(settings, stored, context=ctx)).__enter__()
         servers.append(server)
-        api = Api(server.url, ctx, settings, storage_settings)
+        api = Api(server.url, ctx, settings, stored)
         api.add_key("alice")
         api.add_key("bob")
         api.add_key("admin", admin=True)

@@ -18,6 +18,7 @@ from storage.settings import StorageSettings
 from storage.status import JobRecord, JobStore, NewJob
 from tasks.api import ApiContext
 from tasks.auth import hash_api_key, new_api_key
+from tasks.http_guard import uvicorn_config
 from tasks.schemas import JobRequest
 from tasks.settings import KilnSettings
 from tasks.ssrf import Resolver, system_resolver
@@ -43,7 +44,9 @@ class ThreadServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
+        # the API's own uvicorn configuration (deadlines, keep-alive) from the app's settings
+        settings: KilnSettings = app.state.kiln.settings
+        config = uvicorn_config(app, settings, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, args=([self.sock],), daemon=True)
 
@@ -103,6 +106,8 @@ def api_settings(**overrides: Any) -> KilnSettings:
         "webhook_retry_schedule_s": [0.2, 0.2, 0.2],
         "webhook_retry_jitter": 0.0,
         "sse_block_ms": 100,
+        # long: a pooled client connection must not be closed under a test on a slow machine
+        "http_keepalive_timeout_s": 30,
         "pipelines": ["default", "tiny", "tiny-video"],
     }
     values.update(overrides)
@@ -114,8 +119,18 @@ ApiFactory = Callable[..., Api]
 
 def drive_to_success(store: JobStore, job_id: str, steps: int = 3) -> JobRecord:
     """Move a job queued → running → progress × steps → succeeded through the real store."""
+    return finish_with_success(store, job_id, start_job(store, job_id), steps)
+
+
+def start_job(store: JobStore, job_id: str) -> int:
+    """Lease a queued job and move it to running; returns the lease token."""
     token = store.acquire_lease(job_id, "test-node")
     store.start(job_id, token)
+    return token
+
+
+def finish_with_success(store: JobStore, job_id: str, token: int, steps: int = 3) -> JobRecord:
+    """Move a running job → progress × steps → succeeded (one output) and release its lease."""
     for step in range(1, steps + 1):
         store.set_progress(job_id, token, {"stage": "denoising", "step": step, "total": steps})
     outputs = [
@@ -156,10 +171,16 @@ class Hit:
 class Receiver:
     """A local HTTP webhook receiver; `script` gives the status for each hit (then 200)."""
 
-    def __init__(self, script: list[int | tuple[int, dict[str, str]]] | None = None) -> None:
+    def __init__(
+        self,
+        script: list[int | tuple[int, dict[str, str]]] | None = None,
+        on_hit: Callable[[int], None] | None = None,
+    ) -> None:
         self.script = list(script or [])
         self.hits: list[Hit] = []
         self.lock = threading.Lock()
+        # called with the hit's number (1-based) before answering: the sender waits for it
+        self.on_hit = on_hit
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -168,6 +189,9 @@ class Receiver:
                 with receiver.lock:
                     receiver.hits.append(Hit(self.path, dict(self.headers.items()), body))
                     step = receiver.script.pop(0) if receiver.script else 200
+                    number = len(receiver.hits)
+                if receiver.on_hit is not None:
+                    receiver.on_hit(number)
                 code, headers = step if isinstance(step, tuple) else (step, {})
                 self.send_response(code)
                 for name, value in headers.items():

@@ -1,0 +1,301 @@
+"""Hostile and careless clients against the real API (uvicorn on 127.0.0.1, real Redis).
+
+Bodies JSON cannot carry, odd query strings and headers, too many event streams, slow and
+oversized uploads, and what errors may tell: each refusal is a 4xx that names its field, and
+the connection it came on still serves the next request.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+
+from storage.settings import StorageSettings
+from tasks.api import build_context, create_app
+from tests.tasks.helpers import Api, ApiFactory, ThreadServer, api_settings, drive_to_success
+from tests.tasks.raw_http import RawConnection, RawResponse, strict_json
+
+JOB = b'{"prompt":"a kiln","width":64,"height":64,"steps":2'
+JSON = (b"Content-Type", b"application/json")
+
+
+def bearer(api: Api, who: str = "alice") -> tuple[bytes, bytes]:
+    """A raw Authorization header."""
+    return b"Authorization", f"Bearer {api.keys[who]}".encode()
+
+
+def _port(api: Api) -> int:
+    return int(api.url.rsplit(":", 1)[1])
+
+
+def still_serves(conn: RawConnection, api: Api, job_id: str) -> None:
+    """The connection that just got a refusal answers a valid request."""
+    again = conn.request("GET", f"/v1/jobs/{job_id}".encode(), [bearer(api)])
+    assert again.status == 200, again.body
+
+
+def locs(response: RawResponse) -> list[list[Any]]:
+    """The `loc` of each error of a 422 (whose body must be standard JSON)."""
+    return [error["loc"] for error in strict_json(response.body)["detail"]]
+
+
+@pytest.fixture
+def job_id(api: Api) -> str:
+    """A job of alice's, for the follow-up request on each connection."""
+    return _submit(api, "alice")
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        (JOB + b',"guidance_scale":NaN}', ["body", "guidance_scale"]),
+        (JOB + b',"colour":-Infinity}', ["body", "colour"]),
+        (JOB + b',"metadata":{"a":[1e999]}}', ["body", "metadata", "a", 0]),
+        (JOB + b',"negative_prompt":"x\\ud800"}', ["body", "negative_prompt"]),
+        (JOB + b',"\\udfff":1}', ["body", "\\udfff"]),
+        (JOB + b',"metadata":{"k":"a\\u0000b"}}', ["body", "metadata", "k"]),
+        (JOB + b',"seed":' + b"9" * 5000 + b"}", ["body", "seed"]),
+        # named down to the first container past 32 levels: body, metadata, k, then 30 arrays
+        (JOB + b',"metadata":{"k":' + b"[" * 40 + b"]" * 40 + b"}}",
+         ["body", "metadata", "k", *[0] * 30]),
+        # offsets where FastAPI gives them too: where the JSON first nests past 32, the bad byte
+        (JOB + b',"metadata":' + b"[" * 5000 + b"]" * 5000 + b"}", ["body", len(JOB) + 12 + 31]),
+        (JOB + b',"prompt":"\xff\xfe"}', ["body", len(JOB) + 11]),
+        (b"\xef\xbb\xbf" + JOB + b',"prompt":"\\ud800"}', ["body", 0]),
+    ],
+    ids=["nan", "-inf-unknown", "1e999-nested", "surrogate", "surrogate-key", "nul",
+         "huge-int", "deep", "deeper-than-the-stack", "not-utf8", "bom"],
+)
+def test_bodies_json_cannot_carry_are_422_naming_the_field(
+    api: Api, job_id: str, body: bytes, loc: list[Any]
+) -> None:
+    with RawConnection(_port(api)) as conn:
+        response = conn.request("POST", b"/v1/jobs", [bearer(api), JSON], body)
+        assert response.status == 422, response.body
+        assert loc in locs(response), response.body
+        still_serves(conn, api, job_id)
+
+
+def test_a_422_never_echoes_what_cannot_be_encoded(api: Api, job_id: str) -> None:
+    # Not JSON by content type: FastAPI validates the raw bytes and echoes them as the input.
+    with RawConnection(_port(api)) as conn:
+        body = b"\xff\xfe\xed\xa0\x80"
+        plain = conn.request("POST", b"/v1/jobs", [bearer(api), (b"Content-Type", b"text/plain")],
+                             body)
+        assert plain.status == 422 and locs(plain) == [["body"]]
+        still_serves(conn, api, job_id)
+
+
+def test_odd_queries_headers_and_paths_are_4xx(api: Api, job_id: str) -> None:
+    events = f"/v1/jobs/{job_id}/events".encode()
+    with RawConnection(_port(api)) as conn:
+        odd_key = conn.request(
+            "POST", b"/v1/jobs", [bearer(api), JSON, (b"Idempotency-Key", b"\xff\x80 \x7f")],
+            JOB + b"}",
+        )
+        assert odd_key.status == 422 and locs(odd_key) == [["header", "Idempotency-Key"]]
+        still_serves(conn, api, job_id)
+        for target in (b"/v1/jobs/%ed%a0%80%00%ff", b"/v1/jobs/%ed%a0%80/events?after=1"):
+            assert conn.request("GET", target, [bearer(api)]).status == 404
+            still_serves(conn, api, job_id)
+        for query in (b"cursor=%ed%a0%80%00", b"limit=1e999", b"status=%00", b"%ff=1"):
+            listing = conn.request("GET", b"/v1/jobs?" + query, [bearer(api)])
+            assert listing.status == 422, (query, listing.body)
+            still_serves(conn, api, job_id)
+        for value in (str(2**64).encode(), b"-1", b"abc", b"9" * 5000):
+            after = conn.request("GET", events + b"?after=" + value, [bearer(api)])
+            assert after.status == 422 and locs(after) == [["query", "after"]], after.body
+            resume = conn.request("GET", events, [bearer(api), (b"Last-Event-ID", value)])
+            assert resume.status == 422 and locs(resume) == [["header", "Last-Event-ID"]]
+            still_serves(conn, api, job_id)
+        drive_to_success(api.store, job_id)  # finished: a stream past its end ends at once
+        largest = (b"Last-Event-ID", str(2**64 - 1).encode())
+        last = conn.request("GET", events, [bearer(api), largest])
+        assert last.status == 200 and last.body == b""
+        still_serves(conn, api, job_id)
+
+
+def open_stream(client: httpx.Client, stack: ExitStack, api: Api, who: str, job: str) -> int:
+    """Open an event stream and leave it open (closed with `stack`); returns its status."""
+    request = client.build_request("GET", f"{api.url}/v1/jobs/{job}/events", headers=api.auth(who))
+    response = client.send(request, stream=True)
+    stack.callback(response.close)
+    return response.status_code
+
+
+def test_event_streams_are_capped_and_never_starve_requests(make_api: ApiFactory) -> None:
+    api = make_api(
+        sse_max_streams_per_key=2,
+        sse_max_streams_total=3,
+        sse_busy_retry_after_s=3,
+        storage={"redis_max_connections": 43},
+    )
+    assert api.store.redis.connection_pool.max_connections == 43
+    jobs = {who: _submit(api, who) for who in ("alice", "bob")}
+    limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
+    with ExitStack() as stack, httpx.Client(timeout=30, limits=limits) as client:
+        assert [open_stream(client, stack, api, "alice", jobs["alice"]) for _ in range(2)] == [
+            200, 200]
+        refused = client.get(f"{api.url}/v1/jobs/{jobs['alice']}/events", headers=api.auth())
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "3"
+        assert open_stream(client, stack, api, "bob", jobs["bob"]) == 200
+        full = client.get(f"{api.url}/v1/jobs/{jobs['bob']}/events", headers=api.auth("bob"))
+        assert full.status_code == 429  # bob is under his own cap: the total is reached
+        for _ in range(5):
+            for who, job in jobs.items():
+                got = client.get(f"{api.url}/v1/jobs/{job}", headers=api.auth(who))
+                assert got.status_code == 200
+        stack.close()  # the clients go away: their slots come back
+        assert _eventually_opens(api, jobs["bob"], "bob")
+
+
+def _submit(api: Api, who: str) -> str:
+    body = {"prompt": "a kiln", "width": 64, "height": 64, "steps": 2}
+    response = httpx.post(f"{api.url}/v1/jobs", json=body, headers=api.auth(who))
+    return str(response.json()["id"])
+
+
+def _eventually_opens(api: Api, job: str, who: str) -> bool:
+    deadline = time.monotonic() + 30
+    with httpx.Client(timeout=30) as client:
+        while time.monotonic() < deadline:
+            with client.stream(
+                "GET", f"{api.url}/v1/jobs/{job}/events", headers=api.auth(who)
+            ) as response:
+                if response.status_code == 200:
+                    return True
+            time.sleep(0.1)
+    return False
+
+
+def test_start_up_refuses_stream_caps_the_pool_cannot_carry(
+    storage_settings: StorageSettings,
+) -> None:
+    small_pool = storage_settings.model_copy(update={"redis_max_connections": 50})
+    with pytest.raises(ValueError, match="KILN_REDIS_MAX_CONNECTIONS"):
+        create_app(api_settings(sse_max_streams_total=20), small_pool)
+    with pytest.raises(ValueError, match="KILN_SSE_MAX_STREAMS_PER_KEY"):
+        create_app(api_settings(sse_max_streams_per_key=9, sse_max_streams_total=8), small_pool)
+
+
+@pytest.fixture
+def slow_api(make_api: ApiFactory) -> Api:
+    """An API with one-second header and body deadlines."""
+    return make_api(http_header_timeout_s=1.0, http_body_timeout_s=1.0, sse_keepalive_s=0.2)
+
+
+def test_a_silent_connection_is_closed_a_prompt_one_is_not(slow_api: Api) -> None:
+    job = _submit(slow_api, "alice")
+    with RawConnection(_port(slow_api)) as conn:
+        for _ in range(3):  # keep-alive reuse: each request gets a fresh deadline
+            assert conn.request("GET", b"/healthz").status == 200
+            time.sleep(0.6)
+    url = f"{slow_api.url}/v1/jobs/{job}/events"
+    cut = True
+    with httpx.stream("GET", url, headers=slow_api.auth(), timeout=30) as stream:
+        started = time.monotonic()
+        for _ in stream.iter_lines():  # keep-alive comments every 0.2 s
+            if time.monotonic() - started > 3:  # three times the deadlines, and still open
+                cut = False
+                break
+    assert not cut, "a stream must outlive the request deadlines"
+    with RawConnection(_port(slow_api)) as conn:
+        closed, received = conn.wait_closed(timeout=15)
+    assert closed and received.startswith(b"HTTP/1.1 408")
+
+
+def test_trickled_headers_are_cut_off(slow_api: Api) -> None:
+    # one header byte every 0.2 s (the whole request would take 50 s): each byte would reset an
+    # idle timer, but not this deadline, so the server cuts it off while it still trickles
+    request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 200
+    with RawConnection(_port(slow_api)) as conn:
+        deadline = time.monotonic() + 15
+        closed = False
+        for byte in request:
+            try:
+                conn.send(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+            closed = closed or conn.wait_closed(timeout=0.2)[0]  # the pause between bytes
+            if closed or time.monotonic() > deadline:
+                break
+    assert closed, "a trickled request must be cut off while it trickles"
+
+
+def test_a_stalled_body_is_cut_off(slow_api: Api) -> None:
+    with RawConnection(_port(slow_api)) as conn:
+        conn.send(
+            b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + slow_api.keys["alice"].encode() + b"\r\n"
+            b"Content-Length: 200\r\n\r\n" + JOB
+        )
+        closed, received = conn.wait_closed(timeout=15)
+    assert closed and received.startswith(b"HTTP/1.1 408")
+
+
+@pytest.fixture
+def small_body_api(make_api: ApiFactory) -> Api:
+    """An API that takes bodies up to 2 KiB."""
+    return make_api(max_body_bytes=2048)
+
+
+def test_a_body_far_over_the_limit_gets_its_413(small_body_api: Api) -> None:
+    api = small_body_api
+    huge = b'{"prompt":"' + b"x" * (8 << 20) + b'"}'
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted while it streams
+        for i in range(0, len(huge), 65536):
+            yield huge[i : i + 65536]
+
+    with RawConnection(_port(api), timeout=60) as conn:
+        # the whole upload first, then the answer, as simple clients do: a server that closes
+        # on its 413 resets this connection mid-upload
+        response = conn.request("POST", b"/v1/jobs", [bearer(api), JSON], huge)
+        assert response.status == 413 and not response.will_close
+        assert conn.request("POST", b"/v1/jobs", [bearer(api), JSON], JOB + b"}").status == 201
+    headers = {**api.auth(), "Content-Type": "application/json"}
+    with httpx.Client(timeout=60) as client:
+        declared = client.post(f"{api.url}/v1/jobs", content=huge, headers=headers)
+        assert declared.status_code == 413
+        streamed = client.post(f"{api.url}/v1/jobs", content=chunks(), headers=headers)
+        assert streamed.status_code == 413
+        ok = client.post(f"{api.url}/v1/jobs", content=JOB + b"}", headers=headers)
+        assert ok.status_code == 201
+
+
+def test_errors_name_no_internals(storage_settings: StorageSettings) -> None:
+    with socket.socket() as dead:  # bound, never listening: Redis connections are refused
+        dead.bind(("127.0.0.1", 0))
+        port = dead.getsockname()[1]
+        down = storage_settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+        settings = api_settings()
+        ctx = build_context(settings, down)
+        try:
+            with ThreadServer(create_app(settings, down, context=ctx)) as server:
+                ready = httpx.get(f"{server.url}/readyz", timeout=30)
+                job = httpx.get(f"{server.url}/v1/jobs/x", timeout=30,
+                                headers={"Authorization": "Bearer kiln_x"})
+        finally:
+            if ctx.celery is not None:
+                ctx.celery.close()
+    assert ready.status_code == 503 and ready.json()["redis"] is False
+    assert ready.json()["reason"] == "job store (Redis) unavailable"
+    assert job.status_code == 503 and job.json() == {"detail": "job store unavailable; retry later"}
+    for text in (ready.text, job.text):
+        assert str(port) not in text and "rror" not in text and "refused" not in text
+
+
+def test_process_ids_are_for_admin_keys_only(api: Api) -> None:
+    info = {"pipelines": ["tiny"], "pid": 4242, "coordinator": {"pids": [101, 102], "rebuilds": 0}}
+    api.store.publish_node("node-p", info, ttl_s=30)
+    (mine,) = httpx.get(f"{api.url}/v1/nodes", headers=api.auth()).json()["nodes"]
+    assert "pid" not in mine and "pids" not in mine["coordinator"]
+    assert mine["coordinator"]["rebuilds"] == 0 and mine["pipelines"] == ["tiny"]
+    (full,) = httpx.get(f"{api.url}/v1/nodes", headers=api.auth("admin")).json()["nodes"]
+    assert full["pid"] == 4242 and full["coordinator"]["pids"] == [101, 102]
