@@ -25,6 +25,11 @@ $(BIN)/python:
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/hadolint Dockerfile
+	dc="$$(.ci/ensure-docker-compose)" && \
+		DEPLOY_ENV_FILE=deploy/kiln.env.example "$$dc" -f docker-compose.yml config -q
+	$(BIN)/python -m json.tool deploy/grafana/kiln-dashboard.json >/dev/null
 
 # Every test run starts from empty caches, as on a fresh machine: the model cache and every
 # other cache a library might write under ~/.cache, removed afterwards.

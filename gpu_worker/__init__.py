@@ -2,6 +2,14 @@
 
 The public names below are imported lazily (PEP 562), so `import gpu_worker.errors` or
 `gpu_worker.protocol` does not pull in torch.
+
+Where things live. The caller's side, in the process that owns the group: `coordinator`
+(`Coordinator`: submit, batch, recover) with its collaborators `batching` (the waiting requests),
+`inflight` (the batch on the group), `group_slot` (the current group), `tickets` and `failures`;
+`group` (`WorkerGroup`, the owner of the rank processes) with `group_spawn` and `group_monitor`.
+The ranks' side: `ranks/` (start, leader, follower, one forward), `parallel/` (how a forward is
+divided), `pipelines/`. Shared: `protocol` (every message), `config`, `errors`, `limits`, `shm`,
+`memory`, `oom_kills`, `settings`; `outputs` encodes frames for the node.
 """
 
 from __future__ import annotations
@@ -10,9 +18,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpu_worker.config import GroupConfig
-    from gpu_worker.coordinator import Coordinator
-    from gpu_worker.errors import (
+    from kiln.gpu_worker.config import GroupConfig
+    from kiln.gpu_worker.coordinator import Coordinator
+    from kiln.gpu_worker.errors import (
         DeadlineExceeded,
         GpuWorkerError,
         JobFailed,
@@ -22,27 +30,32 @@ if TYPE_CHECKING:
         UnsupportedRequest,
         WorkerGroupDied,
     )
-    from gpu_worker.group import WorkerGroup
-    from gpu_worker.parallel import ParallelSpec
-    from gpu_worker.protocol import GenerationRequest, GenerationResult, Progress, RunMetrics
+    from kiln.gpu_worker.group import WorkerGroup
+    from kiln.gpu_worker.parallel import ParallelSpec
+    from kiln.gpu_worker.protocol import (
+        GenerationRequest,
+        GenerationResult,
+        RunMetrics,
+        StepProgress,
+    )
 
 _EXPORTS = {
-    "Coordinator": "gpu_worker.coordinator",
-    "GroupConfig": "gpu_worker.config",
-    "WorkerGroup": "gpu_worker.group",
-    "ParallelSpec": "gpu_worker.parallel",
-    "GenerationRequest": "gpu_worker.protocol",
-    "GenerationResult": "gpu_worker.protocol",
-    "Progress": "gpu_worker.protocol",
-    "RunMetrics": "gpu_worker.protocol",
-    "GpuWorkerError": "gpu_worker.errors",
-    "JobFailed": "gpu_worker.errors",
-    "UnsupportedRequest": "gpu_worker.errors",
-    "OutOfMemory": "gpu_worker.errors",
-    "DeadlineExceeded": "gpu_worker.errors",
-    "JobStopped": "gpu_worker.errors",
-    "WorkerGroupDied": "gpu_worker.errors",
-    "RankStartupFailed": "gpu_worker.errors",
+    "Coordinator": "kiln.gpu_worker.coordinator",
+    "GroupConfig": "kiln.gpu_worker.config",
+    "WorkerGroup": "kiln.gpu_worker.group",
+    "ParallelSpec": "kiln.gpu_worker.parallel",
+    "GenerationRequest": "kiln.gpu_worker.protocol",
+    "GenerationResult": "kiln.gpu_worker.protocol",
+    "StepProgress": "kiln.gpu_worker.protocol",
+    "RunMetrics": "kiln.gpu_worker.protocol",
+    "GpuWorkerError": "kiln.gpu_worker.errors",
+    "JobFailed": "kiln.gpu_worker.errors",
+    "UnsupportedRequest": "kiln.gpu_worker.errors",
+    "OutOfMemory": "kiln.gpu_worker.errors",
+    "DeadlineExceeded": "kiln.gpu_worker.errors",
+    "JobStopped": "kiln.gpu_worker.errors",
+    "WorkerGroupDied": "kiln.gpu_worker.errors",
+    "RankStartupFailed": "kiln.gpu_worker.errors",
 }
 
 __all__ = [
@@ -56,9 +69,9 @@ __all__ = [
     "JobStopped",
     "OutOfMemory",
     "ParallelSpec",
-    "Progress",
     "RankStartupFailed",
     "RunMetrics",
+    "StepProgress",
     "UnsupportedRequest",
     "WorkerGroup",
     "WorkerGroupDied",

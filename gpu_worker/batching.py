@@ -1,19 +1,22 @@
-"""Batching policy: which queued requests share the next forward, and how long to wait for more.
+"""What goes to the group next: the requests waiting for it, and which of them share a forward.
 
 Requests are compatible when their `batch_key()` is equal (pipeline, size, frames, steps,
 guidance); the pipelines generate every output from its own seeded generator, so a request's
 pixels do not depend on its batch mates. A batch holds at most `max_batch` outputs (a request
-with more outputs than that runs alone). The window only delays a batch that is not yet full and
-whose oldest request arrived less than `window_s` ago: requests that queued up while the group
-was busy go at once.
+with more outputs than that runs alone), fewer when its pipeline's memory budget says so. The
+window only delays a batch that is not yet full and whose oldest request arrived less than
+`window_s` ago: requests that queued up while the group was busy go at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
-from gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.tickets import StopReason, Ticket
 
 
 class Queued(Protocol):
@@ -61,3 +64,70 @@ def window_remaining(batch: Sequence[Queued], max_batch: int, window_s: float, n
     if not batch or batch_outputs(batch) >= max_batch:
         return 0.0
     return max(0.0, batch[0].enqueued_at + window_s - now)
+
+
+class WaitingRequests:
+    """Submitted requests not yet sent to the group, oldest first.
+
+    Not thread-safe on its own: the coordinator calls it under its lock.
+    """
+
+    def __init__(self, max_batch: int, window_s: float) -> None:
+        self._max_batch = max_batch
+        self._window_s = window_s
+        self._tickets: deque[Ticket] = deque()
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def add(self, ticket: Ticket) -> None:
+        """Queue a ticket behind the others."""
+        self._tickets.append(ticket)
+
+    def holds(self, request_id: str) -> bool:
+        """True when a request with this id is waiting."""
+        return any(t.request.request_id == request_id for t in self._tickets)
+
+    def expire(self, now: float) -> None:
+        """Drop cancelled tickets; fail those whose deadline passed before they could start."""
+        for ticket in [t for t in self._tickets if t.future.done() or t.expired(now)]:
+            self._tickets.remove(ticket)
+            if not ticket.future.cancelled():
+                ticket.stop_reason = StopReason.DEADLINE
+                ticket.fail(ticket.expired_in_queue_error())
+
+    def take_batch(
+        self, now: float, limits: Mapping[str, DeclaredLimits]
+    ) -> tuple[list[Ticket], float | None]:
+        """The batch to send now (taken out of the queue), or none and when to look again."""
+        max_outputs = self._batch_cap(limits)
+        planned = plan_batch(self._tickets, max_outputs)
+        deadlines = [t.deadline_at for t in self._tickets if t.deadline_at is not None]
+        next_deadline = min(deadlines) if deadlines else None
+        if not planned:
+            return [], next_deadline
+        wait_s = window_remaining(planned, max_outputs, self._window_s, now)
+        if wait_s > 0:
+            return [], min(now + wait_s, next_deadline or float("inf"))
+        for ticket in planned:
+            self._tickets.remove(ticket)
+        return planned, None
+
+    def drain(self) -> list[Ticket]:
+        """Take every waiting ticket out, oldest first."""
+        tickets = list(self._tickets)
+        self._tickets.clear()
+        return tickets
+
+    def _batch_cap(self, limits: Mapping[str, DeclaredLimits]) -> int:
+        """Outputs the next batch may hold: `max_batch`, within its pipeline's memory budget."""
+        # Requests that each fit the declared budget (pixels × frames × outputs) must not add up
+        # to a forward that does not; a first request over it still runs, alone.
+        if not self._tickets:
+            return self._max_batch
+        oldest = self._tickets[0].request  # plan_batch builds the batch around it
+        budget = limits.get(oldest.pipeline, {}).get("max_pixels_frames_outputs")
+        if budget is None:
+            return self._max_batch
+        per_output = oldest.width * oldest.height * oldest.num_frames
+        return max(1, min(self._max_batch, budget // max(1, per_output)))

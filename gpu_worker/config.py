@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from gpu_worker.parallel import ParallelSpec
-from gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.parallel import ParallelSpec
+from kiln.gpu_worker.settings import GpuWorkerSettings
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,16 @@
 """The coordinator: a thread-safe front of one worker group, with batching and recovery.
 
+It holds three collaborators, each with its own state, all guarded by the coordinator's one lock
+(a decision often reads more than one of them): `WaitingRequests` (gpu_worker.batching: the queue
+and what goes next), `InflightRequests` (gpu_worker.inflight: the batch on the group and rank 0's
+reports about it) and `GroupSlot` (gpu_worker.group_slot: the current group and why it must be
+replaced).
+
 Threads: callers `submit()` from any thread; one dispatcher thread forms batches, enforces
 deadlines, and is the only thread that starts, kills and rebuilds the group (a rank's
 PR_SET_PDEATHSIG is tied to the thread that spawned it, so that thread lives as long as the
-coordinator); the group's monitor thread delivers rank 0's messages and deaths to the handlers in
-`gpu_worker.coordinator_events`. User callbacks (`on_progress`, `should_stop`) run on the monitor
-thread, never under the coordinator's lock.
+coordinator); the group's monitor thread delivers rank 0's messages and deaths. User callbacks
+(`on_progress`, `should_stop`) run on the monitor thread, never under the coordinator's lock.
 """
 
 from __future__ import annotations
@@ -13,47 +18,47 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from gpu_worker.batching import plan_batch, window_remaining
-from gpu_worker.config import GroupConfig
-from gpu_worker.coordinator_events import GroupEvents
-from gpu_worker.errors import (
-    GpuWorkerError,
-    JobStopped,
-    RankStartupFailed,
-    UnsupportedRequest,
-    WorkerGroupDied,
-)
-from gpu_worker.group import WorkerGroup
-from gpu_worker.limits import DeclaredLimits
-from gpu_worker.protocol import (
+from kiln.gpu_worker.batching import WaitingRequests
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.errors import GpuWorkerError, UnsupportedRequest, WorkerGroupDied
+from kiln.gpu_worker.failures import death_error
+from kiln.gpu_worker.group import GroupMessage, WorkerGroup
+from kiln.gpu_worker.group_slot import GroupSlot
+from kiln.gpu_worker.inflight import InflightBatch, InflightRequests, discard_outputs
+from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.protocol import (
+    BatchDone,
+    CoordinatorCommand,
     GenerationRequest,
     GenerationResult,
-    Progress,
     RunBatch,
+    StepProgress,
     StopVerdict,
 )
-from gpu_worker.tracking import InflightBatch, StopReason, Ticket, death_error
+from kiln.gpu_worker.tickets import Ticket
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Coordinator", "GroupConfig"]
 
 
-class Coordinator(GroupEvents):
+class Coordinator:
     """Runs generation requests on one worker group; `start()`, `submit()`, `shutdown()`."""
 
     def __init__(self, config: GroupConfig) -> None:
-        super().__init__(config)
-        self._queue: deque[Ticket] = deque()
+        self.config = config
+        self._cond = threading.Condition()
+        self._closing = False
+        self._waiting = WaitingRequests(config.max_batch, config.batch_window_s)
+        self._inflight = InflightRequests(config, self._cond, self._send)
+        self._slot = GroupSlot(config, self._cond)
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        self._limits: dict[str, DeclaredLimits] = {}
 
     def start(self) -> None:
         """Spawn the group, load and warm up every pipeline; raise `RankStartupFailed`."""
@@ -69,7 +74,7 @@ class Coordinator(GroupEvents):
     def submit(
         self,
         request: GenerationRequest,
-        on_progress: Callable[[Progress], None] | None = None,
+        on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
     ) -> Future[GenerationResult]:
@@ -88,9 +93,10 @@ class Coordinator(GroupEvents):
         with self._cond:
             if not self._started.is_set() or self._closing:
                 raise RuntimeError("submit() needs a started coordinator that is not shut down")
-            if self._is_known(request.request_id):
-                raise ValueError(f"request {request.request_id} is already queued or running")
-            self._queue.append(ticket)
+            request_id = request.request_id
+            if self._waiting.holds(request_id) or self._inflight.holds(request_id):
+                raise ValueError(f"request {request_id} is already queued or running")
+            self._waiting.add(ticket)
             self._cond.notify_all()
         return future
 
@@ -101,18 +107,18 @@ class Coordinator(GroupEvents):
     def pipeline_limits(self) -> dict[str, DeclaredLimits]:
         """What each pipeline declares it takes, as rank 0 loaded it (empty before `start`)."""
         with self._cond:
-            return dict(self._limits)
+            return dict(self._slot.limits)
 
     def stats(self) -> dict[str, Any]:
         """Counters for heartbeats and health checks."""
         with self._cond:
-            group = self._group
+            group = self._slot.group
             return {
-                "jobs_queued": len(self._queue),
-                "jobs_running": len(self._inflight.open_tickets()) if self._inflight else 0,
-                "last_progress_at": self._last_progress_at,
-                "rebuilds": self._rebuilds,
-                "batches_run": self._batches_run,
+                "jobs_queued": len(self._waiting),
+                "jobs_running": self._inflight.running(),
+                "last_progress_at": self._inflight.last_progress_at,
+                "rebuilds": self._slot.rebuilds,
+                "batches_run": self._inflight.batches_run,
                 "group_alive": bool(group is not None and group.alive),
                 "world_size": len(self.config.world()),
                 "pids": group.pids if group is not None else [],
@@ -128,7 +134,7 @@ class Coordinator(GroupEvents):
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    # --- the dispatcher thread -----------------------------------------------------------------
+    # --- the dispatcher thread -------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -154,14 +160,14 @@ class Coordinator(GroupEvents):
             if self._closing:
                 return False
             now = time.monotonic()
-            self._expire_queued(now)
+            self._waiting.expire(now)
             verdict: StopVerdict | None = None
             batch: list[Ticket] = []
-            if self._inflight is not None:
-                wake_at, verdict = self._police_inflight(self._inflight, now)
+            if self._inflight.batch is not None:
+                wake_at, verdict = self._police(now)
             else:
-                batch, wake_at = self._take_batch(now)
-            if not batch and verdict is None and self._kill_reason is None:
+                batch, wake_at = self._waiting.take_batch(now, self._slot.limits)
+            if not batch and verdict is None and self._slot.kill_reason is None:
                 self._cond.wait(None if wake_at is None else max(0.0, wake_at - now))
                 return True
         if verdict is not None:
@@ -170,148 +176,74 @@ class Coordinator(GroupEvents):
             self._dispatch(batch)
         return True
 
-    def _is_known(self, request_id: str) -> bool:
-        queued = any(t.request.request_id == request_id for t in self._queue)
-        return queued or bool(self._inflight and request_id in self._inflight.tickets)
-
-    def _expire_queued(self, now: float) -> None:
-        for ticket in [t for t in self._queue if t.future.done() or t.expired(now)]:
-            self._queue.remove(ticket)
-            if not ticket.future.cancelled():
-                ticket.stop_reason = StopReason.DEADLINE
-                ticket.fail(ticket.expired_in_queue_error())
-
-    def _take_batch(self, now: float) -> tuple[list[Ticket], float | None]:
-        max_outputs = self._batch_cap()
-        planned = plan_batch(self._queue, max_outputs)
-        deadlines = [t.deadline_at for t in self._queue if t.deadline_at is not None]
-        next_deadline = min(deadlines) if deadlines else None
-        if not planned:
-            return [], next_deadline
-        wait_s = window_remaining(planned, max_outputs, self.config.batch_window_s, now)
-        if wait_s > 0:
-            return [], min(now + wait_s, next_deadline or float("inf"))
-        for ticket in planned:
-            self._queue.remove(ticket)
-        return planned, None
-
-    def _batch_cap(self) -> int:
-        """Outputs the next batch may hold: `max_batch`, within its pipeline's memory budget."""
-        # Requests that each fit the declared budget (pixels × frames × outputs) must not add up
-        # to a forward that does not; a first request over it still runs, alone.
-        if not self._queue:
-            return self.config.max_batch
-        oldest = self._queue[0].request  # plan_batch builds the batch around it
-        budget = self._limits.get(oldest.pipeline, {}).get("max_pixels_frames_outputs")
-        if budget is None:
-            return self.config.max_batch
-        per_output = oldest.width * oldest.height * oldest.num_frames
-        return max(1, min(self.config.max_batch, budget // max(1, per_output)))
+    def _police(self, now: float) -> tuple[float | None, StopVerdict | None]:
+        policing = self._inflight.police(now)
+        if policing.kill_reason is not None:
+            # The next turn of the loop kills the group and fails the batch (see _rebuild).
+            self._slot.kill_reason = policing.kill_reason
+        return policing.wake_at, policing.verdict
 
     def _dispatch(self, planned: list[Ticket]) -> None:
-        batch = []
-        for ticket in planned:
-            if ticket.wants_stop():
-                ticket.stop_reason = StopReason.STOPPED
-                ticket.fail(JobStopped(f"request {ticket.request.request_id} stopped while queued"))
-            elif ticket.future.set_running_or_notify_cancel():
-                batch.append(ticket)
+        batch = [ticket for ticket in planned if ticket.begin_running()]
         if not batch:
             return
         with self._cond:
-            self._batch_seq += 1
-            inflight = InflightBatch(
-                self._batch_seq, {t.request.request_id: t for t in batch}, time.monotonic()
-            )
-            self._inflight = inflight
-            group = self._group
+            inflight = self._inflight.open(batch)
+            group = self._slot.group
         self._send(RunBatch(inflight.batch_id, tuple(t.request for t in batch)), group)
 
-    def _police_inflight(
-        self, batch: InflightBatch, now: float
-    ) -> tuple[float | None, StopVerdict | None]:
-        """Deadlines and desyncs of the running batch: what to stop, when to look again."""
-        wake: list[float] = []
-        newly: list[str] = []
-        for ticket in batch.open_tickets():
-            deadline = ticket.deadline_at
-            if deadline is None:
-                continue
-            if ticket.stop_reason is None and deadline <= now:
-                ticket.stop_reason = StopReason.DEADLINE
-                newly.append(ticket.request.request_id)
-            if ticket.stop_reason is StopReason.DEADLINE:
-                wake.append(deadline + self.config.deadline_grace_s)
-            else:
-                wake.append(deadline)
-        if batch.first_fault_at is not None:
-            wake.append(batch.first_fault_at + self.config.desync_grace_s)
-        verdict = StopVerdict(batch.batch_id, -1, frozenset(newly)) if newly else None
-        if wake and min(wake) <= now:
-            # The next turn of the loop kills the group and fails the batch (see _rebuild).
-            self._kill_reason = batch.kill_reason()
-            return None, None
-        return (min(wake) if wake else None), verdict
+    def _send(self, command: CoordinatorCommand, group: WorkerGroup | None = None) -> None:
+        """Send to rank 0; a dead group is noted for the dispatcher to rebuild."""
+        with self._cond:
+            target = group or self._slot.group
+        if target is None:
+            return
+        try:
+            target.send(command)
+        except WorkerGroupDied as exc:
+            with self._cond:
+                if not self._closing and self._slot.note_unreachable(target, str(exc)):
+                    self._cond.notify_all()
 
-    # --- group lifecycle (dispatcher thread only) ----------------------------------------------
+    # --- group lifecycle (dispatcher thread only) ------------------------------------------------
 
     def _needs_rebuild(self) -> bool:
         with self._cond:
             if self._closing:
                 return False
-            if self._kill_reason is not None or self._dead_reason is not None:
+            if self._slot.must_replace():
                 return True
-            return self._group is None and bool(self._queue)
+            return self._slot.group is None and bool(self._waiting)
 
     def _rebuild(self) -> None:
         with self._cond:
-            old, self._group = self._group, None
-            reason = self._kill_reason or self._dead_reason or "the worker group stopped"
-            inflight, self._inflight = self._inflight, None
-            self._kill_reason = self._dead_reason = None
+            old, reason = self._slot.detach()
+            inflight = self._inflight.detach()
         if old is not None:
             old.kill()
         if inflight is not None:
-            for ticket in inflight.open_tickets():
-                ticket.fail(death_error(ticket, inflight, reason))
+            _fail_open(inflight, reason)
         try:
             self._build_group()
         except GpuWorkerError as exc:
             self._fail_queued(exc)
             return
         with self._cond:
-            self._rebuilds += 1
+            self._slot.rebuilds += 1
 
     def _build_group(self) -> None:
-        with self._cond:
-            self._generation += 1
-            generation = self._generation
-        group = WorkerGroup(
-            self.config,
-            on_message=lambda message: self._on_group_message(generation, message),
-            on_death=lambda reason: self._group_died(generation, reason),
-        )
-        try:
-            group.start()
-        except RankStartupFailed:
-            raise
-        except Exception as exc:
-            raise RankStartupFailed(f"starting the worker group failed: {exc}") from exc
-        with self._cond:
-            self._group = group
-            self._limits = dict(group.limits)
+        self._slot.build(self._on_group_message, self._on_group_death)
 
     def _fail_queued(self, error: BaseException) -> None:
         with self._cond:
-            queued = list(self._queue)
-            self._queue.clear()
+            queued = self._waiting.drain()
         for ticket in queued:
             ticket.fail(error)
 
     def _teardown(self) -> None:
         with self._cond:
-            group, self._group = self._group, None
-            inflight, self._inflight = self._inflight, None
+            group, _ = self._slot.detach()
+            inflight = self._inflight.detach()
         closed = WorkerGroupDied("the coordinator was shut down")
         self._fail_queued(closed)
         if inflight is not None:
@@ -319,3 +251,30 @@ class Coordinator(GroupEvents):
                 ticket.fail(closed)
         if group is not None:
             group.shutdown()
+
+    # --- the group's monitor thread --------------------------------------------------------------
+
+    def _on_group_message(self, generation: int, message: GroupMessage) -> None:
+        with self._cond:
+            stale = not self._slot.is_current(generation)
+        if stale:
+            if isinstance(message, BatchDone):
+                discard_outputs(message.outputs)
+            return
+        self._inflight.on_message(message)
+
+    def _on_group_death(self, generation: int, reason: str) -> None:
+        with self._cond:
+            if not self._slot.is_current(generation) or self._closing:
+                return
+            self._slot.dead_reason = reason
+            inflight = self._inflight.detach()
+            self._cond.notify_all()
+        if inflight is not None:
+            _fail_open(inflight, reason)
+
+
+def _fail_open(batch: InflightBatch, reason: str) -> None:
+    """Fail the unresolved requests of a batch whose group died or was killed under it."""
+    for ticket in batch.open_tickets():
+        ticket.fail(death_error(ticket, batch.faults, reason))

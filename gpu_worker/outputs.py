@@ -17,7 +17,7 @@ import imageio_ffmpeg
 import numpy as np
 from PIL import Image
 
-from gpu_worker.errors import UnsupportedRequest
+from kiln.gpu_worker.errors import UnsupportedRequest
 
 IMAGE_FORMATS = {
     "png": ("image/png", "png"),

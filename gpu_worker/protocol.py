@@ -1,7 +1,8 @@
 """Messages between callers, the coordinator and the ranks: frozen dataclasses only.
 
-The coordinator's public types (`GenerationRequest`, `GenerationResult`, `Progress`) sit here
-together with the coordinator <-> rank messages, so the whole protocol reads in one place.
+The coordinator's public types (`GenerationRequest`, `GenerationResult`, `StepProgress`,
+`RunMetrics`) sit here together with the coordinator <-> rank messages, so the whole protocol
+reads in one place.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from enum import StrEnum
 
 import numpy as np
 
-from gpu_worker.limits import DeclaredLimits
-from gpu_worker.shm import FrameDescriptor
+from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.shm import FrameDescriptor
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class GenerationRequest:
     seed: int
     negative_prompt: str | None = None
     num_frames: int = 1
-    guidance_scale: float = 5.0
+    # Required, keyword only: the job schema owns the default (the API always sends a value), and
+    # a second default here once drifted from it.
+    guidance_scale: float = field(kw_only=True)
     num_outputs: int = 1
 
     def batch_key(self) -> tuple[str, int, int, int, int, float]:
@@ -44,8 +47,12 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
-class Progress:
-    """Where a request is: stage is loading|denoising|decoding; step counts from 1."""
+class StepProgress:
+    """Where a request is on the ranks: stage is loading|denoising|decoding; step counts from 1.
+
+    What the coordinator's `on_progress` callback receives (the job API's `Progress` is another
+    type, which the node derives from this one).
+    """
 
     stage: str
     step: int

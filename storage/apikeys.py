@@ -6,34 +6,14 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from storage.base import check_client, redis_client
-from storage.boundary import redis_boundary
-from storage.keys import Keys
-from storage.settings import StorageSettings
+from kiln.storage.base import check_client, redis_client
+from kiln.storage.boundary import redis_boundary
+from kiln.storage.keys import Keys
+from kiln.storage.scripts import Scripts
+from kiln.storage.settings import StorageSettings
 
 if TYPE_CHECKING:
     import redis
-
-_CREATE = r"""
--- KEYS: record, id -> hash, ids set. ARGV: id, key hash, name, admin. 0 if the hash exists.
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'id', ARGV[1], 'name', ARGV[3], 'admin', ARGV[4],
-  'created_at', string.format('%d.%06d', t[1], t[2]), 'revoked', '0')
-redis.call('SET', KEYS[2], ARGV[2])
-redis.call('SADD', KEYS[3], ARGV[1])
-return 1
-"""
-
-_REVOKE = r"""
--- KEYS: id -> hash. ARGV: record key prefix. 1 if a live key was revoked.
-local key_hash = redis.call('GET', KEYS[1])
-if not key_hash then return 0 end
-local record = ARGV[1] .. key_hash
-if redis.call('HGET', record, 'revoked') ~= '0' then return 0 end
-redis.call('HSET', record, 'revoked', '1')
-return 1
-"""
 
 
 @dataclass(frozen=True)
@@ -64,24 +44,20 @@ class ApiKeyStore:
         check_client(redis_client)
         self.redis = redis_client
         self.keys = Keys(settings.redis_namespace)
-        self._create = redis_client.register_script(_CREATE)
-        self._revoke = redis_client.register_script(_REVOKE)
+        self.scripts = Scripts(redis_client)
 
     @classmethod
     def from_settings(cls, settings: StorageSettings) -> ApiKeyStore:
         """A store with its own client for `settings.redis_url`."""
         return cls(redis_client(settings), settings)
 
-    @property
-    def _record_prefix(self) -> str:
-        return self.keys.api_key("")
-
     @redis_boundary
     def create(self, key_hash: str, name: str, admin: bool = False) -> ApiKey:
         """Store a new key under `key_hash`; ValueError if that hash is already stored."""
         key_id = "key_" + secrets.token_hex(8)
         keys = [self.keys.api_key(key_hash), self.keys.api_key_id(key_id), self.keys.api_key_ids]
-        if not self._create(keys=keys, args=[key_id, key_hash, name, "1" if admin else "0"]):
+        args = [key_id, key_hash, name, "1" if admin else "0"]
+        if not self.scripts["apikey_create"](keys, args):
             raise ValueError("an API key with this hash exists already")
         return _api_key(self.redis.hgetall(self.keys.api_key(key_hash)))
 
@@ -109,4 +85,5 @@ class ApiKeyStore:
     @redis_boundary
     def revoke(self, key_id: str) -> bool:
         """Revoke the key; True if it was live, False if unknown or already revoked."""
-        return bool(self._revoke(keys=[self.keys.api_key_id(key_id)], args=[self._record_prefix]))
+        keys, args = [self.keys.api_key_id(key_id)], [self.keys.api_key_prefix]
+        return bool(self.scripts["apikey_revoke"](keys, args))

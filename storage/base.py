@@ -1,8 +1,7 @@
-"""What every part of the job store shares: the client, key names, the loaded scripts."""
+"""What every part of the job store shares: the client, key names, the registered scripts."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -10,34 +9,11 @@ import redis
 from redis.backoff import EqualJitterBackoff
 from redis.retry import Retry
 
-from storage import lua, lua_create, lua_global, lua_leases
-from storage.errors import JobNotFound
-from storage.keys import Keys, valid_id
-from storage.records import JobRecord, job_from_hash, pairs_to_dict
-from storage.settings import StorageSettings
-
-# scripts that use the job calling convention (storage/lua.py's PRELUDE comes first)
-_JOB_SCRIPTS = {
-    "transition": lua.TRANSITION,
-    "cancel": lua.CANCEL,
-    "reap": lua.REAP,
-    "progress": lua.PROGRESS,
-    "create": lua_create.CREATE,
-    "create_many": lua_create.CREATE_MANY,
-    "acquire": lua_leases.ACQUIRE,
-    "renew": lua_leases.RENEW,
-    "release": lua_leases.RELEASE,
-    "mark_published": lua_leases.MARK_PUBLISHED,
-    "webhook_attempt": lua_leases.WEBHOOK_ATTEMPT,
-}
-_GLOBAL_SCRIPTS = {
-    "lease_deadlines_passed": lua_global.LEASE_DEADLINES_PASSED,
-    "unpublished": lua_global.UNPUBLISHED,
-    "publish_node": lua_global.PUBLISH_NODE,
-    "live_nodes": lua_global.LIVE_NODES,
-    "create_batch": lua_global.CREATE_BATCH,
-    "prune_indexes": lua_global.PRUNE_INDEXES,
-}
+from kiln.storage.errors import JobNotFound
+from kiln.storage.keys import Keys, valid_id
+from kiln.storage.records import JobRecord, job_from_hash, pairs_to_dict
+from kiln.storage.scripts import ScriptName, Scripts
+from kiln.storage.settings import StorageSettings
 
 
 def redis_client(settings: StorageSettings) -> redis.Redis[str]:
@@ -63,59 +39,18 @@ def check_client(client: redis.Redis[str]) -> None:
 
 
 class StoreBase:
-    """Client, settings, key names and loaded scripts shared by the job store's parts."""
+    """Client, settings, key names and scripts shared by the job store's parts."""
 
     def __init__(self, redis_client: redis.Redis[str], settings: StorageSettings) -> None:
         check_client(redis_client)
         self.redis = redis_client
         self.settings = settings
         self.keys = Keys(settings.redis_namespace)
-        self._sources = {name: lua.PRELUDE + body for name, body in _JOB_SCRIPTS.items()}
-        self._sources.update(_GLOBAL_SCRIPTS)
-        self._scripts = {
-            name: redis_client.register_script(source) for name, source in self._sources.items()
-        }
-        k = self.keys
-        self._context = [
-            k.job_prefix,
-            k.state_index_prefix,
-            k.batch_prefix,
-            k.batch_index_prefix,
-            k.idempotency_prefix,
-            k.owner_index_prefix,
-            settings.event_stream_maxlen,
-            settings.retention_s,
-        ]
-        self._global_keys = [
-            k.running,
-            k.unpublished,
-            k.queue_depth,
-            k.all_index,
-            k.creation_seq,
-            k.retired,
-        ]
+        self.scripts = Scripts(redis_client)
 
-    def _call(self, name: str, job_id: str, *args: Any) -> Any:
-        """Run a job script on `job_id`."""
-        return self._scripts[name](
-            keys=self.keys.job_scoped(job_id) + self._global_keys,
-            args=[*self._context, job_id, *args],
-        )
-
-    def _queue_job_script(self, pipe: Any, name: str, job_id: str, *args: Any) -> None:
-        """Queue a job script on a pipeline by its sha (the caller makes sure it is loaded)."""
-        keys = self.keys.job_scoped(job_id) + self._global_keys
-        # Redis names a cached script by the sha1 of its source
-        sha = hashlib.sha1(self._sources[name].encode(), usedforsecurity=False).hexdigest()
-        pipe.evalsha(sha, len(keys), *keys, *self._context, job_id, *args)
-
-    def _load_script(self, name: str) -> None:
-        """Load a script into Redis's cache (needed before it is used by sha in a pipeline)."""
-        self.redis.execute_command("SCRIPT", "LOAD", self._sources[name])
-
-    def _call_global(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run a namespace-wide script."""
-        return self._scripts[name](keys=keys, args=args)
+    def _run(self, name: ScriptName, keys: list[str], args: list[Any]) -> Any:
+        """Run the script `storage/lua/<name>.lua` with these KEYS and ARGV."""
+        return self.scripts[name](keys, args)
 
     @staticmethod
     def _require_id(job_id: str) -> None:

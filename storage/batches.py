@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from storage.base import StoreBase, dumps
-from storage.boundary import redis_boundary
-from storage.errors import BatchNotFound
-from storage.keys import valid_id
-from storage.records import BatchRecord, batch_from_hash, pairs_to_dict
-from storage.states import JobState
+from kiln.storage.base import StoreBase, dumps
+from kiln.storage.boundary import redis_boundary
+from kiln.storage.errors import BatchNotFound
+from kiln.storage.keys import valid_id
+from kiln.storage.records import BatchRecord, batch_from_hash, pairs_to_dict
+from kiln.storage.states import JobState
 
 
 class BatchOps(StoreBase):
@@ -22,7 +22,7 @@ class BatchOps(StoreBase):
             raise ValueError(f"invalid batch id {batch_id!r}")
         if total < 0:
             raise ValueError("total must be >= 0")
-        reply = self._call_global(
+        reply = self._run(
             "create_batch",
             [self.keys.batch(batch_id)],
             [total, dumps(metadata or {}), *(state.value for state in JobState)],

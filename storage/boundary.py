@@ -8,12 +8,12 @@ from typing import ParamSpec, TypeVar
 
 import redis.exceptions
 
-from storage import errors
+from kiln.storage import errors
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# `KILN_<CODE>` raised by the Lua scripts (storage/lua*.py)
+# `KILN_<CODE>` raised by the Lua scripts (storage/lua/, `raise` in _prelude.lua)
 _SCRIPT_ERRORS: dict[str, type[errors.StorageError]] = {
     "KILN_NOTFOUND": errors.JobNotFound,
     "KILN_NOBATCH": errors.BatchNotFound,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from storage.base import StoreBase, dumps
-from storage.boundary import redis_boundary
+from kiln.storage.base import StoreBase, dumps
+from kiln.storage.boundary import redis_boundary
 
 # the sweeper handles this many unconfirmed jobs per call
 _SWEEP_BATCH = 1000
@@ -21,15 +21,15 @@ class DeliveryOps(StoreBase):
     def mark_published(self, job_id: str) -> None:
         """Record that the job's Celery message was published (the sweeper skips it)."""
         self._require_id(job_id)
-        self._call("mark_published", job_id)
+        self._run("mark_published", [self.keys.job(job_id), self.keys.unpublished], [job_id])
 
     @redis_boundary
     def unpublished_jobs(self, older_than_s: float) -> list[str]:
         """Queued jobs whose publish was not confirmed for longer than `older_than_s`."""
-        ids: list[str] = self._call_global(
+        ids: list[str] = self._run(
             "unpublished",
             [self.keys.unpublished],
-            [self.keys.job_prefix, older_than_s, _SWEEP_BATCH],
+            [older_than_s, _SWEEP_BATCH, self.keys.job_prefix],
         )
         return ids
 
@@ -37,7 +37,11 @@ class DeliveryOps(StoreBase):
     def record_webhook_attempt(self, job_id: str, attempt: dict[str, Any]) -> None:
         """Append one delivery attempt to the job's log (kept as long as the record)."""
         self._require_id(job_id)
-        self._call("webhook_attempt", job_id, dumps(attempt), WEBHOOK_LOG_CAP)
+        self._run(
+            "webhook_attempt",
+            [self.keys.job(job_id), self.keys.webhooks(job_id)],
+            [job_id, dumps(attempt), WEBHOOK_LOG_CAP],
+        )
 
     @redis_boundary
     def webhook_attempts(self, job_id: str) -> list[dict[str, Any]]:

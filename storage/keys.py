@@ -1,6 +1,10 @@
 """Every Redis key Kiln uses, in one place: `{namespace}:...`.
 
-Lua scripts receive these names (or the prefixes below) as arguments; they never invent keys.
+Each key name is built here, by one documented entry, and nowhere else: Python passes the names
+to the Lua scripts (storage/lua/) as KEYS. A script that must find a key from data it reads in
+Redis (an id in a set, the batch or state in a record) gets the key's prefix from here in ARGV
+and appends the id; for every such prefix, `prefix + id` is exactly the name its entry builds.
+
 Lifetimes: job-scoped keys (record, events, webhooks, idempotency entry) get `retention_s` when the
 job reaches a terminal state and have no TTL while it is live; the lease key lives `lease_ttl_s`;
 a node key lives its heartbeat TTL; index entries of expired records are skipped when read and
@@ -11,8 +15,6 @@ from __future__ import annotations
 
 import re
 
-# the events stream of a job is `job(id) + EVENTS_SUFFIX` (bulk creation builds it in Lua)
-EVENTS_SUFFIX = ":events"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,127}")
 
 
@@ -30,83 +32,78 @@ class Keys:
     # --- per job -------------------------------------------------------------------------------
     @property
     def job_prefix(self) -> str:
-        """Prefix of job records (scripts complete it with an id read from another record)."""
+        """Prefix of job records (scripts complete it with an id read from a set or an entry)."""
         return f"{self.ns}:job:"
 
     def job(self, job_id: str) -> str:
         """Hash: the job record."""
         return self.job_prefix + job_id
 
+    @property
+    def events_suffix(self) -> str:
+        """A job's record key + this suffix is its events key (create_many completes both)."""
+        return ":events"
+
     def events(self, job_id: str) -> str:
         """Stream of the job's events; entry ids are `<seq>-0`."""
-        return self.job(job_id) + EVENTS_SUFFIX
+        return self.job(job_id) + self.events_suffix
 
     def lease(self, job_id: str) -> str:
         """String `<token>|<owner>` with the lease TTL."""
-        return f"{self.ns}:job:{job_id}:lease"
+        return self.job(job_id) + ":lease"
 
     def cancel(self, job_id: str) -> str:
         """Flag set while a cancel of the running job is pending."""
-        return f"{self.ns}:job:{job_id}:cancel"
+        return self.job(job_id) + ":cancel"
 
     def webhooks(self, job_id: str) -> str:
         """List of webhook delivery attempts (JSON)."""
-        return f"{self.ns}:job:{job_id}:webhooks"
+        return self.job(job_id) + ":webhooks"
 
-    def job_scoped(self, job_id: str) -> list[str]:
-        """The per-job keys every transition script takes, in its KEYS order."""
-        return [
-            self.job(job_id),
-            self.events(job_id),
-            self.lease(job_id),
-            self.cancel(job_id),
-            self.webhooks(job_id),
-        ]
-
-    # --- prefixes completed by scripts with an id read from the record -------------------------
+    # --- per idempotency key, batch, state, owner ----------------------------------------------
     @property
     def idempotency_prefix(self) -> str:
-        """Hash per idempotency key: job_id, fingerprint."""
+        """Prefix of idempotency entries (scripts complete it with the key a record names)."""
         return f"{self.ns}:idem:"
+
+    def idempotency(self, key: str) -> str:
+        """Hash per idempotency key: job_id, fingerprint."""
+        return self.idempotency_prefix + key
 
     @property
     def batch_prefix(self) -> str:
-        """Hash per batch: total, created_at, metadata, n_<state> counters."""
+        """Prefix of batch records (scripts complete it with the batch id a record names)."""
         return f"{self.ns}:batch:"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash per batch: total, created_at, metadata, n_<state> counters."""
+        return self.batch_prefix + batch_id
 
     @property
     def state_index_prefix(self) -> str:
-        """Sorted set per state of job ids, scored by creation sequence."""
+        """Prefix of the state indexes (scripts complete it with the state a record holds)."""
         return f"{self.ns}:idx:state:"
+
+    def state_index(self, state: str) -> str:
+        """Sorted set per state of job ids, scored by creation sequence."""
+        return self.state_index_prefix + state
 
     @property
     def batch_index_prefix(self) -> str:
-        """Sorted set per batch of job ids, scored by creation sequence."""
+        """Prefix of the batch indexes (scripts complete it with the batch id a record names)."""
         return f"{self.ns}:idx:batch:"
+
+    def batch_index(self, batch_id: str) -> str:
+        """Sorted set per batch of job ids, scored by creation sequence."""
+        return self.batch_index_prefix + batch_id
 
     @property
     def owner_index_prefix(self) -> str:
-        """Sorted set per owner of job ids, scored by creation sequence."""
+        """Prefix of the owner indexes (prune_indexes completes it with a retired job's owner)."""
         return f"{self.ns}:idx:owner:"
 
-    def idempotency(self, key: str) -> str:
-        """The idempotency entry of one key."""
-        return self.idempotency_prefix + key
-
-    def batch(self, batch_id: str) -> str:
-        """The batch record."""
-        return self.batch_prefix + batch_id
-
-    def state_index(self, state: str) -> str:
-        """Jobs in one state."""
-        return self.state_index_prefix + state
-
-    def batch_index(self, batch_id: str) -> str:
-        """Jobs of one batch."""
-        return self.batch_index_prefix + batch_id
-
     def owner_index(self, owner: str) -> str:
-        """Jobs of one owner."""
+        """Sorted set per owner of job ids, scored by creation sequence."""
         return self.owner_index_prefix + owner
 
     # --- global ----------------------------------------------------------------------------------
@@ -140,9 +137,10 @@ class Keys:
         """Counter of jobs in `queued`."""
         return f"{self.ns}:queue_depth"
 
+    # --- nodes ---------------------------------------------------------------------------------
     @property
     def node_prefix(self) -> str:
-        """Prefix of node heartbeats."""
+        """Prefix of node heartbeats (live_nodes completes it with the ids in `nodes`)."""
         return f"{self.ns}:node:"
 
     def node(self, node_id: str) -> str:
@@ -155,9 +153,14 @@ class Keys:
         return f"{self.ns}:nodes"
 
     # --- API keys ------------------------------------------------------------------------------
+    @property
+    def api_key_prefix(self) -> str:
+        """Prefix of API key records (apikey_revoke completes it with the hash an id maps to)."""
+        return f"{self.ns}:apikey:"
+
     def api_key(self, key_hash: str) -> str:
         """Hash: one API key record, found by the hash of the secret."""
-        return f"{self.ns}:apikey:{key_hash}"
+        return self.api_key_prefix + key_hash
 
     def api_key_id(self, key_id: str) -> str:
         """String: key id → key hash."""

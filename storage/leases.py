@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from storage.base import StoreBase
-from storage.boundary import redis_boundary
+from kiln.storage.base import StoreBase
+from kiln.storage.boundary import redis_boundary
 
 # the reaper looks at this many overdue jobs per call; it runs every few seconds
 _REAPER_BATCH = 1000
@@ -13,6 +13,10 @@ _REAPER_BATCH = 1000
 
 class LeaseOps(StoreBase):
     """Acquire, renew and release job leases; find running jobs whose lease expired."""
+
+    def _lease_keys(self, job_id: str) -> list[str]:
+        """The KEYS of acquire.lua, renew.lua and release.lua."""
+        return [self.keys.job(job_id), self.keys.lease(job_id), self.keys.running]
 
     @property
     def _lease_ttl_ms(self) -> int:
@@ -26,19 +30,21 @@ class LeaseOps(StoreBase):
         a new token, which fences off its previous one.
         """
         self._require_id(job_id)
-        return int(self._call("acquire", job_id, owner, self._lease_ttl_ms))
+        keys = self._lease_keys(job_id)
+        return int(self._run("acquire", keys, [job_id, owner, self._lease_ttl_ms]))
 
     @redis_boundary
     def renew_lease(self, job_id: str, lease_token: int) -> bool:
         """Extend the lease by its TTL; False if the token is no longer the job's current one."""
         self._require_id(job_id)
-        return bool(self._call("renew", job_id, str(lease_token), self._lease_ttl_ms))
+        keys = self._lease_keys(job_id)
+        return bool(self._run("renew", keys, [job_id, str(lease_token), self._lease_ttl_ms]))
 
     @redis_boundary
     def release_lease(self, job_id: str, lease_token: int) -> None:
         """Give the lease up (no-op with a stale token); a running job is then reaped at once."""
         self._require_id(job_id)
-        self._call("release", job_id, str(lease_token))
+        self._run("release", self._lease_keys(job_id), [job_id, str(lease_token)])
 
     @redis_boundary
     def lease_owner(self, job_id: str) -> str | None:
@@ -50,7 +56,7 @@ class LeaseOps(StoreBase):
     @redis_boundary
     def expired_leases(self) -> list[str]:
         """Ids of running jobs whose lease has expired (by the Redis clock): reap candidates."""
-        overdue: list[str] = self._call_global(
+        overdue: list[str] = self._run(
             "lease_deadlines_passed", [self.keys.running], [_REAPER_BATCH]
         )
         if not overdue:

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from storage.errors import InvalidObjectKey, ObjectNotFound, ObjectStoreError
-from storage.object_base import StoredObject, check_key, check_metadata
-from storage.settings import StorageSettings
+from kiln.storage.errors import InvalidObjectKey, ObjectNotFound, ObjectStoreError
+from kiln.storage.object_base import StoredObject, check_key, check_metadata
+from kiln.storage.settings import StorageSettings
 
 # next to `<key>` lies `<key>.meta.json`; keys with this ending are refused so none collide
 _SIDECAR_SUFFIX = ".meta.json"

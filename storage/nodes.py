@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from storage.base import StoreBase, dumps
-from storage.boundary import redis_boundary
+from kiln.storage.base import StoreBase, dumps
+from kiln.storage.boundary import redis_boundary
 
 
 class NodeOps(StoreBase):
@@ -17,7 +17,7 @@ class NodeOps(StoreBase):
         """Announce `node_id` with `info` for `ttl_s` seconds (call again before it lapses)."""
         payload = dumps({**info, "node_id": node_id})
         ttl_ms = max(1, int(ttl_s * 1000))
-        self._call_global(
+        self._run(
             "publish_node",
             [self.keys.node(node_id), self.keys.nodes],
             [node_id, payload, ttl_ms],
@@ -26,9 +26,7 @@ class NodeOps(StoreBase):
     @redis_boundary
     def live_nodes(self) -> list[dict[str, Any]]:
         """Info of every node whose heartbeat has not lapsed (each with its `node_id`)."""
-        infos: list[str] = self._call_global(
-            "live_nodes", [self.keys.nodes], [self.keys.node_prefix]
-        )
+        infos: list[str] = self._run("live_nodes", [self.keys.nodes], [self.keys.node_prefix])
         return [json.loads(info) for info in infos]
 
     def served_pipelines(self) -> set[str]:

@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from storage.errors import InvalidObjectKey
-from storage.keys import valid_id
+from kiln.storage.errors import InvalidObjectKey
+from kiln.storage.keys import valid_id
 
 # fullmatch everywhere: `$` would let a trailing newline through
 _SEGMENT = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]*")

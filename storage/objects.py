@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from storage.local_store import LocalObjectStore
-from storage.object_base import ObjectStore, StoredObject, check_key, output_key
-from storage.s3_store import S3ObjectStore
-from storage.settings import StorageSettings
+from kiln.storage.local_store import LocalObjectStore
+from kiln.storage.object_base import ObjectStore, StoredObject, check_key, output_key
+from kiln.storage.s3_store import S3ObjectStore
+from kiln.storage.settings import StorageSettings
 
 __all__ = [
     "LocalObjectStore",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from storage.base import StoreBase
-from storage.boundary import redis_boundary
-from storage.keys import valid_id
-from storage.records import JobEvent, JobRecord, event_from_entry, job_from_hash
-from storage.states import JobState
+from kiln.storage.base import StoreBase
+from kiln.storage.boundary import redis_boundary
+from kiln.storage.keys import valid_id
+from kiln.storage.records import JobEvent, JobRecord, event_from_entry, job_from_hash
+from kiln.storage.states import JobState
 
 # list_jobs reads this many index pages before it hands a cursor back with a short page,
 # so a rare filter combination cannot make one call scan a whole index
@@ -104,10 +104,10 @@ class QueryOps(StoreBase):
         Call it periodically (e.g. from the reaper loop); without it the indexes keep growing.
         """
         k = self.keys
-        seen: int = self._call_global(
+        seen: int = self._run(
             "prune_indexes",
             [k.retired, k.all_index],
-            [k.job_prefix, k.state_index_prefix, k.owner_index_prefix, k.batch_index_prefix, limit],
+            [limit, k.job_prefix, k.state_index_prefix, k.owner_index_prefix, k.batch_index_prefix],
         )
         return seen
 

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.keys import valid_id
-from storage.states import JobState
+from kiln.storage.keys import valid_id
+from kiln.storage.states import JobState
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import botocore.exceptions
 from boto3.exceptions import S3UploadFailedError
 
-from storage.errors import ObjectNotFound, ObjectStoreError, ObjectStoreUnavailable
+from kiln.storage.errors import ObjectNotFound, ObjectStoreError, ObjectStoreUnavailable
 
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 # answers that mean "not now": botocore already retried them; the caller may retry later

@@ -11,10 +11,10 @@ import boto3
 import botocore.config
 from boto3.s3.transfer import TransferConfig
 
-from storage.errors import ObjectNotFound, ObjectStoreError
-from storage.object_base import SHA256_METADATA_KEY, StoredObject, check_key, check_metadata
-from storage.s3_errors import s3_errors
-from storage.settings import StorageSettings
+from kiln.storage.errors import ObjectNotFound, ObjectStoreError
+from kiln.storage.object_base import SHA256_METADATA_KEY, StoredObject, check_key, check_metadata
+from kiln.storage.s3_errors import s3_errors
+from kiln.storage.settings import StorageSettings
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

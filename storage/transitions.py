@@ -1,13 +1,13 @@
-"""State changes of a job: each public method is one Lua script run (storage/lua.py)."""
+"""State changes of a job: each public method is one run of a script in storage/lua/."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from storage.base import StoreBase, dumps
-from storage.boundary import redis_boundary
-from storage.records import JobRecord
-from storage.states import JobState, edge_sources
+from kiln.storage.base import StoreBase, dumps
+from kiln.storage.boundary import redis_boundary
+from kiln.storage.records import JobRecord
+from kiln.storage.states import JobState, edge_sources
 
 Q, R = JobState.QUEUED, JobState.RUNNING
 # which sources each operation accepts; checked against TRANSITIONS at import
@@ -17,8 +17,8 @@ _FAIL = edge_sources((Q, R), JobState.FAILED)
 _REQUEUE = edge_sources((R,), Q)
 _FINISH_CANCELED = edge_sources((R,), JobState.CANCELED)
 _EXPIRE = edge_sources((Q,), JobState.EXPIRED)
-# the scripts that hard-code a transition: CANCEL (queued -> canceled), REAP (running -> queued
-# or canceled); checked here so a change of the table cannot silently diverge from them
+# the scripts that hard-code a transition: cancel.lua (queued -> canceled), reap.lua (running ->
+# queued or canceled); checked here so a change of the table cannot silently diverge from them
 edge_sources((Q,), JobState.CANCELED)
 edge_sources((R,), Q)
 edge_sources((R,), JobState.CANCELED)
@@ -26,6 +26,33 @@ edge_sources((R,), JobState.CANCELED)
 
 class TransitionOps(StoreBase):
     """Fenced, atomic transitions of the state machine (storage/states.py)."""
+
+    def _machine_keys(self, job_id: str) -> list[str]:
+        """KEYS of the scripts that include _machine.lua (transition, cancel, reap), in order."""
+        k = self.keys
+        return [
+            k.job(job_id),
+            k.events(job_id),
+            k.lease(job_id),
+            k.cancel(job_id),
+            k.webhooks(job_id),
+            k.running,
+            k.unpublished,
+            k.queue_depth,
+            k.retired,
+        ]
+
+    def _machine_settings(self) -> list[str | int]:
+        """The ARGV those scripts take after their own: prefixes, then settings, in order."""
+        k = self.keys
+        return [
+            k.state_index_prefix,
+            k.batch_prefix,
+            k.batch_index_prefix,
+            k.idempotency_prefix,
+            self.settings.event_stream_maxlen,
+            self.settings.retention_s,
+        ]
 
     def _transition(
         self,
@@ -41,8 +68,7 @@ class TransitionOps(StoreBase):
     ) -> JobRecord:
         self._require_id(job_id)
         flat = [item for pair in (fields or {}).items() for item in pair]
-        reply = self._call(
-            "transition",
+        args = [
             job_id,
             " " + " ".join(sources) + " ",
             target.value,
@@ -50,8 +76,9 @@ class TransitionOps(StoreBase):
             str(token or 0),
             dumps(payload),
             "1" if honor_cancel else "0",
-            *flat,
-        )
+        ]
+        keys = self._machine_keys(job_id)
+        reply = self._run("transition", keys, [*args, *self._machine_settings(), *flat])
         return self._record(job_id, reply)
 
     @redis_boundary
@@ -66,7 +93,12 @@ class TransitionOps(StoreBase):
     def set_progress(self, job_id: str, lease_token: int, progress: dict[str, Any]) -> None:
         """Record progress of the running job (fenced) and append a `progress` event."""
         self._require_id(job_id)
-        self._call("progress", job_id, str(lease_token), dumps(progress))
+        k, maxlen = self.keys, self.settings.event_stream_maxlen
+        self._run(
+            "progress",
+            [k.job(job_id), k.events(job_id)],
+            [job_id, str(lease_token), dumps(progress), maxlen],
+        )
 
     @redis_boundary
     def succeed(
@@ -126,7 +158,8 @@ class TransitionOps(StoreBase):
     def cancel(self, job_id: str) -> JobRecord:
         """Cancel: queued → canceled at once; running → cancel flag set, record unchanged."""
         self._require_id(job_id)
-        return self._record(job_id, self._call("cancel", job_id))
+        args = [job_id, *self._machine_settings()]
+        return self._record(job_id, self._run("cancel", self._machine_keys(job_id), args))
 
     @redis_boundary
     def finish_canceled(self, job_id: str, lease_token: int) -> JobRecord:
@@ -154,4 +187,5 @@ class TransitionOps(StoreBase):
         The job is marked unpublished: the caller publishes it again and calls mark_published.
         """
         self._require_id(job_id)
-        return bool(self._call("reap", job_id))
+        args = [job_id, *self._machine_settings()]
+        return bool(self._run("reap", self._machine_keys(job_id), args))

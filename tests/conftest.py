@@ -13,8 +13,8 @@ import redis
 from moto.server import ThreadedMotoServer
 from pydantic import SecretStr
 
-from storage.settings import StorageSettings
-from storage.status import JobStore
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobStore
 
 # Read before any test runs: `make test` hands the run a model cache that must not exist yet.
 MODEL_CACHE_EXISTED_AT_START = (

@@ -12,9 +12,9 @@ import importlib
 
 import torch
 
-from gpu_worker.limits import TINY_LIMITS
-from gpu_worker.pipelines.base import Pipeline, PipelineFactory, StepCallback, StopDenoising
-from gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.limits import TINY_LIMITS
+from kiln.gpu_worker.pipelines.base import Pipeline, PipelineFactory, StepCallback, StopDenoising
+from kiln.gpu_worker.settings import GpuWorkerSettings
 
 __all__ = [
     "Pipeline",
@@ -49,7 +49,7 @@ def prepare_pipeline(spec: str, settings: GpuWorkerSettings) -> None:
     load from where they already are. Ranks then find a complete folder and never build.
     """
     if spec in TINY_SPECS:
-        from gpu_worker.pipelines.tiny import ensure_tiny
+        from kiln.gpu_worker.pipelines.tiny import ensure_tiny
 
         _quiet_progress_bars()
         ensure_tiny(spec, settings.model_cache)
@@ -65,12 +65,12 @@ def _quiet_progress_bars() -> None:
 
 
 def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings) -> Pipeline:
-    from gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+    from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 
     _quiet_progress_bars()
     dtype = None if settings.torch_dtype == "auto" else getattr(torch, settings.torch_dtype)
     if spec in TINY_SPECS:
-        from gpu_worker.pipelines.tiny import ensure_tiny
+        from kiln.gpu_worker.pipelines.tiny import ensure_tiny
 
         source = str(ensure_tiny(spec, settings.model_cache))
     else:

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.protocol import GenerationRequest
 
 StepCallback = Callable[[int, int], None]
 

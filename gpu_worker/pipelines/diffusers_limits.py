@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.limits import DeclaredLimits
 
 MAX_SIDE = 4096  # the job schema's own largest side
 MAX_STEPS = 500  # the job schema's own most steps

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
-from gpu_worker.errors import JobFailed, UnsupportedRequest
-from gpu_worker.limits import DeclaredLimits
-from gpu_worker.pipelines.base import StepCallback
-from gpu_worker.pipelines.diffusers_limits import derive_limits
-from gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.errors import JobFailed, UnsupportedRequest
+from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.pipelines.base import StepCallback
+from kiln.gpu_worker.pipelines.diffusers_limits import derive_limits
+from kiln.gpu_worker.protocol import GenerationRequest
 
 SEED_MASK = (1 << 63) - 1
 

@@ -30,8 +30,13 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, UMT5Config, UMT5EncoderModel
 
-from gpu_worker.pipelines.cache_folder import cache_folder_is_complete, seal_cache_folder
-from gpu_worker.pipelines.tiny_tokenizer import END_TOKEN, MAX_LENGTH, START_TOKEN, write_tiny_vocab
+from kiln.gpu_worker.pipelines.cache_folder import cache_folder_is_complete, seal_cache_folder
+from kiln.gpu_worker.pipelines.tiny_tokenizer import (
+    END_TOKEN,
+    MAX_LENGTH,
+    START_TOKEN,
+    write_tiny_vocab,
+)
 
 # Bump when a config below changes, so caches built from the old one are not reused.
 TINY_VERSION = 1
@@ -112,18 +117,7 @@ def build_tiny_video(workdir: Path) -> WanPipeline:
         num_res_blocks=1,
         temperal_downsample=[False, True, True],
     )
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(vocab),
-            d_model=TEXT_DIM,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=vocab[END_TOKEN],
-        )
-    )
+    text_encoder = UMT5EncoderModel(_umt5_config(vocab))
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
@@ -145,6 +139,19 @@ def build_tiny_video(workdir: Path) -> WanPipeline:
         vae=vae,
         scheduler=scheduler,
         transformer=transformer,
+    )
+
+
+def _umt5_config(vocab: dict[str, int]) -> UMT5Config:
+    return UMT5Config(
+        vocab_size=len(vocab),
+        d_model=TEXT_DIM,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=vocab[END_TOKEN],
     )
 
 

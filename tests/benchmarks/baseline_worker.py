@@ -164,15 +164,15 @@ def load(worker: Worker, specs: dict[str, str], redis_url: str, endpoint: str) -
     """Load every pipeline on the CPU and warm each up with one small request."""
     import torch
 
-    from gpu_worker.pipelines import load_pipeline
-    from gpu_worker.protocol import GenerationRequest
+    from kiln.gpu_worker.pipelines import load_pipeline
+    from kiln.gpu_worker.protocol import GenerationRequest
 
     # A Kiln rank's default (GroupConfig: cores / ranks); bench_node.py loads `tiny` through
     # bench_pipelines:tiny, which then pins KILN_BENCH_TORCH_THREADS like it does on every side.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     for name, spec in specs.items():
         pipeline = load_pipeline(spec, torch.device("cpu"))
-        warm = GenerationRequest("warmup", name, "warm-up", 64, 64, 2, seed=0)
+        warm = GenerationRequest("warmup", name, "warm-up", 64, 64, 2, seed=0, guidance_scale=5.0)
         pipeline.run([warm], lambda step, total: None)
         worker.pipelines[name] = pipeline
     worker.s3 = boto3.client(
@@ -189,7 +189,7 @@ def run_job(worker: Worker, job_id: str, request: dict[str, Any]) -> None:
     """The steps, in order: status, pipeline, PNG, upload, status."""
     import imageio.v3 as iio
 
-    from gpu_worker.protocol import GenerationRequest
+    from kiln.gpu_worker.protocol import GenerationRequest
 
     key = job_key(worker.namespace, job_id)
     worker.redis.hset(key, mapping={"state": "running", "started_at": time.time()})

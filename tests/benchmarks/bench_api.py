@@ -25,13 +25,13 @@ import redis
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from storage.apikeys import ApiKeyStore  # noqa: E402
-from storage.settings import StorageSettings  # noqa: E402
-from storage.status import JobStore, NewJob  # noqa: E402
-from tasks.auth import hash_api_key, new_api_key  # noqa: E402
-from tasks.client import KilnClient  # noqa: E402
-from tasks.embedded import free_port, wait_for_port  # noqa: E402
-from tasks.schemas import JobRequest  # noqa: E402
+from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
+from kiln.storage.settings import StorageSettings  # noqa: E402
+from kiln.storage.status import JobStore, NewJob  # noqa: E402
+from kiln.tasks.api.auth import hash_api_key, new_api_key  # noqa: E402
+from kiln.tasks.cli.embedded import free_port, wait_for_port  # noqa: E402
+from kiln.tasks.client.client import KilnClient  # noqa: E402
+from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
 
 BODY = JobRequest(prompt="a kiln at dusk", width=64, height=64, steps=4, seed=1).to_record()
 
@@ -77,8 +77,9 @@ def client_submitter(url: str, key: str) -> Callable[[int], None]:
 
 def start_api(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
     code = (
-        "from storage.settings import StorageSettings; from tasks.settings import KilnSettings; "
-        "from tasks.api import serve_api; "
+        "from kiln.storage.settings import StorageSettings; "
+        "from kiln.tasks.contract.settings import KilnSettings; "
+        "from kiln.tasks.api.app import serve_api; "
         f"serve_api(KilnSettings(), StorageSettings(), '127.0.0.1', {port}, "
         "log_level='warning', access_log=False)"
     )
@@ -89,8 +90,8 @@ def start_api(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
 
 def submitter_rate(store: JobStore, storage: StorageSettings, jobs: int) -> None:
     """In-process Submitter.submit: record + Celery publish + mark_published, no HTTP."""
-    from tasks.settings import KilnSettings
-    from tasks.submit import Submitter
+    from kiln.tasks.contract.settings import KilnSettings
+    from kiln.tasks.queue.submit import Submitter
 
     submitter = Submitter(store, KilnSettings())
     request = JobRequest.model_validate(BODY)

@@ -18,9 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from gpu_worker.pipelines import Pipeline, load_pipeline
-from gpu_worker.protocol import GenerationRequest
-from gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.pipelines import Pipeline, load_pipeline
+from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.settings import GpuWorkerSettings
 
 
 def _noop(step: int, total: int) -> None:
@@ -54,6 +54,7 @@ def main() -> None:
     base = GenerationRequest(
         request_id="bench", pipeline=args.pipeline, prompt="a lighthouse at sunset",
         width=args.size, height=args.size, steps=args.steps, seed=0, num_frames=args.frames,
+        guidance_scale=5.0,
     )  # fmt: skip
     requests = [replace(base, request_id=f"r{i}", seed=i) for i in range(args.requests)]
     together, apart = [requests], [[request] for request in requests]

@@ -15,10 +15,10 @@ import uuid
 
 import torch
 
-from gpu_worker.config import GroupConfig
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.outputs import OutputSpec, encode
-from gpu_worker.protocol import GenerationRequest, Progress
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.outputs import OutputSpec, encode
+from kiln.gpu_worker.protocol import GenerationRequest, StepProgress
 
 PIPELINE = "python:tests.benchmarks.cuda_dit:sd3_medium"
 
@@ -27,7 +27,7 @@ def run_batch(coordinator: Coordinator, size: int, batch: int, steps: int) -> di
     """Submit `batch` compatible requests at once; time their shared forward."""
     step_times: list[float] = []
 
-    def on_progress(progress: Progress) -> None:
+    def on_progress(progress: StepProgress) -> None:
         if progress.stage == "denoising":
             step_times.append(time.perf_counter())
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from gpu_worker.config import GroupConfig
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.protocol import GenerationRequest
 from tests.gpu_worker.fixtures import noop, spec
 
 TIMEOUT_S = 120.0
@@ -51,7 +51,9 @@ def timed(call: Callable[[], object], repeats: int, warmup: int = 20) -> list[fl
 
 def noop_request(index: int, steps: int) -> GenerationRequest:
     """A request for the no-op fixture pipeline."""
-    return GenerationRequest(f"noop-{index}", "noop", "x", 8, 8, steps, seed=index)
+    return GenerationRequest(
+        f"noop-{index}", "noop", "x", 8, 8, steps, seed=index, guidance_scale=5.0
+    )
 
 
 def bench_in_process(repeats: int, steps: int) -> list[float]:
@@ -84,7 +86,11 @@ def bench_group(ranks: int, repeats: int, steps: int, window_s: float) -> list[f
 def four_compatible(coordinator: Coordinator, ids: Iterator[int]) -> None:
     """Submit 4 compatible tiny requests at once and wait for all of them."""
     futures = [
-        coordinator.submit(GenerationRequest(f"t-{next(ids)}", "tiny", "a kiln", 64, 64, 4, seed=s))
+        coordinator.submit(
+            GenerationRequest(
+                f"t-{next(ids)}", "tiny", "a kiln", 64, 64, 4, seed=s, guidance_scale=5.0
+            )
+        )
         for s in range(4)
     ]
     for future in futures:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gpu_worker.config import GroupConfig
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.parallel import ParallelSpec
-from gpu_worker.protocol import GenerationRequest
-from gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.parallel import ParallelSpec
+from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.settings import GpuWorkerSettings
 
 TIMEOUT_S = 600.0
 
@@ -31,7 +31,7 @@ def _request(args: argparse.Namespace, index: int) -> GenerationRequest:
     return GenerationRequest(
         request_id=f"bench-{index}", pipeline="tiny", prompt="a lighthouse at sunset",
         width=args.size, height=args.size, steps=args.steps, seed=7,
-        num_outputs=args.outputs,
+        num_outputs=args.outputs, guidance_scale=5.0,
     )  # fmt: skip
 
 

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gpu_worker.pipelines import Pipeline, load_pipeline
-from gpu_worker.pipelines.base import StepCallback
-from gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.pipelines import Pipeline, load_pipeline
+from kiln.gpu_worker.pipelines.base import StepCallback
+from kiln.gpu_worker.protocol import GenerationRequest
 
 SLEEP_ENV = "KILN_BENCH_SLEEP_S"
 FORWARDS_ENV = "KILN_BENCH_FORWARDS"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere in the repo
 
-from storage.settings import StorageSettings
-from storage.status import JobState, JobStore, NewJob
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobState, JobStore, NewJob
 
 
 def make_jobs(count: int, batch_id: str) -> list[NewJob]:

@@ -22,8 +22,13 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
-from gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline, default_dtype
-from gpu_worker.pipelines.tiny_tokenizer import END_TOKEN, MAX_LENGTH, START_TOKEN, write_tiny_vocab
+from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline, default_dtype
+from kiln.gpu_worker.pipelines.tiny_tokenizer import (
+    END_TOKEN,
+    MAX_LENGTH,
+    START_TOKEN,
+    write_tiny_vocab,
+)
 
 POOLED_DIM = 2048  # SD3-medium: CLIP-L (768) + CLIP-G (1280) pooled projections
 

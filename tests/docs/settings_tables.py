@@ -13,9 +13,9 @@ from pathlib import Path
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-from gpu_worker.settings import GpuWorkerSettings
-from storage.settings import StorageSettings
-from tasks.settings import KilnSettings
+from kiln.gpu_worker.settings import GpuWorkerSettings
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.contract.settings import KilnSettings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 START, END = "<!-- settings-tables -->", "<!-- /settings-tables -->"

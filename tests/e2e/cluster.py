@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest.mock import patch
 
-from storage.objects import ObjectStore, open_object_store
-from storage.settings import StorageSettings
-from storage.status import TERMINAL_STATES, JobRecord, JobStore
-from tasks.app import make_celery_app
-from tasks.schemas import JobRequest
-from tasks.settings import KilnSettings
-from tasks.submit import Submitter, celery_publisher
+from kiln.storage.objects import ObjectStore, open_object_store
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import TERMINAL_STATES, JobRecord, JobStore
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.submit import Submitter, celery_publisher
 
 SLEEPY = "python:tests.e2e.pipelines:sleepy"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ class Cluster:
         args = [
             sys.executable,
             "-m",
-            "tasks.cli",
+            "kiln.tasks.cli",
             "worker",
             "--devices",
             devices,
@@ -173,7 +173,7 @@ class Cluster:
     def run_cli(self, *args: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
         """Run `kiln ARGS...` as a user would, against this cluster; capture its output."""
         return subprocess.run(
-            [sys.executable, "-m", "tasks.cli", *args],
+            [sys.executable, "-m", "kiln.tasks.cli", *args],
             env=self.env,
             capture_output=True,
             text=True,

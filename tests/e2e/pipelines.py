@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gpu_worker.errors import UnsupportedRequest
-from gpu_worker.limits import DeclaredLimits
-from gpu_worker.pipelines.base import StepCallback
-from gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.errors import UnsupportedRequest
+from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.pipelines.base import StepCallback
+from kiln.gpu_worker.protocol import GenerationRequest
 
 STEP_SECONDS_ENV = "KILN_TEST_STEP_SECONDS"
 COMPLETIONS_ENV = "KILN_TEST_COMPLETIONS"

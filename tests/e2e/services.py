@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from tasks.embedded import free_port, wait_for_port
+from kiln.tasks.cli.embedded import free_port, wait_for_port
 
 
 class FlakyProxy:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tasks.cli import EXIT_NOT_SERVED, EXIT_USAGE, EXIT_WAIT_TIMEOUT
+from kiln.tasks.cli.main import EXIT_NOT_SERVED, EXIT_USAGE, EXIT_WAIT_TIMEOUT
 from tests.e2e.cluster import Cluster
 
 SMALL = ("--width", "64", "--height", "64", "--steps", "2")
@@ -63,7 +63,7 @@ def test_a_bad_setting_is_one_line_naming_the_variable(
 ) -> None:
     cluster = cluster_factory()
     result = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "submit", "x", *SMALL],
+        [sys.executable, "-m", "kiln.tasks.cli", "submit", "x", *SMALL],
         env={**cluster.env, "KILN_LEASE_TTL_S": "soon"},
         capture_output=True,
         text=True,

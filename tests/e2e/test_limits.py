@@ -8,8 +8,8 @@ import uuid
 import pytest
 from pydantic import ValidationError
 
-from storage.status import NewJob
-from tasks.schemas import JobRequest
+from kiln.storage.status import NewJob
+from kiln.tasks.contract.schemas import JobRequest
 from tests.e2e.cluster import SLEEPY, Cluster
 from tests.e2e.pipelines import MAX_STEPS
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tasks.embedded import free_port
+from kiln.tasks.cli.embedded import free_port
 from tests.e2e.cluster import REPO_ROOT, Cluster
 
 WALKTHROUGH = re.compile(

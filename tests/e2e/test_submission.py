@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.cli import EXIT_WAIT_TIMEOUT
-from tasks.schemas import JobRequest, Lane
-from tasks.submit import Submitter
+from kiln.tasks.cli.main import EXIT_WAIT_TIMEOUT
+from kiln.tasks.contract.schemas import JobRequest, Lane
+from kiln.tasks.queue.submit import Submitter
 from tests.e2e.cluster import SLEEPY, Cluster
 
 pytestmark = pytest.mark.timeout(300)

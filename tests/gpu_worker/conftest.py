@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.config import GroupConfig
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.protocol import GenerationRequest
 from tests.gpu_worker.fixtures import spec
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -39,6 +39,7 @@ def request(
     size: int = 64,
     steps: int = 3,
     seed: int = 1,
+    guidance_scale: float = 5.0,
     **fields: object,
 ) -> GenerationRequest:
     """A small request; `size` sets width and height."""
@@ -50,6 +51,7 @@ def request(
         height=size,
         steps=steps,
         seed=seed,
+        guidance_scale=guidance_scale,
         **fields,  # type: ignore[arg-type]
     )
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.errors import JobStopped
-from gpu_worker.parallel import ParallelSpec
-from gpu_worker.protocol import GenerationResult, Progress
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.errors import JobStopped
+from kiln.gpu_worker.parallel import ParallelSpec
+from kiln.gpu_worker.protocol import GenerationResult, StepProgress
 from tests.gpu_worker.conftest import GENEROUS_S, request, start_coordinator
 from tests.gpu_worker.fixtures import spec
 from tests.gpu_worker.fixtures.base import STEP_LOG_ENV
@@ -144,7 +144,7 @@ def test_four_compatible_requests_share_one_forward_and_match_separate_runs(
 
 
 def test_progress_is_reported_after_every_step(coordinator: Coordinator) -> None:
-    seen: list[Progress] = []
+    seen: list[StepProgress] = []
     future = coordinator.submit(request("progress", "tiny", steps=3), on_progress=seen.append)
     future.result(GENEROUS_S)
     stages = [(p.stage, p.step, p.total) for p in seen]

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.config import GroupConfig
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.parallel import ParallelSpec
-from gpu_worker.protocol import GenerationResult
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.parallel import ParallelSpec
+from kiln.gpu_worker.protocol import GenerationResult
 from tests.gpu_worker.conftest import GENEROUS_S, request, start_coordinator
 from tests.gpu_worker.fixtures import spec
 from tests.gpu_worker.fixtures.counting import COUNT_LOG_ENV

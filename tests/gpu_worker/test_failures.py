@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.errors import (
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.errors import (
     DeadlineExceeded,
     JobFailed,
     JobStopped,
@@ -21,7 +21,7 @@ from gpu_worker.errors import (
     UnsupportedRequest,
     WorkerGroupDied,
 )
-from gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.protocol import GenerationRequest
 from tests.gpu_worker.conftest import (
     FIXTURE_PIPELINES,
     GENEROUS_S,

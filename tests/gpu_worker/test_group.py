@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.config import GroupConfig
-from gpu_worker.errors import RankStartupFailed
-from gpu_worker.group import WorkerGroup
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.errors import RankStartupFailed
+from kiln.gpu_worker.group import WorkerGroup
 from tests.gpu_worker.conftest import CLOCK_TICKS, cpu_ticks, process_gone, wait_until
 from tests.gpu_worker.fixtures import fails_to_load, spec
 
@@ -68,7 +68,7 @@ def test_shutdown_asks_first_and_leaves_no_process() -> None:
     group.shutdown()
     assert all(process_gone(pid) for pid in pids)
     # Asked nicely, every rank exits by itself with 0 (no SIGTERM, no SIGKILL needed).
-    assert [p.exitcode for p in group._processes] == [0, 0]
+    assert [p.exitcode for p in group._ranks.processes] == [0, 0]
     group.shutdown()  # idempotent
 
 

@@ -12,14 +12,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the netwo
 import pytest
 import torch
 
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.errors import UnsupportedRequest
-from gpu_worker.limits import TINY_LIMITS, DeclaredLimits, declared_limits
-from gpu_worker.pipelines import load_pipeline
-from gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
-from gpu_worker.protocol import GenerationRequest
-from gpu_worker.settings import GpuWorkerSettings
-from tasks.limits import BUILTIN_LIMITS, PipelineLimits
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.errors import UnsupportedRequest
+from kiln.gpu_worker.limits import TINY_LIMITS, DeclaredLimits, declared_limits
+from kiln.gpu_worker.pipelines import load_pipeline
+from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.settings import GpuWorkerSettings
+from kiln.tasks.contract.limits import BUILTIN_LIMITS, PipelineLimits
 from tests.e2e.pipelines import SleepyPipeline
 from tests.gpu_worker.conftest import GENEROUS_S, request
 from tests.gpu_worker.fixtures import spec
@@ -91,7 +91,9 @@ def test_the_announced_frame_rule_is_the_one_validate_enforces(
     pipeline = tiny if spec == "tiny" else tiny_video
     limits = PipelineLimits.from_dict(pipeline.limits())
     for frames in range(1, 30):
-        request = GenerationRequest("r", spec, "p", 64, 64, steps=2, seed=0, num_frames=frames)
+        request = GenerationRequest(
+            "r", spec, "p", 64, 64, steps=2, seed=0, num_frames=frames, guidance_scale=5.0
+        )
         try:
             pipeline.validate(request)
             validated = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_worker.memory import MemoryUsage, PeakMemory, peak_rss_mb
+from kiln.gpu_worker.memory import MemoryUsage, PeakMemory, peak_rss_mb
 
 
 def test_cpu_peak_follows_an_allocation_and_resets() -> None:

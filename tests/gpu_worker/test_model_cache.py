@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.config import GroupConfig
-from gpu_worker.group import WorkerGroup
-from gpu_worker.pipelines.cache_folder import (
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.group import WorkerGroup
+from kiln.gpu_worker.pipelines.cache_folder import (
     MANIFEST,
     IncompleteSave,
     cache_folder_is_complete,
     seal_cache_folder,
 )
-from gpu_worker.pipelines.tiny import ensure_tiny, tiny_folder
-from gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.pipelines.tiny import ensure_tiny, tiny_folder
+from kiln.gpu_worker.settings import GpuWorkerSettings
 from tests.conftest import MODEL_CACHE_EXISTED_AT_START
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,9 +35,9 @@ START_TIMEOUT_S = 240
 START_GROUP = """
 import sys
 from pathlib import Path
-from gpu_worker.config import GroupConfig
-from gpu_worker.group import WorkerGroup
-from gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.group import WorkerGroup
+from kiln.gpu_worker.settings import GpuWorkerSettings
 from tests.conftest import MODEL_CACHE_EXISTED_AT_START
 
 settings = GpuWorkerSettings(model_cache=Path(sys.argv[1]), cpu_threads_per_rank=1)

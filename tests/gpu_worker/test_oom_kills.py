@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker import group as group_module
-from gpu_worker.coordinator import Coordinator
-from gpu_worker.errors import OutOfMemory
-from gpu_worker.oom_kills import oom_kill_count
+from kiln.gpu_worker import group_monitor
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.errors import OutOfMemory
+from kiln.gpu_worker.oom_kills import oom_kill_count
 from tests.gpu_worker.conftest import GENEROUS_S, request, wait_until
 from tests.gpu_worker.fixtures import spec
 
@@ -44,7 +44,7 @@ def test_a_rank_killed_by_the_oom_killer_fails_its_request_as_out_of_memory(
     # The kernel's counter, stood in for: a real OOM kill cannot be caused safely on a shared
     # test machine. The group reads it when it starts and when a rank dies.
     kills = [0]
-    monkeypatch.setattr(group_module, "oom_kill_count", lambda: kills[0])
+    monkeypatch.setattr(group_monitor, "oom_kill_count", lambda: kills[0])
     coordinator = coordinator_factory("cpu:1", {"hangs": spec("hangs")}, warmup=False)
     future = coordinator.submit(request("too-big", "hangs", "hang here"))
     assert wait_until(lambda: coordinator.stats()["jobs_running"] == 1)

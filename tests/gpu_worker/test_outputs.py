@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gpu_worker.errors import UnsupportedRequest
-from gpu_worker.outputs import EncodedOutput, OutputSpec, encode
+from kiln.gpu_worker.errors import UnsupportedRequest
+from kiln.gpu_worker.outputs import EncodedOutput, OutputSpec, encode
 
 
 def gradient_frames(count: int, height: int, width: int) -> np.ndarray:

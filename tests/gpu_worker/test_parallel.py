@@ -27,16 +27,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from gpu_worker.parallel import (
+from kiln.gpu_worker.parallel import (
     ContextKind,
     ParallelSpec,
     apply_parallel,
     denoiser_counters,
     split_sizes,
 )
-from gpu_worker.pipelines import Pipeline, load_pipeline
-from gpu_worker.protocol import GenerationRequest
-from gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.pipelines import Pipeline, load_pipeline
+from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.settings import GpuWorkerSettings
 
 CPU = torch.device("cpu")
 WORLD = 2
@@ -44,7 +44,14 @@ SPAWN_TIMEOUT_S = 240.0
 TOLERANCE = 1  # levels of 255
 
 _BASE = GenerationRequest(
-    request_id="r", pipeline="tiny", prompt="a red cat", width=64, height=64, steps=3, seed=5
+    request_id="r",
+    pipeline="tiny",
+    prompt="a red cat",
+    width=64,
+    height=64,
+    steps=3,
+    seed=5,
+    guidance_scale=5.0,
 )
 # name -> (requests, denoiser rows per step with one rank)
 IMAGE_CASES: dict[str, tuple[list[GenerationRequest], int]] = {

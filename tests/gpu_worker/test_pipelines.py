@@ -15,20 +15,32 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.errors import UnsupportedRequest
-from gpu_worker.parallel import DenoiserCounters, ParallelSpec, apply_parallel, denoiser_counters
-from gpu_worker.pipelines import Pipeline, StopDenoising, load_pipeline
-from gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline, output_seed
-from gpu_worker.pipelines.tiny import TINY_BUILDERS, ensure_tiny, tiny_folder
-from gpu_worker.protocol import GenerationRequest
-from gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.errors import UnsupportedRequest
+from kiln.gpu_worker.parallel import (
+    DenoiserCounters,
+    ParallelSpec,
+    apply_parallel,
+    denoiser_counters,
+)
+from kiln.gpu_worker.pipelines import Pipeline, StopDenoising, load_pipeline
+from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline, output_seed
+from kiln.gpu_worker.pipelines.tiny import TINY_BUILDERS, ensure_tiny, tiny_folder
+from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.settings import GpuWorkerSettings
 
 CPU = torch.device("cpu")
 
 
 def image_request(**overrides: object) -> GenerationRequest:
     base = GenerationRequest(
-        request_id="r", pipeline="tiny", prompt="a red cat", width=64, height=64, steps=4, seed=7
+        request_id="r",
+        pipeline="tiny",
+        prompt="a red cat",
+        width=64,
+        height=64,
+        steps=4,
+        seed=7,
+        guidance_scale=5.0,
     )
     return replace(base, **overrides)  # type: ignore[arg-type]
 

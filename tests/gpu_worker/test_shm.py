@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_worker.shm import FrameDescriptor, discard_frames, read_frames, write_frames
+from kiln.gpu_worker.shm import FrameDescriptor, discard_frames, read_frames, write_frames
 
 SHM_DIR = Path("/dev/shm")
 
@@ -53,7 +53,7 @@ def test_a_segment_outlives_its_writer_and_nothing_leaks() -> None:
     script = textwrap.dedent(
         """
         import json, numpy as np
-        from gpu_worker.shm import write_frames
+        from kiln.gpu_worker.shm import write_frames
         frames = np.arange(5 * 8 * 8 * 3, dtype=np.uint32).reshape(5, 8, 8, 3).astype(np.uint8)
         d = write_frames(frames)
         print(json.dumps({"name": d.name, "shape": d.shape, "dtype": d.dtype}))

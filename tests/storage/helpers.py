@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from storage.status import JobRecord, JobState, JobStore, NewJob
+from kiln.storage.status import JobRecord, JobState, JobStore, NewJob
 
 WORKER = "worker-a"
 

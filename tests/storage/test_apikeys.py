@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from storage.apikeys import ApiKeyStore
-from storage.settings import StorageSettings
+from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.settings import StorageSettings
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from storage.errors import IllegalTransition, LeaseHeld, StaleLease
-from storage.settings import StorageSettings
-from storage.status import JobState, JobStore, NewJob
+from kiln.storage.errors import IllegalTransition, LeaseHeld, StaleLease
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobState, JobStore, NewJob
 from tests.conftest import delete_keys
 
 EXPECTED = (IllegalTransition, StaleLease, LeaseHeld)

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from storage.errors import BatchNotFound, IdempotencyConflict, JobNotFound
-from storage.status import JobState, JobStore, NewJob
+from kiln.storage.errors import BatchNotFound, IdempotencyConflict, JobNotFound
+from kiln.storage.status import JobState, JobStore, NewJob
 from tests.storage.helpers import job_in_state, new_job
 
 

@@ -11,18 +11,18 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from storage.apikeys import ApiKeyStore
-from storage.errors import (
+from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.errors import (
     ObjectNotFound,
     ObjectStoreError,
     ObjectStoreUnavailable,
     StorageError,
     StorageUnavailable,
 )
-from storage.objects import S3ObjectStore
-from storage.s3_errors import translate_client_error
-from storage.settings import StorageSettings
-from storage.status import JobStore
+from kiln.storage.objects import S3ObjectStore
+from kiln.storage.s3_errors import translate_client_error
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobStore
 from tests.storage.helpers import new_job
 
 

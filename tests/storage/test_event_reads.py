@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.status import JobState, JobStore
+from kiln.storage.status import JobState, JobStore
 from tests.storage.helpers import job_in_state
 
 

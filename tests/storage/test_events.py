@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from storage.settings import StorageSettings
-from storage.status import TERMINAL_STATES, JobState, JobStore
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import TERMINAL_STATES, JobState, JobStore
 from tests.storage.helpers import event_types, job_in_state
 
 

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from storage.errors import JobNotFound, LeaseHeld, StaleLease
-from storage.settings import StorageSettings
-from storage.status import JobState, JobStore, NewJob
+from kiln.storage.errors import JobNotFound, LeaseHeld, StaleLease
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobState, JobStore, NewJob
 from tests.storage.helpers import WORKER, event_types, job_in_state
 
 

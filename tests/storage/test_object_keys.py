@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from storage.errors import InvalidObjectKey
-from storage.objects import check_key, output_key
+from kiln.storage.errors import InvalidObjectKey
+from kiln.storage.objects import check_key, output_key
 
 
 def test_output_key_shape() -> None:

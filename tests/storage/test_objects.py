@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from storage.errors import InvalidObjectKey, ObjectNotFound
-from storage.keys import valid_id
-from storage.objects import (
+from kiln.storage.errors import InvalidObjectKey, ObjectNotFound
+from kiln.storage.keys import valid_id
+from kiln.storage.objects import (
     LocalObjectStore,
     ObjectStore,
     S3ObjectStore,
     open_object_store,
     output_key,
 )
-from storage.settings import StorageSettings
+from kiln.storage.settings import StorageSettings
 
 MIB = 1024 * 1024
 

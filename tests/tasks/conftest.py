@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from storage.settings import StorageSettings
-from tasks.api import build_context, create_app
-from tasks.ssrf import Resolver, system_resolver
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.api.app import create_app
+from kiln.tasks.api.context import build_context
+from kiln.tasks.webhooks.ssrf import Resolver, system_resolver
 from tests.tasks.helpers import Api, ApiFactory, Receiver, ThreadServer, api_settings
 
 

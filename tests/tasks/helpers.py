@@ -13,16 +13,16 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from storage.apikeys import ApiKeyStore
-from storage.settings import StorageSettings
-from storage.status import JobRecord, JobStore, NewJob
-from tasks.api import ApiContext
-from tasks.auth import hash_api_key, new_api_key
-from tasks.http_guard import uvicorn_config
-from tasks.schemas import JobRequest
-from tasks.settings import KilnSettings
-from tasks.ssrf import Resolver, system_resolver
-from tasks.webhook_delivery import new_webhook_secret
+from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobRecord, JobStore, NewJob
+from kiln.tasks.api.auth import hash_api_key, new_api_key
+from kiln.tasks.api.context import ApiContext
+from kiln.tasks.api.http_guard import uvicorn_config
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.webhooks.message import new_webhook_secret
+from kiln.tasks.webhooks.ssrf import Resolver, system_resolver
 
 WEBHOOK_SECRET = new_webhook_secret()
 

@@ -29,10 +29,11 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, positive_data_acceptance
 
-from storage.apikeys import ApiKeyStore
-from storage.settings import StorageSettings
-from tasks.api import build_context, create_app
-from tasks.auth import hash_api_key, new_api_key
+from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.api.app import create_app
+from kiln.tasks.api.auth import hash_api_key, new_api_key
+from kiln.tasks.api.context import build_context
 from tests.conftest import delete_namespace
 from tests.tasks import hostile
 from tests.tasks.helpers import ThreadServer, api_settings, drive_to_success, queued_job

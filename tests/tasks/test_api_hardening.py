@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from storage.settings import StorageSettings
-from tasks.api import build_context, create_app
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.api.app import create_app
+from kiln.tasks.api.context import build_context
 from tests.tasks.helpers import Api, ApiFactory, ThreadServer, api_settings, drive_to_success
 from tests.tasks.raw_http import RawConnection, RawResponse, strict_json
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tasks.client import (
+from kiln.tasks.client.client import (
     Forbidden,
     IdempotencyConflictError,
     JobNotFoundError,
@@ -18,7 +18,8 @@ from tasks.client import (
     ValidationFailed,
     WaitTimeout,
 )
-from tasks.schemas import JobRequest, JobView
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.views import JobView
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success
 
 REQUEST = JobRequest(prompt="a kiln", width=64, height=64, steps=2)

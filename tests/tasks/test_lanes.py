@@ -1,8 +1,8 @@
-"""The queue order a node consumes in: interactive first, bulk never starved (tasks.lanes)."""
+"""The queue order a node consumes in: interactive first, bulk never starved (queue.lanes)."""
 
 from __future__ import annotations
 
-from tasks.lanes import LanePriorityCycle, node_queues, queue_name
+from kiln.tasks.queue.lanes import LanePriorityCycle, node_queues, queue_name
 
 
 def test_node_queues_put_interactive_lanes_first() -> None:

@@ -12,12 +12,12 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from storage.settings import StorageSettings
-from storage.status import JobStore
-from tasks.cli import EXIT_USAGE, main
-from tasks.limits import PipelineLimits
-from tasks.schemas import JobRequest
-from tasks.submit import Submitter
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobStore
+from kiln.tasks.cli.main import EXIT_USAGE, main
+from kiln.tasks.contract.limits import PipelineLimits
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.queue.submit import Submitter
 from tests.tasks.helpers import Api, api_settings
 
 SMALL = {"prompt": "waves", "width": 64, "height": 64, "steps": 2}

@@ -1,14 +1,14 @@
-"""Run policies (tasks.policy) and the progress writer (tasks.progress_writer)."""
+"""Run policies (queue.policy) and the progress writer (node.progress_writer)."""
 
 from __future__ import annotations
 
 import time
 
-from storage.status import JobStore, NewJob
-from tasks.policy import error_dict, retry_delay
-from tasks.progress_writer import PendingProgress, ProgressWriter
-from tasks.settings import KilnSettings
-from tasks.worker import parse_lanes, parse_pipelines
+from kiln.storage.status import JobStore, NewJob
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
+from kiln.tasks.node.worker import parse_lanes, parse_pipelines
+from kiln.tasks.queue.policy import error_dict, retry_delay
 
 
 def test_retry_delay_doubles_and_is_capped() -> None:
@@ -65,7 +65,7 @@ def test_progress_writer_discard_and_stale_token(job_store: JobStore) -> None:
 
 
 def test_error_dict_carries_type_and_retryable() -> None:
-    from gpu_worker.errors import OutOfMemory, WorkerGroupDied
+    from kiln.gpu_worker.errors import OutOfMemory, WorkerGroupDied
 
     assert error_dict(WorkerGroupDied("rank 1 died")) == {
         "type": "WorkerGroupDied",

@@ -7,9 +7,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from storage.records import JobRecord
-from storage.states import JobState
-from tasks.schemas import JobRequest, JobView, Lane, WebhookSpec, fingerprint, job_view
+from kiln.storage.records import JobRecord
+from kiln.storage.states import JobState
+from kiln.storage.status import request_fingerprint
+from kiln.tasks.contract.schemas import JobRequest, Lane, WebhookSpec
+from kiln.tasks.contract.views import JobView, job_view
 
 
 def error_fields(body: dict[str, Any]) -> set[str]:
@@ -78,6 +80,11 @@ def test_webhook_spec_rules() -> None:
     assert error_fields({"prompt": "p", "webhook": bad}) == {"webhook.events"}
     unknown = {"url": "https://x", "events": ["finished"]}
     assert error_fields({"prompt": "p", "webhook": unknown}) == {"webhook.events.0"}
+
+
+def fingerprint(request: JobRequest) -> str:
+    """The idempotency fingerprint the Submitter binds: storage's, of the request as sent."""
+    return request_fingerprint(request.to_record())
 
 
 def test_fingerprint_is_canonical() -> None:

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tasks.ssrf import CheckedUrl, UnsafeUrl, UrlPolicy, check_url, pinned_client
+from kiln.tasks.webhooks.ssrf import CheckedUrl, UnsafeUrl, UrlPolicy, check_url, pinned_client
 from tests.tasks.helpers import Receiver, fake_dns
 
 STRICT = UrlPolicy()

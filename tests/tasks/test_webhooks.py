@@ -8,7 +8,6 @@ from __future__ import annotations
 import email.utils
 import json
 import os
-import random
 import secrets
 import signal
 import subprocess
@@ -23,21 +22,20 @@ from typing import Any
 import pytest
 from standardwebhooks import Webhook
 
-from storage.objects import open_object_store
-from storage.settings import StorageSettings
-from storage.status import JobEvent, JobState, JobStore
-from tasks.app import make_celery_app
-from tasks.schemas import JobRequest
-from tasks.settings import KilnSettings
-from tasks.webhook_delivery import (
+from kiln.storage.objects import open_object_store
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobEvent, JobState, JobStore
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.webhooks.delivery import (
     Delivery,
     WebhookDeps,
     deliver_once,
     event_from_kwargs,
     parse_retry_after,
-    retry_delay,
 )
-from tasks.webhooks import enqueue_webhook_events
+from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 from tests.conftest import delete_namespace
 from tests.tasks.helpers import (
     WEBHOOK_SECRET,
@@ -84,28 +82,7 @@ def iso(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, tz=UTC).isoformat()
 
 
-# --- schedule math --------------------------------------------------------------------------
-
-
-def test_retry_delay_follows_the_schedule_then_stops() -> None:
-    rng = random.Random(1)
-    delays = [retry_delay(n, [10, 60, 300], 0.0, rng) for n in (1, 2, 3, 4)]
-    assert delays == [10.0, 60.0, 300.0, None]
-
-
-def test_jitter_only_shortens_within_its_fraction() -> None:
-    rng = random.Random(7)
-    samples = [retry_delay(2, [10, 100], 0.2, rng) for _ in range(200)]
-    assert all(s is not None and 80.0 <= s <= 100.0 for s in samples)
-    assert len({round(s or 0, 3) for s in samples}) > 100  # spread out, not one value
-
-
-def test_retry_after_is_a_lower_bound_with_a_cap() -> None:
-    rng = random.Random(3)
-    assert retry_delay(1, [10], 0.0, rng, retry_after=120) == 120.0
-    assert retry_delay(1, [10], 0.0, rng, retry_after=2) == 10.0
-    assert retry_delay(1, [10], 0.0, rng, retry_after=10**9, retry_after_max=3600) == 3600.0
-    assert retry_delay(2, [10], 0.0, rng, retry_after=5) is None  # the schedule still ends
+# --- Retry-After and the schedule (its math: tests/tasks/test_backoff.py) ---------------------
 
 
 def test_parse_retry_after() -> None:
@@ -300,7 +277,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebhookWorld]:
     }
     log = (tmp_path_factory.mktemp("worker") / "worker.log").open("wb")
     worker = subprocess.Popen(
-        [sys.executable, "-c", "from tasks.cli import main; raise SystemExit(main())",
+        [sys.executable, "-c", "from kiln.tasks.cli.main import main; raise SystemExit(main())",
          "worker", "--concurrency=2", "--loglevel=INFO"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from storage.settings import StorageSettings
+from kiln.storage.settings import StorageSettings
 
 KILN = Path(sys.executable).with_name("kiln")  # the console script installed next to python
 REFUSAL_TIMEOUT_S = 120.0  # generous: the CLI imports torch before it refuses

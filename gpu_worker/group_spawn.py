@@ -1,0 +1,174 @@
+"""A group's rank processes as their owner holds them: spawned, handshaken, and how each ended.
+
+One process per device from the `spawn` context. Rank 0 gets the command and result pipes; every
+rank gets its own status pipe (ready / failed to start / fault) and the read end of a death pipe
+whose write end only the owner holds. Before any rank starts, what the pipelines load from is
+made ready on disk here, outside any process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import torch.distributed as dist
+
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.errors import RankStartupFailed
+from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.pipelines import prepare_pipeline
+from kiln.gpu_worker.protocol import RankFailed, RankReady
+from kiln.gpu_worker.ranks.entry import RankPipes, rank_main
+from kiln.gpu_worker.ranks.start import RankArgs
+from kiln.gpu_worker.settings import GpuWorkerSettings
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'exit code 3', 'killed by SIGKILL', or 'still running'."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def wait_for_exit(processes: list[BaseProcess], timeout_s: float) -> None:
+    """Wait until these processes have ended, or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    pending = [p for p in processes if p.is_alive()]
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        wait([p.sentinel for p in pending], timeout=remaining)
+        pending = [p for p in pending if p.is_alive()]
+
+
+class RankProcesses:
+    """The ranks of one group and the owner's ends of their pipes (filled in as they spawn)."""
+
+    def __init__(self, config: GroupConfig) -> None:
+        self.config = config
+        self.processes: list[BaseProcess] = []  # in rank order
+        self.status: list[Connection] = []  # one per rank
+        self.commands: Connection | None = None  # to rank 0
+        self.results: Connection | None = None  # from rank 0
+        self._death_w: Connection | None = None  # ranks watch for its EOF: held while they live
+        self.conns: list[Connection] = []  # every owner-side end, closed at shutdown
+        self._store: dist.TCPStore | None = None
+        self.limits: dict[str, DeclaredLimits] = {}  # per pipeline, as rank 0 loaded it
+
+    def prepare_pipelines(self) -> None:
+        """Build what the pipelines load from; raise `RankStartupFailed` naming the pipeline."""
+        # Here, outside any process group: a pipeline built inside one is saved whole only on
+        # rank 0 (transformers), and ranks racing to build the same cache is wasted work.
+        settings = self.config.settings or GpuWorkerSettings()
+        for name, spec in self.config.pipelines.items():
+            try:
+                prepare_pipeline(spec, settings)
+            except Exception as exc:
+                raise RankStartupFailed(
+                    f"pipeline {name} ({spec}) could not be prepared: {exc}"
+                ) from exc
+
+    def spawn(self) -> None:
+        """Start one process per device; each is tracked as soon as it runs."""
+        ctx = mp.get_context("spawn")
+        world = self.config.world()
+        timeout = datetime.timedelta(seconds=self.config.ready_timeout_s)
+        # The store lives here, bound to a free port by the kernel: no port race between ranks.
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, len(world), is_master=True, wait_for_workers=False, timeout=timeout
+        )
+        death_r, self._death_w = ctx.Pipe(duplex=False)
+        commands_r, self.commands = ctx.Pipe(duplex=False)
+        self.results, results_w = ctx.Pipe(duplex=False)
+        for rank, device in enumerate(world):
+            status_r, status_w = ctx.Pipe(duplex=False)
+            pipes = RankPipes(status_w, death_r)
+            if rank == 0:
+                pipes.commands, pipes.results = commands_r, results_w
+            process = ctx.Process(
+                target=rank_main,
+                args=(self._rank_args(rank, device), pipes),
+                name=f"kiln-rank{rank}",
+            )
+            process.start()
+            status_w.close()  # the child holds its own copy; ours would hide the child's EOF
+            self.processes.append(process)
+            self.status.append(status_r)
+        for end in (death_r, commands_r, results_w):
+            end.close()
+        self.conns = [self.commands, self.results, self._death_w, *self.status]
+
+    def _rank_args(self, rank: int, device: str) -> RankArgs:
+        config = self.config
+        assert self._store is not None
+        return RankArgs(
+            rank=rank,
+            world_size=len(config.world()),
+            device=device,
+            backend=config.backend(),
+            store_port=self._store.port,
+            pipelines=dict(config.pipelines),
+            parallel=config.parallel,
+            node_name=config.node_name,
+            threads=config.threads_per_rank(),
+            parent_pid=os.getpid(),
+            collective_timeout_s=config.collective_timeout_s,
+            verdict_wait_s=config.verdict_wait_s,
+            warmup=config.warmup,
+            settings=config.settings,
+        )
+
+    def await_ready(self) -> None:
+        """Wait for every rank's `RankReady`; raise `RankStartupFailed` on anything else."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        waiting = dict(enumerate(self.status))
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RankStartupFailed(
+                    f"ranks {sorted(waiting)} not ready after {self.config.ready_timeout_s:.0f} s"
+                )
+            sentinels = {self.processes[rank].sentinel: rank for rank in waiting}
+            ready = wait([*waiting.values(), *sentinels], timeout=remaining)
+            woken = {r for r, conn in waiting.items() if conn in ready}
+            woken |= {sentinels[s] for s in ready if isinstance(s, int) and s in sentinels}
+            for rank in sorted(woken):
+                self._check_ready(rank, waiting)
+
+    def _check_ready(self, rank: int, waiting: dict[int, Connection]) -> None:
+        conn = waiting[rank]
+        message: object = None
+        if conn.poll(0):
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = None
+        if isinstance(message, RankReady):
+            if rank == 0:
+                self.limits = dict(message.limits)
+            del waiting[rank]
+        elif isinstance(message, RankFailed):
+            raise RankStartupFailed(f"rank {rank} failed to start:\n{message.message}")
+        elif message is None and conn.poll(0) is False and self.processes[rank].is_alive():
+            return  # woken by nothing we can read yet
+        else:
+            self.processes[rank].join(timeout=1.0)  # EOF on the pipe: the rank is ending
+            exit_text = describe_exit(self.processes[rank].exitcode)
+            raise RankStartupFailed(f"rank {rank} ended before it was ready ({exit_text})")
+
+    def close(self) -> None:
+        """Close every owner-side pipe end and let go of the store."""
+        for conn in self.conns:
+            conn.close()
+        self._store = None

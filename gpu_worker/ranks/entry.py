@@ -1,0 +1,63 @@
+"""The spawn target of every rank (`rank_main`): start, announce readiness, serve its role, exit.
+
+What a rank tells its owner over its status pipe: `RankReady` (with its pipelines' limits) or
+`RankFailed` at start, and a fatal `RankFault` when its serving loop ends in an error.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from kiln.gpu_worker.limits import declared_limits
+from kiln.gpu_worker.protocol import FailureKind, RankFailed, RankFault, RankReady
+from kiln.gpu_worker.ranks.follower import follow
+from kiln.gpu_worker.ranks.leader import LeaderLink, lead
+from kiln.gpu_worker.ranks.process import (
+    exit_rank,
+    prepare_rank_process,
+    process_title,
+    send_quietly,
+)
+from kiln.gpu_worker.ranks.start import RankArgs, start_rank
+
+EXIT_FATAL = 71
+
+
+@dataclass
+class RankPipes:
+    """The rank's pipes: status (every rank), commands/results (rank 0), death (read end)."""
+
+    status: Connection
+    death: Connection
+    commands: Connection | None = None
+    results: Connection | None = None
+
+
+def rank_main(args: RankArgs, pipes: RankPipes) -> None:
+    """Entry point of a rank process (the `spawn` target)."""
+    title = process_title(args.node_name, args.rank, args.world_size, args.device)
+    prepare_rank_process(
+        title=title, parent_pid=args.parent_pid, death_pipe=pipes.death, threads=args.threads
+    )
+    try:
+        runtime = start_rank(args)
+        limits = {name: declared_limits(pipeline) for name, pipeline in runtime.pipelines.items()}
+    except BaseException:
+        send_quietly(pipes.status, RankFailed(args.rank, traceback.format_exc()))
+        exit_rank(1)
+    pipes.status.send(RankReady(args.rank, os.getpid(), limits))
+    try:
+        if args.rank == 0:
+            assert pipes.commands is not None and pipes.results is not None
+            link = LeaderLink(pipes.commands, pipes.results, args.verdict_wait_s)
+            lead(runtime, link, pipes.status)
+        else:
+            follow(runtime, pipes.status)
+    except BaseException:
+        fault = RankFault(args.rank, None, FailureKind.COLLECTIVE, traceback.format_exc(), True)
+        send_quietly(pipes.status, fault)
+        exit_rank(EXIT_FATAL)
+    exit_rank(0)

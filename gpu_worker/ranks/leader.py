@@ -1,0 +1,208 @@
+"""Everything only rank 0 (the leader) does: the coordinator's commands in, batches relayed to the
+followers, the per-step report and stop decision, the batch's results out.
+
+Rank 0 never waits on a user callback: it sends `StepDone(k)` and, at the end of step k+1, takes
+the coordinator's `StopVerdict` for step k (waiting for it only if the coordinator is more than a
+whole step behind, and then at most `verdict_wait_s`). Before a batch starts, rank 0 alone screens
+its requests (a refused one never reaches a rank); after it, rank 0 gathers every rank's outcome
+and reports one result, with frames in shared memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+
+from kiln.gpu_worker.errors import UnsupportedRequest
+from kiln.gpu_worker.pipelines import Pipeline
+from kiln.gpu_worker.protocol import (
+    BatchDone,
+    BatchFailed,
+    CoordinatorCommand,
+    FailureKind,
+    GenerationRequest,
+    LeaderMessage,
+    RankOutcome,
+    RequestOutputs,
+    RequestRejected,
+    RunBatch,
+    RunMetrics,
+    ShutdownGroup,
+    StepDone,
+    StopVerdict,
+)
+from kiln.gpu_worker.ranks.forward import ForwardResult, StepSync, forward_batch
+from kiln.gpu_worker.ranks.relay import broadcast_command, exchange_outcomes
+from kiln.gpu_worker.ranks.start import RankRuntime
+from kiln.gpu_worker.shm import FrameDescriptor, discard_frames, write_frames
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed on some rank: the ranks are out of step and the group must go."""
+
+
+class LeaderLink:
+    """Rank 0's end of the coordinator's pipes: commands and verdicts in, messages out."""
+
+    def __init__(self, commands: Connection, results: Connection, verdict_wait_s: float) -> None:
+        self._commands = commands
+        self._results = results
+        self._verdict_wait_s = verdict_wait_s
+        self._queued: deque[RunBatch | ShutdownGroup] = deque()
+        self._batch_id: int | None = None
+        self._answered_step = 0
+        self._stop_ids: set[str] = set()
+
+    def next_command(self) -> RunBatch | ShutdownGroup:
+        """Block (in the kernel, no polling) until the coordinator sends a batch or shutdown."""
+        while not self._queued:
+            self._take(self._commands.recv())
+        return self._queued.popleft()
+
+    def begin(self, batch_id: int) -> None:
+        """Verdicts from now on are about this batch; earlier ones are stale."""
+        self._batch_id, self._answered_step, self._stop_ids = batch_id, 0, set()
+
+    def send(self, message: LeaderMessage) -> None:
+        """Send one message to the coordinator."""
+        self._results.send(message)
+
+    def decide_stops(self, step: int, total: int) -> frozenset[str]:
+        """End of `step` of the begun batch: report it, return the requests to stop now."""
+        assert self._batch_id is not None, "begin() the batch first"
+        self.send(StepDone(self._batch_id, step, total))
+        return self.stop_ids(step)
+
+    def stop_ids(self, step: int) -> frozenset[str]:
+        """Requests to stop at the end of `step`, once the verdict on `step - 1` is in."""
+        deadline = time.monotonic() + self._verdict_wait_s
+        while True:
+            while self._commands.poll(0):
+                self._take(self._commands.recv())
+            if self._answered_step >= step - 1:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._commands.poll(remaining):
+                break  # a slow callback must not stall the group: decide with what we have
+        return frozenset(self._stop_ids)
+
+    def _take(self, command: CoordinatorCommand) -> None:
+        if isinstance(command, StopVerdict):
+            if command.batch_id == self._batch_id:
+                self._stop_ids |= command.stop_ids
+                self._answered_step = max(self._answered_step, command.after_step)
+        else:
+            self._queued.append(command)
+
+
+def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
+    """Take commands from the coordinator, relay batches, report results, until shutdown."""
+    args = runtime.args
+    while True:
+        command = link.next_command()
+        if isinstance(command, ShutdownGroup):
+            _relay(runtime, command)
+            return
+        batch = screen_batch(command, runtime.pipelines, link)
+        if batch is None:
+            continue
+        _relay(runtime, batch)
+        link.begin(batch.batch_id)
+        sync = StepSync(batch, runtime.control_group, link.decide_stops)
+        result = forward_batch(runtime, batch, sync, status)
+        outcomes = exchange_outcomes(result.outcome, args.world_size, runtime.control_group)
+        report_batch(link, batch, outcomes, result, sync.stopped)
+
+
+def _relay(runtime: RankRuntime, command: RunBatch | ShutdownGroup) -> None:
+    """Pass a command on to the followers (a group of one has none)."""
+    if runtime.idle_group is not None:
+        broadcast_command(command, runtime.idle_group)
+
+
+def screen_batch(
+    batch: RunBatch, pipelines: Mapping[str, Pipeline], link: LeaderLink
+) -> RunBatch | None:
+    """Reject what the pipeline refuses (before any rank starts); None when nothing is left."""
+    accepted: list[GenerationRequest] = []
+    for request in batch.requests:
+        reason = _refusal(request, pipelines)
+        if reason is None:
+            accepted.append(request)
+        else:
+            link.send(RequestRejected(batch.batch_id, request.request_id, reason))
+    if accepted:
+        return RunBatch(batch.batch_id, tuple(accepted))
+    link.send(BatchDone(batch.batch_id, (), frozenset(), RunMetrics(0.0, 0.0, 0, 0)))
+    return None
+
+
+def _refusal(request: GenerationRequest, pipelines: Mapping[str, Pipeline]) -> str | None:
+    pipeline = pipelines.get(request.pipeline)
+    if pipeline is None:
+        return f"pipeline: this group serves {sorted(pipelines)}, not {request.pipeline!r}"
+    try:
+        pipeline.validate(request)
+    except UnsupportedRequest as exc:
+        return str(exc)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def report_batch(
+    link: LeaderLink,
+    batch: RunBatch,
+    outcomes: list[RankOutcome],
+    result: ForwardResult,
+    stopped: frozenset[str],
+) -> None:
+    """Tell the coordinator how the forward ended on all ranks; frames go through shm."""
+    failed = [outcome for outcome in outcomes if outcome.status == "failed"]
+    if any(outcome.kind is FailureKind.COLLECTIVE for outcome in failed):
+        raise GroupBroken("; ".join(o.message for o in failed if o.kind is FailureKind.COLLECTIVE))
+    if failed:
+        kind = FailureKind.OOM if any(o.kind is FailureKind.OOM for o in failed) else failed[0].kind
+        text = "\n".join(f"rank {o.rank}: {o.message}" for o in failed)
+        link.send(BatchFailed(batch.batch_id, kind or FailureKind.ERROR, text))
+        return
+    metrics = RunMetrics(
+        run_s=result.run_s,
+        peak_memory_mb=max(outcome.peak_memory_mb for outcome in outcomes),
+        steps_run=max(outcome.steps_run for outcome in outcomes),
+        batch_size=sum(request.num_outputs for request in batch.requests),
+    )
+    if result.outputs is None:  # every request stopped
+        all_ids = frozenset(request.request_id for request in batch.requests)
+        link.send(BatchDone(batch.batch_id, (), all_ids, metrics))
+        return
+    try:
+        outputs = _share_outputs(batch, result, stopped)
+    except Exception as exc:
+        link.send(BatchFailed(batch.batch_id, FailureKind.ERROR, f"shared memory: {exc}"))
+        return
+    link.send(BatchDone(batch.batch_id, outputs, stopped, metrics))
+
+
+def _share_outputs(
+    batch: RunBatch, result: ForwardResult, stopped: frozenset[str]
+) -> tuple[RequestOutputs, ...]:
+    assert result.outputs is not None
+    written: list[FrameDescriptor] = []
+    shared: list[RequestOutputs] = []
+    try:
+        for request, arrays in zip(batch.requests, result.outputs, strict=True):
+            if request.request_id in stopped:
+                continue
+            frames: list[FrameDescriptor] = []
+            for array in arrays:
+                frames.append(write_frames(array))
+                written.append(frames[-1])
+            shared.append(RequestOutputs(request.request_id, tuple(frames)))
+    except BaseException:
+        for descriptor in written:
+            discard_frames(descriptor)
+        raise
+    return tuple(shared)

@@ -1,0 +1,113 @@
+"""A submitted request as the coordinator tracks it (`Ticket`), and why the coordinator stops one.
+
+A ticket carries the caller's future and callbacks from `submit()` until the future is resolved,
+whether that happens in the queue, on the group, or when the group dies. Callbacks never raise
+into the coordinator: a failing one is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kiln.gpu_worker.errors import DeadlineExceeded, GpuWorkerError, JobStopped
+from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+
+logger = logging.getLogger(__name__)
+
+
+class StopReason(StrEnum):
+    """Why the coordinator asked the ranks to stop a request.
+
+    The coordinator's own distinction: the caller's `should_stop` (whatever the caller's reason
+    for it) or the `max_run_seconds` the caller gave. It decides JobStopped vs DeadlineExceeded.
+    """
+
+    STOPPED = "stopped"  # its should_stop said so
+    DEADLINE = "deadline"  # it ran past max_run_seconds
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One submitted request: its future, its callbacks and its deadline."""
+
+    request: GenerationRequest
+    future: Future[GenerationResult]
+    enqueued_at: float
+    on_progress: Callable[[StepProgress], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    max_run_seconds: float | None = None
+    stop_reason: StopReason | None = None
+
+    @property
+    def deadline_at(self) -> float | None:
+        """`time.monotonic()` at which the request has run too long (counted from submit)."""
+        if self.max_run_seconds is None:
+            return None
+        return self.enqueued_at + self.max_run_seconds
+
+    def expired(self, now: float) -> bool:
+        """True once `max_run_seconds` have passed since submit."""
+        deadline = self.deadline_at
+        return deadline is not None and deadline <= now
+
+    def expired_in_queue_error(self) -> DeadlineExceeded:
+        """The error of a request whose deadline passed before it could start."""
+        return DeadlineExceeded(
+            f"request {self.request.request_id} reached max_run_seconds="
+            f"{self.max_run_seconds} before it could start"
+        )
+
+    def begin_running(self) -> bool:
+        """Mark the future running as the request leaves the queue for the group.
+
+        False when it must not run after all: its `should_stop` says stop (the future then fails
+        with JobStopped) or the caller cancelled the future.
+        """
+        if self.wants_stop():
+            self.stop_reason = StopReason.STOPPED
+            self.fail(JobStopped(f"request {self.request.request_id} stopped while queued"))
+            return False
+        return self.future.set_running_or_notify_cancel()
+
+    def report(self, progress: StepProgress) -> None:
+        """Call on_progress; a failing callback is logged, never propagated."""
+        if self.on_progress is None:
+            return
+        try:
+            self.on_progress(progress)
+        except Exception:
+            logger.exception("on_progress of request %s failed", self.request.request_id)
+
+    def wants_stop(self) -> bool:
+        """Call should_stop; a failing callback counts as 'keep going' (and is logged)."""
+        if self.should_stop is None:
+            return False
+        try:
+            return bool(self.should_stop())
+        except Exception:
+            logger.exception("should_stop of request %s failed", self.request.request_id)
+            return False
+
+    def succeed(self, result: GenerationResult) -> None:
+        """Resolve the future with the result, unless it is already resolved."""
+        with contextlib.suppress(InvalidStateError):
+            self.future.set_result(result)
+
+    def fail(self, error: BaseException) -> None:
+        """Resolve the future with an error, unless it is already resolved."""
+        with contextlib.suppress(InvalidStateError):
+            self.future.set_exception(error)
+
+    def stopped_error(self) -> GpuWorkerError:
+        """The error of a request the ranks stopped on the coordinator's word."""
+        request_id = self.request.request_id
+        if self.stop_reason is StopReason.DEADLINE:
+            return DeadlineExceeded(
+                f"request {request_id} ran past max_run_seconds={self.max_run_seconds}"
+            )
+        return JobStopped(f"request {request_id} was stopped by its should_stop callback")

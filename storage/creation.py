@@ -1,0 +1,151 @@
+"""Creation of jobs, single and bulk: create.lua and create_many.lua (storage/lua/)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis
+
+from kiln.storage.base import StoreBase, dumps
+from kiln.storage.boundary import redis_boundary, translate
+from kiln.storage.errors import BatchNotFound, IdempotencyConflict
+from kiln.storage.records import JobRecord, NewJob
+from kiln.storage.states import JobState
+
+# jobs per pipelined round trip in create_jobs: large enough to amortise the round trip
+DEFAULT_CHUNK = 1000
+# jobs per script run inside a chunk: one run holds Redis for about a millisecond, not more
+_JOBS_PER_SCRIPT = 100
+
+
+def request_fingerprint(request: dict[str, Any]) -> str:
+    """sha256 of the request's canonical JSON (used when NewJob.fingerprint is not given)."""
+    canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class CreationOps(StoreBase):
+    """Write new jobs as `queued`: record, first event, indexes and counters in one step."""
+
+    def _shared_keys(self) -> list[str]:
+        """The KEYS[1..5] of create.lua and create_many.lua: what every new job touches."""
+        k = self.keys
+        return [
+            k.all_index,
+            k.state_index(JobState.QUEUED.value),
+            k.unpublished,
+            k.queue_depth,
+            k.creation_seq,
+        ]
+
+    def _job_keys(self, new: NewJob) -> list[str]:
+        """KEYS[6..11] of create.lua: the job's own keys ('' for what it has not)."""
+        k, batch = self.keys, new.batch_id
+        return [
+            k.job(new.id),
+            k.events(new.id),
+            k.idempotency(new.idempotency_key) if new.idempotency_key else "",
+            k.batch(batch) if batch else "",
+            k.batch_index(batch) if batch else "",
+            k.owner_index(new.owner) if new.owner else "",
+        ]
+
+    def _prefixes(self) -> list[str | int]:
+        """The ARGV[2..8] of create_many.lua: it completes each job's keys from these."""
+        k = self.keys
+        return [
+            k.job_prefix,
+            k.events_suffix,
+            k.idempotency_prefix,
+            k.batch_prefix,
+            k.batch_index_prefix,
+            k.owner_index_prefix,
+            self.settings.event_stream_maxlen,
+        ]
+
+    def _create_fields(self, new: NewJob) -> list[str]:
+        fingerprint = ""
+        if new.idempotency_key:
+            fingerprint = new.fingerprint or request_fingerprint(new.request)
+        return [
+            new.id,
+            dumps(new.request),
+            new.lane,
+            new.owner or "",
+            new.batch_id or "",
+            dumps(new.metadata),
+            new.idempotency_key or "",
+            fingerprint,
+        ]
+
+    @redis_boundary
+    def create_job(self, new: NewJob) -> tuple[JobRecord, bool]:
+        """Write a `queued` record (event 1, indexes, counters); returns (record, created).
+
+        With an idempotency key already bound to the same fingerprint, or an id that exists,
+        the existing record comes back with created=False; another fingerprint raises
+        IdempotencyConflict. BatchNotFound if `batch_id` names no batch.
+        """
+        keys = self._shared_keys() + self._job_keys(new)
+        args = [*self._create_fields(new), self.keys.job_prefix, self.settings.event_stream_maxlen]
+        status, record = self._run("create", keys, args)
+        return self._record(new.id, record), status == 1
+
+    @redis_boundary
+    def create_jobs(self, news: Iterable[NewJob], chunk_size: int = DEFAULT_CHUNK) -> None:
+        """Create many jobs, pipelined: one round trip per chunk of `chunk_size` jobs.
+
+        Each job is created exactly as by create_job (existing ids and same-fingerprint keys are
+        skipped). Idempotency conflicts do not stop the others: IdempotencyConflict is raised at
+        the end naming the keys. BatchNotFound stops at the chunk where it happened (jobs of
+        earlier chunks, and the chunk's other jobs, stay written).
+        """
+        conflicts: list[str] = []
+        chunk: list[NewJob] = []
+        for new in news:
+            chunk.append(new)
+            if len(chunk) >= chunk_size:
+                conflicts += self._create_chunk(chunk)
+                chunk = []
+        if chunk:
+            conflicts += self._create_chunk(chunk)
+        if conflicts:
+            raise IdempotencyConflict(f"idempotency keys bound to other requests: {conflicts}")
+
+    def _create_chunk(self, chunk: Sequence[NewJob]) -> list[str]:
+        groups = [chunk[i : i + _JOBS_PER_SCRIPT] for i in range(0, len(chunk), _JOBS_PER_SCRIPT)]
+        results = self._run_groups(groups)
+        conflicts, missing_batch = [], None
+        for group, statuses in zip(groups, results, strict=True):
+            for new, status in zip(group, statuses, strict=True):
+                if status == "CONFLICT":
+                    conflicts.append(new.idempotency_key or "")
+                elif status == "NOBATCH":
+                    missing_batch = new.batch_id
+        if missing_batch is not None:
+            raise BatchNotFound(missing_batch)
+        return conflicts
+
+    def _run_groups(self, groups: list[Sequence[NewJob]]) -> list[list[Any]]:
+        """One create_many run per group, pipelined; the pipeline loads the script if missing."""
+        script, keys, prefixes = self.scripts["create_many"], self._shared_keys(), self._prefixes()
+        for attempt in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            for group in groups:
+                rows = dumps([self._create_fields(new) for new in group])
+                script(keys, [rows, *prefixes], client=pipe)
+            results = pipe.execute(raise_on_error=False)
+            failure = next((r for r in results if isinstance(r, Exception)), None)
+            if failure is None:
+                return results
+            if not isinstance(failure, redis.exceptions.RedisError):
+                raise failure
+            if not isinstance(failure, redis.exceptions.NoScriptError) or attempt:
+                raise translate(failure) from failure
+            # Redis lost its script cache between the pipeline's check and its run (restart,
+            # SCRIPT FLUSH): redo the chunk, which loads it again; creation is idempotent per
+            # job, so the jobs that did get written are skipped
+        raise AssertionError("unreachable")

@@ -1,0 +1,80 @@
+-- machine: the writes of one state change, included by transition, cancel and reap.
+-- Every function takes `m`, the keys and settings of one job, which each of those scripts builds
+-- from its KEYS and ARGV:
+--   m.job, m.events, m.lease, m.cancel, m.hooks: the job's record, events, lease, cancel flag
+--     and webhook attempts;
+--   m.running, m.unpublished, m.depth, m.retired: the namespace's running set, unpublished set,
+--     queue depth counter and retired set;
+--   m.state_index_prefix, m.batch_prefix, m.batch_index_prefix, m.idem_prefix: prefixes from
+--     storage/keys.py, completed here with the state, batch id and idempotency key read from the
+--     record: the caller does not know them before the script runs, so it cannot name the keys;
+--   m.maxlen: events kept per job; m.retention: seconds a finished job's keys are kept.
+
+local function move_batch(m, job, target)
+  if job.batch == '' then return end
+  local b = m.batch_prefix .. job.batch
+  redis.call('HINCRBY', b, 'n_' .. job.state, -1)
+  redis.call('HINCRBY', b, 'n_' .. target, 1)
+  if not TERMINAL[target] then return end
+  local c = redis.call('HMGET', b, 'total', 'n_succeeded', 'n_failed', 'n_canceled', 'n_expired')
+  local done = 0
+  for i = 2, 5 do done = done + tonumber(c[i] or '0') end
+  if done >= tonumber(c[1] or '0') then
+    redis.call('EXPIRE', b, m.retention)
+    redis.call('EXPIRE', m.batch_index_prefix .. job.batch, m.retention)
+  end
+end
+
+local function move_counters(m, job, target)
+  redis.call('ZREM', m.state_index_prefix .. job.state, job.id)
+  redis.call('ZADD', m.state_index_prefix .. target, job.cseq, job.id)
+  if job.state == 'queued' then redis.call('DECR', m.depth) end
+  if target == 'queued' then redis.call('INCR', m.depth) end
+  move_batch(m, job, target)
+end
+
+-- after this, only retention keeps the record: no lease, no flag, out of live indexes; its
+-- index entries are listed in m.retired for removal once the record has expired
+local function finish(m, job, time, target)
+  redis.call('HSET', m.job, 'finished_at', time, 'lease_token', '0')
+  redis.call('DEL', m.lease, m.cancel)
+  redis.call('ZREM', m.running, job.id)
+  redis.call('ZREM', m.unpublished, job.id)
+  redis.call('EXPIRE', m.job, m.retention)
+  redis.call('EXPIRE', m.events, m.retention)
+  redis.call('EXPIRE', m.hooks, m.retention)
+  if job.idem ~= '' then redis.call('EXPIRE', m.idem_prefix .. job.idem, m.retention) end
+  redis.call('ZADD', m.retired, math.floor(tonumber(time)) + tonumber(m.retention),
+    cjson.encode({job.id, job.job_owner, job.batch, target}))
+end
+
+local function enter_running(m, job, time, now_ms, payload)
+  local attempts = redis.call('HINCRBY', m.job, 'attempts', 1)
+  redis.call('HSET', m.job, 'started_at', time)
+  local ttl = redis.call('PTTL', m.lease)
+  redis.call('ZADD', m.running, now_ms + math.max(ttl, 0), job.id)
+  redis.call('ZREM', m.unpublished, job.id)
+  local event = cjson.decode(payload)
+  event.attempts, event.owner = attempts, job.owner
+  return cjson.encode(event)
+end
+
+-- back in the queue: unfenced, and the sweeper re-publishes it unless the caller confirms
+local function enter_queued(m, job, time)
+  redis.call('HSET', m.job, 'lease_token', '0', 'published', '0', 'progress', 'null')
+  redis.call('DEL', m.lease)
+  redis.call('ZREM', m.running, job.id)
+  redis.call('ZADD', m.unpublished, time, job.id)
+end
+
+-- the one place a state changes; `fields` is a flat list of field/value pairs
+local function transition(m, job, target, payload, fields)
+  local time, now_ms = clock()
+  if #fields > 0 then redis.call('HSET', m.job, unpack(fields)) end
+  redis.call('HSET', m.job, 'state', target)
+  if target == 'running' then payload = enter_running(m, job, time, now_ms, payload)
+  elseif target == 'queued' then enter_queued(m, job, time)
+  elseif TERMINAL[target] then finish(m, job, time, target) end
+  move_counters(m, job, target)
+  append_event(m.job, m.events, m.maxlen, target, time, payload)
+end

@@ -1,0 +1,42 @@
+-- prelude: prepended to every script by storage/scripts.py, before the script's includes.
+-- Helpers used by several scripts; it reads no KEYS and no ARGV: a helper takes the keys it
+-- touches as parameters.
+
+local TERMINAL = {succeeded = true, failed = true, canceled = true, expired = true}
+
+-- errors reach Python as `KILN_<CODE> <detail>` (storage/boundary.py); every script raises
+-- before its first write, so a refused call changes nothing
+local function raise(code, detail) error({err = 'KILN_' .. code .. ' ' .. detail}) end
+
+-- the Redis clock: seconds as '<s>.<us>' (as records and events store it), and milliseconds
+local function clock()
+  local t = redis.call('TIME')
+  return string.format('%d.%06d', t[1], t[2]), tonumber(t[1]) * 1000 + math.floor(t[2] / 1000)
+end
+
+-- the fields of a job record that state changes need, read once; KILN_NOTFOUND without a record
+local function load_job(job_key, id)
+  local v = redis.call('HMGET', job_key, 'state', 'lease_token', 'batch_id', 'created_seq',
+    'idempotency_key', 'lease_owner', 'owner')
+  if not v[1] then raise('NOTFOUND', id) end
+  return {id = id, state = v[1], token = v[2] or '0', batch = v[3] or '', cseq = v[4],
+    idem = v[5] or '', owner = v[6] or '', job_owner = v[7] or ''}
+end
+
+-- lease fencing: 'token' needs the job's current token, 'not_running' refuses a running job,
+-- 'none' checks nothing
+local function check_fence(job, mode, token)
+  if mode == 'token' then
+    if job.token == '0' or job.token ~= token then raise('STALE', job.id .. ' ' .. token) end
+  elseif mode == 'not_running' and job.state == 'running' then
+    raise('STALE', job.id .. ' none')
+  end
+end
+
+-- append an event under the record's next seq (entry id `<seq>-0`, no gaps); returns the seq
+local function append_event(job_key, events_key, maxlen, etype, time, payload)
+  local seq = redis.call('HINCRBY', job_key, 'seq', 1)
+  redis.call('XADD', events_key, 'MAXLEN', maxlen, seq .. '-0',
+    'type', etype, 'time', time, 'payload', payload)
+  return seq
+end

@@ -1,0 +1,33 @@
+-- cancel: a queued job is canceled now; a running one gets its cancel flag (the worker stops it
+-- and calls finish_canceled); a finished one is left as it is. Returns the record (flat HGETALL).
+-- Errors: NOTFOUND.
+-- include: _machine
+-- KEYS[1] = job record (hash)
+-- KEYS[2] = job events (stream)
+-- KEYS[3] = job lease (string)
+-- KEYS[4] = job cancel flag (string)
+-- KEYS[5] = job webhook attempts (list)
+-- KEYS[6] = running jobs (zset)
+-- KEYS[7] = unpublished jobs (zset)
+-- KEYS[8] = queue depth (counter)
+-- KEYS[9] = retired index entries (zset)
+-- ARGV[1] = job id
+-- ARGV[2] = state index prefix
+-- ARGV[3] = batch prefix
+-- ARGV[4] = batch index prefix
+-- ARGV[5] = idempotency entry prefix
+-- ARGV[6] = events kept per job
+-- ARGV[7] = retention seconds
+local job_id = ARGV[1]
+local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
+  running = KEYS[6], unpublished = KEYS[7], depth = KEYS[8], retired = KEYS[9],
+  state_index_prefix = ARGV[2], batch_prefix = ARGV[3], batch_index_prefix = ARGV[4],
+  idem_prefix = ARGV[5], maxlen = ARGV[6], retention = ARGV[7]}
+
+local job = load_job(m.job, job_id)
+if job.state == 'queued' then
+  transition(m, job, 'canceled', cjson.encode({reason = 'requested'}), {})
+elseif job.state == 'running' then
+  redis.call('SET', m.cancel, '1', 'EX', m.retention)
+end
+return redis.call('HGETALL', m.job)

@@ -1,0 +1,47 @@
+-- transition: move a job along one edge of the state machine (storage/states.py), fenced by its
+-- lease. A pending cancel turns a retry into `canceled` when honor_cancel is '1' (the job would
+-- only be stopped again). Returns the record after the change as a flat HGETALL.
+-- Errors: NOTFOUND, ILLEGAL (terminal, or not in a source state), STALE (fence).
+-- include: _machine
+-- KEYS[1] = job record (hash)
+-- KEYS[2] = job events (stream)
+-- KEYS[3] = job lease (string)
+-- KEYS[4] = job cancel flag (string)
+-- KEYS[5] = job webhook attempts (list)
+-- KEYS[6] = running jobs (zset)
+-- KEYS[7] = unpublished jobs (zset)
+-- KEYS[8] = queue depth (counter)
+-- KEYS[9] = retired index entries (zset)
+-- ARGV[1] = job id
+-- ARGV[2] = sources: accepted states, space separated and padded (' queued running ')
+-- ARGV[3] = target state
+-- ARGV[4] = fence mode: token, not_running or none
+-- ARGV[5] = lease token (for fence mode token)
+-- ARGV[6] = event payload (JSON)
+-- ARGV[7] = honor_cancel: '1' or '0'
+-- ARGV[8] = state index prefix
+-- ARGV[9] = batch prefix
+-- ARGV[10] = batch index prefix
+-- ARGV[11] = idempotency entry prefix
+-- ARGV[12] = events kept per job
+-- ARGV[13] = retention seconds
+-- ARGV[14..] = record fields written with the change: field, value, field, value, ...
+local job_id, sources, target, fence, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local payload, honor_cancel = ARGV[6], ARGV[7]
+local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
+  running = KEYS[6], unpublished = KEYS[7], depth = KEYS[8], retired = KEYS[9],
+  state_index_prefix = ARGV[8], batch_prefix = ARGV[9], batch_index_prefix = ARGV[10],
+  idem_prefix = ARGV[11], maxlen = ARGV[12], retention = ARGV[13]}
+local fields = {unpack(ARGV, 14)}
+
+local job = load_job(m.job, job_id)
+if TERMINAL[job.state] then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target) end
+check_fence(job, fence, token)
+if not string.find(sources, ' ' .. job.state .. ' ', 1, true) then
+  raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
+end
+if honor_cancel == '1' and redis.call('EXISTS', m.cancel) == 1 then
+  target, payload, fields = 'canceled', cjson.encode({reason = 'cancel_requested'}), {}
+end
+transition(m, job, target, payload, fields)
+return redis.call('HGETALL', m.job)

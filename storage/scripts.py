@@ -1,0 +1,172 @@
+"""The Lua scripts in storage/lua/: read, assembled with their prelude, registered per client.
+
+Each `<name>.lua` is one script; files whose name starts with `_` are libraries. A script's source
+as Redis sees it is `_prelude.lua`, then the libraries its header includes, then the script.
+
+A script starts with a header of `--` lines: what it does and returns, `-- include: _lib` lines,
+one `-- KEYS[i] = what` line per key it touches and one `-- ARGV[i] = what` line per argument
+(`KEYS[i..]` / `ARGV[i..]`: a list of any length from there on). Right after the header a block of
+`local` lines names them (`local job_id = ARGV[1]`); KEYS and ARGV are read nowhere else. Every key
+name comes from storage/keys.py. Where a script cannot be handed a key (the id comes from Redis,
+or from a list the script decodes), it gets the key's prefix from keys.py in ARGV, and its header
+says why. Calls are checked against the header: a call with another number of keys or arguments
+is a bug and raises ValueError before reaching Redis.
+
+Scripts run through redis-py's `Script`: by sha, loaded on NOSCRIPT, and loaded before a
+pipeline that queues them executes.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    import redis
+    from redis.client import Pipeline
+
+ScriptName = Literal[
+    "transition",
+    "cancel",
+    "reap",
+    "progress",
+    "create",
+    "create_many",
+    "acquire",
+    "renew",
+    "release",
+    "mark_published",
+    "webhook_attempt",
+    "lease_deadlines_passed",
+    "unpublished",
+    "publish_node",
+    "live_nodes",
+    "create_batch",
+    "prune_indexes",
+    "apikey_create",
+    "apikey_revoke",
+]
+SCRIPT_NAMES: tuple[ScriptName, ...] = get_args(ScriptName)
+PRELUDE = "_prelude"
+
+_DECLARATION = re.compile(r"-- (KEYS|ARGV)\[(\d+)(\.\.)?\] = \S")
+_INCLUDE = re.compile(r"-- include: (_\w+)$")
+
+
+@dataclass(frozen=True)
+class Arity:
+    """How many KEYS or ARGV entries a script declares: `fixed`, then a list if `more`."""
+
+    fixed: int
+    more: bool
+
+    def accepts(self, count: int) -> bool:
+        """True if a call may pass `count` entries."""
+        return count >= self.fixed if self.more else count == self.fixed
+
+    def __str__(self) -> str:
+        return f"at least {self.fixed}" if self.more else str(self.fixed)
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a script's header declares."""
+
+    keys: Arity
+    args: Arity
+    includes: tuple[str, ...]
+
+
+def lua_dir() -> Traversable:
+    """The folder of the .lua files (package data of kiln.storage)."""
+    return resources.files("kiln.storage") / "lua"
+
+
+@functools.cache
+def read(name: str) -> str:
+    """The text of `<name>.lua` as stored."""
+    return (lua_dir() / f"{name}.lua").read_text(encoding="utf-8")
+
+
+def header_lines(text: str) -> list[str]:
+    """The leading `--` lines of a script."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("--"):
+            break
+        lines.append(line)
+    return lines
+
+
+def _arity(name: str, what: str, numbers: list[tuple[int, bool]]) -> Arity:
+    if [n for n, _ in numbers] != list(range(1, len(numbers) + 1)):
+        raise ValueError(f"{name}.lua: {what} must be declared as {what}[1], {what}[2], ...")
+    if any(more for _, more in numbers[:-1]):
+        raise ValueError(f"{name}.lua: only the last {what} entry may be a list ({what}[i..])")
+    if numbers and numbers[-1][1]:
+        return Arity(len(numbers) - 1, True)
+    return Arity(len(numbers), False)
+
+
+@functools.cache
+def header(name: str) -> Header:
+    """Parse the header of `<name>.lua`; ValueError if it is malformed."""
+    declared: dict[str, list[tuple[int, bool]]] = {"KEYS": [], "ARGV": []}
+    includes = []
+    for line in header_lines(read(name)):
+        if match := _DECLARATION.match(line):
+            declared[match[1]].append((int(match[2]), bool(match[3])))
+        elif match := _INCLUDE.match(line):
+            includes.append(match[1])
+    return Header(
+        keys=_arity(name, "KEYS", declared["KEYS"]),
+        args=_arity(name, "ARGV", declared["ARGV"]),
+        includes=tuple(includes),
+    )
+
+
+@functools.cache
+def source(name: ScriptName) -> str:
+    """The script as Redis runs it: prelude, included libraries, then the script itself."""
+    parts = [PRELUDE, *header(name).includes, name]
+    return "\n".join(read(part) for part in parts)
+
+
+class Script:
+    """One script registered with a client; calls are checked against the script's header."""
+
+    def __init__(self, client: redis.Redis[str], name: ScriptName) -> None:
+        self.name = name
+        self.header = header(name)
+        self._script = client.register_script(source(name))
+
+    def __call__(
+        self, keys: Sequence[str], args: Sequence[Any], client: Pipeline[str] | None = None
+    ) -> Any:
+        """Run the script (or queue it on the pipeline `client`) and return its reply."""
+        for what, arity, given in (
+            ("KEYS", self.header.keys, keys),
+            ("ARGV", self.header.args, args),
+        ):
+            if not arity.accepts(len(given)):
+                raise ValueError(f"{self.name}.lua takes {arity} {what}, not {len(given)}")
+        return self._script(keys=keys, args=args, client=client)
+
+
+class Scripts:
+    """The scripts of one client, each registered when first asked for."""
+
+    def __init__(self, client: redis.Redis[str]) -> None:
+        self._client = client
+        self._registered: dict[ScriptName, Script] = {}
+
+    def __getitem__(self, name: ScriptName) -> Script:
+        script = self._registered.get(name)
+        if script is None:
+            script = self._registered[name] = Script(self._client, name)
+        return script

@@ -1,0 +1,74 @@
+"""The HTTP API (FastAPI): `create_app` builds it, `serve_api` runs it under uvicorn (`kiln api`).
+
+Routes live in `api.job_routes`, `api.event_routes` (server-sent events) and `api.system_routes`
+(nodes, pipelines, health); what they share is `api.context.ApiContext`, through `api.deps`. This
+module wires the error translation (`api.errors`: storage errors → 409/503, refusals → 422 in
+FastAPI's own error shape) and the body size limit, and checks at start-up that event streams leave
+Redis connections for everything else. `api.http_guard` holds the connection-level limits uvicorn
+runs with.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+
+from kiln.storage.errors import IdempotencyConflict, StorageUnavailable
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.api.body_limit import BodySizeLimit
+from kiln.tasks.api.context import ApiContext, build_context, check_connection_budget
+from kiln.tasks.api.errors import idempotency_conflict, storage_unavailable, validation_error
+from kiln.tasks.api.event_routes import router as event_routes
+from kiln.tasks.api.http_guard import uvicorn_config
+from kiln.tasks.api.job_routes import router as job_routes
+from kiln.tasks.api.system_routes import router as system_routes
+from kiln.tasks.contract.settings import KilnSettings
+
+log = logging.getLogger(__name__)
+API_VERSION = "1.0.0"
+
+
+def create_app(
+    settings: KilnSettings,
+    storage_settings: StorageSettings,
+    *,
+    context: ApiContext | None = None,
+) -> FastAPI:
+    """The FastAPI app; pass `context` to supply prebuilt parts (tests: a resolver)."""
+    check_connection_budget(settings, storage_settings)
+    ctx = context or build_context(settings, storage_settings)
+    if not settings.auth_enabled:
+        log.warning("AUTH IS DISABLED (KILN_AUTH_ENABLED=false): every caller is an admin")
+    app = FastAPI(
+        title="Kiln",
+        version=API_VERSION,
+        description="Durable queue for GPU image and video generation jobs.",
+    )
+    app.state.kiln = ctx
+    for routes in (job_routes, event_routes, system_routes):
+        app.include_router(routes)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StorageUnavailable, storage_unavailable)
+    app.add_exception_handler(IdempotencyConflict, idempotency_conflict)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def serve_api(
+    settings: KilnSettings,
+    storage_settings: StorageSettings,
+    host: str | None = None,
+    port: int | None = None,
+    **uvicorn_options: Any,
+) -> None:
+    """Run the API under uvicorn until interrupted (what `kiln api` calls)."""
+    app = create_app(settings, storage_settings)
+    if host:
+        uvicorn_options["host"] = host
+    if port is not None:
+        uvicorn_options["port"] = port
+    uvicorn.Server(uvicorn_config(app, settings, **uvicorn_options)).run()

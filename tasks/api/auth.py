@@ -1,0 +1,83 @@
+"""Bearer API keys: generation, hashing (keys are stored only as HMAC-SHA256), and the caller.
+
+A key looks like `kiln_<43 url-safe chars>`; only its hash reaches Redis. A job belongs to the key
+that created it (the key's id is the job's `owner`); admin keys see every job. With auth switched
+off every caller is the anonymous admin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from kiln.storage.apikeys import ApiKey, ApiKeyStore
+
+KEY_PREFIX = "kiln_"
+
+
+class AuthError(Exception):
+    """The request carries no usable credentials (401)."""
+
+
+class Forbidden(Exception):
+    """The caller is known but may not do this (403)."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the key id (a job's owner) and whether it is an admin."""
+
+    key_id: str | None
+    admin: bool
+    name: str = ""
+
+    def may_see(self, owner: str | None) -> bool:
+        """Whether this caller may read or cancel a job owned by `owner`."""
+        return self.admin or (self.key_id is not None and owner == self.key_id)
+
+
+ANONYMOUS_ADMIN = Principal(key_id=None, admin=True, name="anonymous (auth disabled)")
+
+
+def new_api_key() -> str:
+    """A fresh random API key (shown once, never stored)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_api_key(key: str, pepper: str = "") -> str:
+    """HMAC-SHA256 of a key under the server's pepper, hex; what the key store indexes."""
+    return hmac.new(pepper.encode(), key.encode(), hashlib.sha256).hexdigest()
+
+
+def bearer_token(authorization: str | None) -> str:
+    """The token of an `Authorization: Bearer <token>` header; raises `AuthError`."""
+    if not authorization:
+        raise AuthError("missing Authorization header (expected: Bearer <api key>)")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthError("malformed Authorization header (expected: Bearer <api key>)")
+    return token.strip()
+
+
+class Authenticator:
+    """Turns an Authorization header into a `Principal` (or the anonymous admin when off)."""
+
+    def __init__(self, keys: ApiKeyStore, enabled: bool, pepper: str = "") -> None:
+        self.keys = keys
+        self.enabled = enabled
+        self.pepper = pepper
+
+    def principal(self, authorization: str | None) -> Principal:
+        """The caller behind a header; raises `AuthError` for missing, unknown or revoked keys."""
+        if not self.enabled:
+            return ANONYMOUS_ADMIN
+        key = self._lookup(bearer_token(authorization))
+        return Principal(key_id=key.id, admin=key.admin, name=key.name)
+
+    def _lookup(self, token: str) -> ApiKey:
+        key = self.keys.lookup(hash_api_key(token, self.pepper))
+        if key is None or key.revoked:
+            raise AuthError("unknown or revoked API key")
+        return key

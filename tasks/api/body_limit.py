@@ -1,0 +1,76 @@
+"""ASGI middleware that answers 413 to request bodies over a size limit, before any parsing.
+
+The 413 does not close the connection: closing with unread upload data in the socket makes the
+kernel send a reset, and a client still uploading (httpx sends the whole body before it reads)
+then sees "connection reset" instead of the 413. Left open, uvicorn discards the rest of the body
+(it drops body data once the response is complete), the client reads the 413, and the connection
+serves the next request. `api.http_guard`'s body deadline bounds how long that drain may take.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BodySizeLimit:
+    """Refuses bodies over `max_bytes` (declared or streamed) with 413; buffers the rest."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass through non-HTTP and body-less requests; read and check the body otherwise."""
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        # Bodies are small (the limit is tens of KiB): buffering them whole keeps the count exact
+        # for chunked uploads that declare no length.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = json.dumps({"detail": f"request body is over {self.max_bytes} bytes"}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

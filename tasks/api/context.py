@@ -1,0 +1,85 @@
+"""What every route shares (`ApiContext`), built once per app, and the start-up budget check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+from celery import Celery
+
+from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.objects import ObjectStore, open_object_store
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobStore
+from kiln.tasks.api.auth import Authenticator
+from kiln.tasks.api.sse import StreamSlots
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.submit import Submitter, celery_publisher
+from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
+
+# Sync routes and dependencies run in anyio's default thread pool (40 threads); each may hold a
+# Redis connection while it runs, so that many must stay free of event streams.
+API_THREADS = 40
+
+
+@dataclass
+class ApiContext:
+    """Everything the routes share, built once per app."""
+
+    settings: KilnSettings
+    store: JobStore
+    objects: ObjectStore | None
+    submitter: Submitter
+    auth: Authenticator
+    celery: Celery | None
+    policy: UrlPolicy
+    sse_slots: StreamSlots
+    resolve: Resolver = system_resolver
+    # threads for the streams' blocking reads; a stream has one read at a time, so one per slot
+    sse_limiter: anyio.CapacityLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sse_limiter = anyio.CapacityLimiter(self.sse_slots.total)
+
+
+def build_context(
+    settings: KilnSettings,
+    storage_settings: StorageSettings,
+    *,
+    resolve: Resolver = system_resolver,
+) -> ApiContext:
+    """Connect the stores and the Celery producer the API uses."""
+    store = JobStore.from_settings(storage_settings)
+    celery = make_celery_app(settings, storage_settings)
+    return ApiContext(
+        settings=settings,
+        store=store,
+        objects=open_object_store(storage_settings),
+        submitter=Submitter(store, settings, publish=celery_publisher(celery)),
+        auth=Authenticator(
+            ApiKeyStore(store.redis, storage_settings),
+            enabled=settings.auth_enabled,
+            pepper=settings.api_key_pepper.get_secret_value(),
+        ),
+        celery=celery,
+        policy=policy_from(settings.webhook_allow_http, settings.webhook_allow_hosts),
+        sse_slots=StreamSlots(settings.sse_max_streams_per_key, settings.sse_max_streams_total),
+        resolve=resolve,
+    )
+
+
+def check_connection_budget(settings: KilnSettings, storage_settings: StorageSettings) -> None:
+    """Refuse to start when event streams could take the Redis connections requests need."""
+    per_key, total = settings.sse_max_streams_per_key, settings.sse_max_streams_total
+    pool = storage_settings.redis_max_connections
+    if per_key > total:
+        raise ValueError(
+            f"KILN_SSE_MAX_STREAMS_PER_KEY ({per_key}) is above "
+            f"KILN_SSE_MAX_STREAMS_TOTAL ({total})"
+        )
+    if total + API_THREADS > pool:
+        raise ValueError(
+            f"KILN_SSE_MAX_STREAMS_TOTAL ({total}) plus the API's {API_THREADS} request threads "
+            f"is above KILN_REDIS_MAX_CONNECTIONS ({pool}): streams could starve requests"
+        )

@@ -1,0 +1,86 @@
+"""Error responses of the HTTP API that cannot fail to encode, whatever the request held.
+
+A 422 echoes the offending input; Starlette's JSON encoder refuses NaN and lone surrogates and
+then the 422 became a 500 (and uvicorn dropped the keep-alive connection). Every value here goes
+through `json_safe` first, and a response that still fails to render falls back to a constant.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from kiln.tasks.api.json_guard import MAX_INT, printable
+
+log = logging.getLogger(__name__)
+MAX_ECHO_DEPTH = 8
+_FALLBACK_422 = {"detail": [{"type": "value_error", "loc": ["body"], "msg": "Invalid request"}]}
+
+
+def _safe_number(value: int | float) -> int | float | str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf'
+    if isinstance(value, int) and abs(value) > MAX_INT:
+        # str() of a huge int raises past 4300 digits; its size is what matters here
+        return f"<integer of {value.bit_length()} bits>"
+    return value
+
+
+def json_safe(value: Any, depth: int = 0) -> Any:
+    """`value` as plain JSON that encodes: non-finite floats and odd objects become strings."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return _safe_number(value)
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if depth >= MAX_ECHO_DEPTH:
+        return "..."
+    if isinstance(value, dict):
+        return {printable(str(k)): json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [json_safe(item, depth + 1) for item in value]
+    try:
+        return printable(str(value))
+    except Exception:  # a value whose str() raises still gets a name
+        return type(value).__name__
+
+
+def safe_json_response(
+    content: Any, status_code: int, fallback: Any, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """A JSONResponse of `json_safe(content)`; `fallback` (a constant) if even that fails."""
+    try:
+        return JSONResponse(json_safe(content), status_code=status_code, headers=headers)
+    except Exception:  # the error path must not raise: a raise here is a 500 and a lost connection
+        log.exception("could not render a %d response; sent the fallback", status_code)
+        return JSONResponse(fallback, status_code=status_code, headers=headers)
+
+
+async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """422 in FastAPI's shape, with every echoed input made encodable."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    return safe_json_response({"detail": errors}, 422, _FALLBACK_422)
+
+
+async def storage_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """503 with a fixed message: the cause (hosts, ports, Redis errors) stays in the log."""
+    log.warning("job store unavailable: %s", exc)
+    return JSONResponse(
+        {"detail": "job store unavailable; retry later"},
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
+
+
+async def idempotency_conflict(request: Request, exc: Exception) -> JSONResponse:
+    """409: the key was used before with another body."""
+    detail = "Idempotency-Key was already used with a different request body"
+    return JSONResponse({"detail": detail}, status_code=409)

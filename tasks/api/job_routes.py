@@ -1,0 +1,185 @@
+"""The job routes of the HTTP API: submit, get, cancel, list, and a job's webhook attempts."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Header, HTTPException, Query, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from kiln.storage.keys import valid_id
+from kiln.storage.status import JobRecord
+from kiln.tasks.api.context import ApiContext
+from kiln.tasks.api.deps import (
+    JOB_ERRORS,
+    Caller,
+    Ctx,
+    JobId,
+    api_router,
+    error_docs,
+    field_error,
+    visible_job,
+)
+from kiln.tasks.api.limits import refuse_over_limits
+from kiln.tasks.contract.responses import (
+    CancelResult,
+    JobList,
+    WebhookAttempts,
+    WebhookAttemptView,
+)
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.states import JobState
+from kiln.tasks.contract.views import JobView, job_view
+from kiln.tasks.queue.submit import UnknownPipeline
+from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
+from kiln.tasks.webhooks.ssrf import UnsafeUrl, check_url
+
+router = api_router()
+
+
+def _admit(ctx: ApiContext) -> None:
+    limit = ctx.settings.max_queue_depth
+    if limit is not None and ctx.store.queue_depth() >= limit:
+        retry_after = str(ctx.settings.queue_full_retry_after_s)
+        raise HTTPException(429, "queue is full; retry later", headers={"Retry-After": retry_after})
+
+
+def _check_request(ctx: ApiContext, request: JobRequest) -> None:
+    known = ctx.submitter.known_pipelines()
+    if request.pipeline not in known:
+        msg = f"unknown pipeline {request.pipeline!r}; served: {', '.join(known) or 'none'}"
+        loc = ("body", "pipeline")
+        raise field_error(loc, msg, "unknown_pipeline", request.pipeline, known=known)
+    refuse_over_limits(ctx.submitter, request)
+    if request.webhook is None:
+        return
+    url_loc = ("body", "webhook", "url")
+    secret = ctx.settings.webhook_secret
+    if secret is None or not secret.get_secret_value():
+        msg = "webhooks are not configured on this server (no KILN_WEBHOOK_SECRET)"
+        raise field_error(url_loc, msg, "webhooks_disabled", request.webhook.url)
+    try:
+        check_url(request.webhook.url, ctx.policy, ctx.resolve)
+    except UnsafeUrl as exc:
+        raise field_error(url_loc, f"refused: {exc}", "unsafe_url", request.webhook.url) from exc
+
+
+@router.post(
+    "/v1/jobs",
+    status_code=201,
+    response_model=JobView,
+    responses={
+        200: {"model": JobView, "description": "Idempotent replay"},
+        **error_docs(400, 401, 409, 413, 429),
+    },
+    tags=["jobs"],
+)
+def submit_job(
+    ctx: Ctx,
+    caller: Caller,
+    body: JobRequest,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$"),
+    ] = None,
+) -> JobView:
+    """Enqueue a job: 201 with its view; 200 with the same job for a repeated Idempotency-Key."""
+    _admit(ctx)
+    _check_request(ctx, body)
+    # Keys are scoped to the API key so two callers never share one.
+    scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
+    try:
+        record, created = ctx.submitter.submit(
+            body, owner=caller.key_id, idempotency_key=scoped_key
+        )
+    except UnknownPipeline as exc:
+        raise field_error(
+            ("body", "pipeline"), str(exc), "unknown_pipeline", exc.name, known=exc.known
+        ) from exc
+    except ValidationError as exc:
+        # The Submitter re-checks limits against heartbeats that may have changed since
+        # _check_request: still the caller's request that is over them, so still a 422.
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]
+        raise RequestValidationError(errors) from exc
+    response.status_code = 201 if created else 200
+    return job_view(record, ctx.objects, ctx.store.served_pipelines())
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobView, responses=JOB_ERRORS, tags=["jobs"])
+def get_job(ctx: Ctx, caller: Caller, job_id: JobId) -> JobView:
+    """A job's view; output URLs are presigned now."""
+    record = visible_job(ctx, caller, job_id)
+    return job_view(record, ctx.objects, ctx.store.served_pipelines())
+
+
+@router.post(
+    "/v1/jobs/{job_id}/cancel", response_model=CancelResult, responses=JOB_ERRORS, tags=["jobs"]
+)
+def cancel_job(ctx: Ctx, caller: Caller, job_id: JobId) -> CancelResult:
+    """Cancel: a queued job at once, a running one at its next step; a finished one is left."""
+    record = visible_job(ctx, caller, job_id)
+    if record.state not in (JobState.QUEUED, JobState.RUNNING):
+        return CancelResult(effect="already_finished", job=job_view(record, ctx.objects))
+    after = ctx.store.cancel(job_id)
+    if after.state == JobState.CANCELED:
+        enqueue_webhook_events(ctx.store, job_id, str(after.state), record=after, app=ctx.celery)
+        return CancelResult(effect="canceled", job=job_view(after, ctx.objects))
+    if after.state == JobState.RUNNING:
+        return CancelResult(effect="cancel_requested", job=job_view(after, ctx.objects))
+    return CancelResult(effect="already_finished", job=job_view(after, ctx.objects))
+
+
+@router.get("/v1/jobs", response_model=JobList, responses=error_docs(401, 403), tags=["jobs"])
+def list_jobs(
+    ctx: Ctx,
+    caller: Caller,
+    status: JobState | None = None,
+    batch_id: Annotated[str | None, Query(max_length=128)] = None,
+    owner: Annotated[str | None, Query(max_length=128, description="Admin keys only.")] = None,
+    cursor: Annotated[str | None, Query(max_length=256)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> JobList:
+    """Jobs newest first, filtered; a non-admin key sees only its own."""
+    if not caller.admin:
+        if owner is not None and owner != caller.key_id:
+            raise HTTPException(403, "only admin keys may list another key's jobs")
+        owner = caller.key_id
+    if (batch_id is not None and not valid_id(batch_id)) or (owner is not None and not owner):
+        return JobList(jobs=[], next_cursor=None)
+    records, next_cursor = _page(ctx, owner, status, batch_id, cursor, limit)
+    return JobList(jobs=[job_view(r, ctx.objects) for r in records], next_cursor=next_cursor)
+
+
+def _page(
+    ctx: ApiContext,
+    owner: str | None,
+    status: JobState | None,
+    batch_id: str | None,
+    cursor: str | None,
+    limit: int,
+) -> tuple[list[JobRecord], str | None]:
+    try:
+        return ctx.store.list_jobs(
+            owner=owner,
+            state=status,
+            batch_id=batch_id,
+            cursor=cursor,
+            limit=min(limit, ctx.settings.list_limit_max),
+        )
+    except ValueError as exc:
+        raise field_error(("query", "cursor"), f"invalid cursor: {exc}", "cursor", cursor) from exc
+
+
+@router.get(
+    "/v1/jobs/{job_id}/webhooks",
+    response_model=WebhookAttempts,
+    responses=JOB_ERRORS,
+    tags=["webhooks"],
+)
+def webhook_attempts(ctx: Ctx, caller: Caller, job_id: JobId) -> WebhookAttempts:
+    """Every webhook delivery attempt of the job (status code, latency, error, outcome)."""
+    visible_job(ctx, caller, job_id)
+    attempts = [WebhookAttemptView.model_validate(a) for a in ctx.store.webhook_attempts(job_id)]
+    return WebhookAttempts(attempts=attempts)

@@ -1,0 +1,1 @@
+"""The `kiln` command line, the demo and the embedded default."""

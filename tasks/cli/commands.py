@@ -1,0 +1,182 @@
+"""The bodies of the `kiln` subcommands (argument parsing lives in `cli.main`).
+
+Each heavy service is imported in the command that runs it, so that `kiln --help` or `kiln submit
+--api` never loads torch (the node), uvicorn (the API) or Redis and Celery (direct submission).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
+from kiln.tasks.cli.exits import EXIT_JOB_FAILED, EXIT_NOT_SERVED, UsageError, print_json
+from kiln.tasks.cli.progress import wait_for_jobs
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.contract.states import JobState
+from kiln.tasks.contract.views import JobView
+
+SUBMIT_FIELDS = (
+    "pipeline",
+    "prompt",
+    "negative_prompt",
+    "width",
+    "height",
+    "num_frames",
+    "fps",
+    "steps",
+    "guidance_scale",
+    "seed",
+    "num_outputs",
+    "output_format",
+    "priority",
+    "max_run_seconds",
+)
+
+
+def backend_for(args: argparse.Namespace) -> JobsBackend:
+    """The remote API when `--api` is given, else Redis directly."""
+    if getattr(args, "api", None):
+        return HttpBackend(args.api, args.api_key)
+    return DirectBackend()
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """`kiln worker`."""
+    # Deferred: the node loads torch and the Celery worker.
+    from kiln.tasks.node.worker import WorkerOptions, parse_lanes, parse_pipelines, run_worker
+
+    try:
+        options = WorkerOptions(
+            pipelines=parse_pipelines(args.pipeline),
+            devices=args.devices,
+            lanes=parse_lanes(args.queues),
+            max_batch=args.max_batch,
+            batch_window_ms=args.batch_window_ms,
+            parallel=args.parallel,
+            concurrency=args.concurrency,
+            webhooks=args.webhooks,
+            node_id=args.node_id,
+            loglevel=args.loglevel,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if options.max_batch < 1:
+        raise UsageError("--max-batch must be at least 1")
+    run_worker(options)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """`kiln submit`."""
+    fields = {
+        name: getattr(args, name) for name in SUBMIT_FIELDS if getattr(args, name) is not None
+    }
+    request = JobRequest.model_validate(fields)
+    backend = backend_for(args)
+    view = backend.submit(request, idempotency_key=args.idempotency_key)
+    if not args.wait:
+        _show(args, [view], ids_only=True)
+        return 0
+    return _wait_and_show(args, backend, [view.id])
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """`kiln status JOB`."""
+    _show(args, [backend_for(args).get(args.job_id)])
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """`kiln wait JOB...`."""
+    return _wait_and_show(args, backend_for(args), args.job_ids)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """`kiln cancel JOB`."""
+    _show(args, [backend_for(args).cancel(args.job_id)])
+    return 0
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    """`kiln api`."""
+    # Deferred: the API loads FastAPI, uvicorn, Celery and Redis.
+    from kiln.tasks.api.app import serve_api
+
+    settings = KilnSettings()
+    host = args.host if args.host is not None else settings.api_host
+    port = args.port if args.port is not None else settings.api_port
+    serve_api(settings, StorageSettings(), host, port)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """`kiln keys create NAME | list | revoke ID`."""
+    # Deferred: the key store loads Redis.
+    from kiln.tasks.cli import keys as keys_cli
+
+    return keys_cli.run(args.action, args.name_or_id, admin=args.admin, as_json=args.json)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`kiln demo`."""
+    # Deferred: the demo drives the API through httpx and may start an embedded Redis.
+    from kiln.tasks.cli.demo import run_demo
+
+    return run_demo(image_jobs=args.jobs)
+
+
+def _wait_and_show(args: argparse.Namespace, backend: JobsBackend, job_ids: list[str]) -> int:
+    if not args.wait_for_node:
+        unserved = [view for view in map(backend.get, job_ids) if view.waiting_for]
+        if unserved:
+            for view in unserved:
+                print(f"kiln: job {view.id}: {view.waiting_for}", file=sys.stderr)
+            print("kiln: not waiting; pass --wait-for-node to wait anyway", file=sys.stderr)
+            return EXIT_NOT_SERVED
+    show_bars = not args.json and sys.stderr.isatty()
+    views = wait_for_jobs(
+        backend, job_ids, timeout_s=args.timeout, show=show_bars, console=Console(stderr=True)
+    )
+    _show(args, views)
+    return 0 if all(v.status == JobState.SUCCEEDED for v in views) else EXIT_JOB_FAILED
+
+
+def _show(args: argparse.Namespace, views: list[JobView], ids_only: bool = False) -> None:
+    if args.json:
+        data: Any = [v.model_dump(mode="json") for v in views]
+        print_json(data[0] if len(data) == 1 else data)
+        return
+    if ids_only:
+        for view in views:
+            print(view.id)
+        return
+    console = Console()
+    for view in views:
+        console.print(job_table(view))
+
+
+def job_table(view: JobView) -> Table:
+    """A human view of one job."""
+    table = Table(title=f"job {view.id}", show_header=False)
+    table.add_row("status", view.status)
+    if view.waiting_for:
+        table.add_row("waiting for", view.waiting_for)
+    if view.progress:
+        table.add_row(
+            "progress", f"{view.progress.stage} {view.progress.step}/{view.progress.total}"
+        )
+    table.add_row("attempts", str(view.attempts))
+    if view.error:
+        table.add_row("error", f"{view.error.type}: {view.error.message}")
+    for metric, value in view.metrics.model_dump(exclude_none=True).items():
+        table.add_row(metric, f"{value}")
+    for output in view.outputs:
+        table.add_row("output", output.url)
+    return table

@@ -1,0 +1,89 @@
+"""`kiln keys create NAME [--admin] | list | revoke ID`: API keys, shown once, stored hashed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+from kiln.storage.apikeys import ApiKey, ApiKeyStore
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.api.auth import hash_api_key, new_api_key
+from kiln.tasks.contract.settings import KilnSettings
+
+
+def create_key(keys: ApiKeyStore, name: str, admin: bool, pepper: str = "") -> tuple[ApiKey, str]:
+    """Make a key; returns its record and the secret (which is stored only as a hash)."""
+    secret = new_api_key()
+    return keys.create(hash_api_key(secret, pepper), name, admin), secret
+
+
+def _key_dict(key: ApiKey) -> dict[str, object]:
+    return {
+        "id": key.id,
+        "name": key.name,
+        "admin": key.admin,
+        "created_at": key.created_at,
+        "revoked": key.revoked,
+    }
+
+
+def run(
+    action: str,
+    name_or_id: str | None,
+    *,
+    admin: bool = False,
+    as_json: bool = False,
+    settings: KilnSettings | None = None,
+    storage_settings: StorageSettings | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Run one `kiln keys` action; returns the exit code (2 for a usage mistake)."""
+    out = out or sys.stdout
+    settings = settings or KilnSettings()
+    keys = ApiKeyStore.from_settings(storage_settings or StorageSettings())
+    if action == "create":
+        pepper = settings.api_key_pepper.get_secret_value()
+        return _create(keys, name_or_id, admin, pepper, as_json, out)
+    if action == "list":
+        return _list(keys, as_json, out)
+    if action == "revoke":
+        return _revoke(keys, name_or_id, out)
+    print(f"kiln: unknown keys action {action!r}", file=sys.stderr)
+    return 2
+
+
+def _create(
+    keys: ApiKeyStore, name: str | None, admin: bool, pepper: str, as_json: bool, out: TextIO
+) -> int:
+    if not name:
+        print("kiln: keys create needs a NAME", file=sys.stderr)
+        return 2
+    key, secret = create_key(keys, name, admin, pepper)
+    if as_json:
+        print(json.dumps({**_key_dict(key), "key": secret}), file=out)
+    else:
+        kind = "admin key" if key.admin else "key"
+        print(f"created {kind} {key.id} ({key.name}); it is shown only now:", file=out)
+        print(secret, file=out)
+    return 0
+
+
+def _list(keys: ApiKeyStore, as_json: bool, out: TextIO) -> int:
+    listed = keys.list()
+    if as_json:
+        print(json.dumps([_key_dict(k) for k in listed]), file=out)
+        return 0
+    for key in listed:
+        flags = " ".join(f for f, on in (("admin", key.admin), ("revoked", key.revoked)) if on)
+        print(f"{key.id}\t{key.name}\t{flags}".rstrip(), file=out)
+    return 0
+
+
+def _revoke(keys: ApiKeyStore, key_id: str | None, out: TextIO) -> int:
+    if not key_id:
+        print("kiln: keys revoke needs a key ID (see `kiln keys list`)", file=sys.stderr)
+        return 2
+    revoked = keys.revoke(key_id)
+    print(f"revoked {key_id}" if revoked else f"no live key {key_id}", file=out)
+    return 0 if revoked else 1

@@ -1,0 +1,218 @@
+"""Pipeline limits: what the API, the Submitter and the node refuse before any rank runs a job.
+
+Each pipeline declares its limits on its ranks (`gpu_worker.limits`); nodes announce them in their
+heartbeat under `limits`, keyed by pipeline name. A pipeline that no live node announces yet falls
+back to the static limits below for the built-in names, so what the tiny pipelines would refuse on
+the node is refused at submit already. Torch-free and gpu_worker-free: the API process imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+from pydantic_core import PydanticCustomError, ValidationError
+
+from kiln.tasks.contract.schemas import MAX_FRAMES, MAX_SIDE, MAX_STEPS, SIZE_MULTIPLE
+
+ERROR_TYPE = "pipeline_limit"
+
+
+class RequestShape(Protocol):
+    """The request fields limits look at (a `JobRequest` or a `GenerationRequest`)."""
+
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def height(self) -> int: ...
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def num_frames(self) -> int: ...
+
+    @property
+    def num_outputs(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class LimitViolation:
+    """Why a pipeline refuses a request: the field at fault, the limit's name, a message."""
+
+    pipeline: str
+    field: str | None  # None when several fields share the blame (the budget)
+    limit: str  # the limit's key, e.g. "max_steps"
+    message: str
+    value: int
+
+    def loc(self, prefix: tuple[str | int, ...] = ()) -> tuple[str | int, ...]:
+        """Where the error points, after `prefix` (("body",) for the API)."""
+        return (*prefix, self.field) if self.field else prefix
+
+    def describe(self) -> str:
+        """One line for a job's error: the field, then the message."""
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+    def context(self) -> dict[str, str]:
+        """The error's `ctx`: which limit of which pipeline."""
+        return {"limit": self.limit, "pipeline": self.pipeline}
+
+    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
+        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
+        # The message goes in as context: a literal template would treat braces as placeholders.
+        kind = PydanticCustomError(
+            ERROR_TYPE, "{message}", {"message": self.message, **self.context()}
+        )
+        line = {"type": kind, "loc": self.loc(prefix), "input": self.value}
+        return ValidationError.from_exception_data("JobRequest", [line])  # type: ignore[list-item]
+
+
+@dataclass(frozen=True)
+class PipelineLimits:
+    """One pipeline's limits; each default is the job schema's own range, so it adds nothing."""
+
+    max_width: int = MAX_SIDE
+    max_height: int = MAX_SIDE
+    size_multiple: int = SIZE_MULTIPLE
+    max_steps: int = MAX_STEPS
+    min_frames: int = 1
+    max_frames: int = MAX_FRAMES
+    frame_step: int = 1  # num_frames must be frame_step * k + 1
+    max_pixels_frames_outputs: int | None = None  # width × height × num_frames × num_outputs
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PipelineLimits:
+        """Parse announced limits, skipping unknown keys and values that are not positive ints."""
+        names = {f.name for f in fields(cls)}
+        values = {
+            key: value
+            for key, value in data.items()
+            if key in names and type(value) is int and value >= 1
+        }
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, int | None]:
+        """The JSON form a heartbeat carries."""
+        return asdict(self)
+
+    def violation(self, pipeline: str, request: RequestShape) -> LimitViolation | None:
+        """The first limit `request` breaks, or None when `pipeline` takes it."""
+        return (
+            self._side(pipeline, "width", request.width, self.max_width, "max_width")
+            or self._side(pipeline, "height", request.height, self.max_height, "max_height")
+            or self._steps(pipeline, request.steps)
+            or self._frames(pipeline, request.num_frames)
+            or self._budget(pipeline, request)
+        )
+
+    def frame_rule(self) -> str:
+        """The allowed num_frames in words: `= 1`, `from 1 to 64`, `= 4k+1 (1, 5, 9, …, 81)`."""
+        first = self.min_frames + (-(self.min_frames - 1)) % self.frame_step
+        last = self.max_frames - (self.max_frames - 1) % self.frame_step
+        if first >= last:
+            suffix = " (an image pipeline)" if first == 1 else ""
+            return f"num_frames = {first}{suffix}"
+        if self.frame_step == 1:
+            return f"num_frames from {first} to {last}"
+        shown = list(range(first, last + 1, self.frame_step))
+        head = shown if len(shown) <= 4 else shown[:3]
+        listed = ", ".join(map(str, head)) + ("" if head is shown else f", …, {last}")
+        return f"num_frames = {self.frame_step}k+1 ({listed})"
+
+    def _side(
+        self, pipeline: str, field: str, value: int, maximum: int, limit: str
+    ) -> LimitViolation | None:
+        if value > maximum:
+            message = f"{pipeline} takes {field} ≤ {maximum}; got {value}"
+            return LimitViolation(pipeline, field, limit, message, value)
+        if value % self.size_multiple:
+            message = f"{pipeline} takes {field} as a multiple of {self.size_multiple}; got {value}"
+            return LimitViolation(pipeline, field, "size_multiple", message, value)
+        return None
+
+    def _steps(self, pipeline: str, steps: int) -> LimitViolation | None:
+        if steps <= self.max_steps:
+            return None
+        message = f"{pipeline} takes steps ≤ {self.max_steps}; got {steps}"
+        return LimitViolation(pipeline, "steps", "max_steps", message, steps)
+
+    def _frames(self, pipeline: str, frames: int) -> LimitViolation | None:
+        if frames < self.min_frames:
+            limit = "min_frames"
+        elif frames > self.max_frames:
+            limit = "max_frames"
+        elif (frames - 1) % self.frame_step:
+            limit = "frame_step"
+        else:
+            return None
+        message = f"{pipeline} takes {self.frame_rule()}; got {frames}"
+        return LimitViolation(pipeline, "num_frames", limit, message, frames)
+
+    def _budget(self, pipeline: str, request: RequestShape) -> LimitViolation | None:
+        budget = self.max_pixels_frames_outputs
+        factors = (request.width, request.height, request.num_frames, request.num_outputs)
+        total = factors[0] * factors[1] * factors[2] * factors[3]
+        if budget is None or total <= budget:
+            return None
+        message = (
+            f"{pipeline} takes width × height × num_frames × num_outputs ≤ {budget:,}; got "
+            f"{' × '.join(map(str, factors))} = {total:,}"
+        )
+        return LimitViolation(pipeline, None, "max_pixels_frames_outputs", message, total)
+
+
+# Static limits of the built-in names, used until a node announces them: the same numbers the
+# tiny pipelines declare (gpu_worker.limits.TINY_LIMITS, which the contract cannot import;
+# tests/gpu_worker/test_limits.py keeps the two equal). `default` is the tiny image pipeline
+# unless a node announces otherwise.
+TINY_IMAGE = PipelineLimits(
+    max_width=1024,
+    max_height=1024,
+    size_multiple=8,
+    max_steps=200,
+    min_frames=1,
+    max_frames=1,
+    frame_step=1,
+    max_pixels_frames_outputs=1024 * 1024 * 4,
+)
+TINY_VIDEO = PipelineLimits(
+    max_width=512,
+    max_height=512,
+    size_multiple=16,
+    max_steps=200,
+    min_frames=1,
+    max_frames=81,
+    frame_step=4,
+    max_pixels_frames_outputs=256 * 256 * 81,
+)
+BUILTIN_LIMITS: dict[str, PipelineLimits] = {
+    "tiny": TINY_IMAGE,
+    "tiny-video": TINY_VIDEO,
+    "default": TINY_IMAGE,
+}
+
+
+def announced_limits(node: Mapping[str, Any]) -> dict[str, PipelineLimits]:
+    """Per pipeline a node serves, the limits its heartbeat announces (none: schema ranges only)."""
+    announced = node.get("limits")
+    per_pipeline = announced if isinstance(announced, Mapping) else {}
+    limits = {}
+    for name in node.get("pipelines", []):
+        declared = per_pipeline.get(name)
+        parsed = PipelineLimits.from_dict(declared if isinstance(declared, Mapping) else {})
+        limits[str(name)] = parsed
+    return limits
+
+
+def first_violation(
+    pipeline: str, candidates: list[PipelineLimits], request: RequestShape
+) -> LimitViolation | None:
+    """None when some candidate (one per live node) takes the request, else the first refusal."""
+    # No candidates: nothing is known about the pipeline, the schema's ranges are all there is.
+    violations = [limits.violation(pipeline, request) for limits in candidates]
+    if not violations or any(v is None for v in violations):
+        return None
+    return violations[0]

@@ -1,0 +1,159 @@
+"""The job request (docs/contract.md §1): its model, ranges, formats, lanes and webhook spec.
+
+What Kiln sends back (the job view, events) is `contract.views`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
+
+# Output formats, the first of each kind the default. gpu_worker/outputs.py encodes exactly these
+# (it cannot import tasks; tests/tasks/test_one_definition.py keeps the two equal).
+ImageFormat = Literal["png", "jpeg", "webp"]
+VideoFormat = Literal["mp4", "webm", "gif"]
+OutputFormat = Literal[ImageFormat, VideoFormat]
+IMAGE_FORMATS: tuple[str, ...] = get_args(ImageFormat)
+VIDEO_FORMATS: tuple[str, ...] = get_args(VideoFormat)
+
+# The schema's own ranges; pipeline limits (contract.limits) are never looser than these.
+MIN_SIDE = 64
+MAX_SIDE = 4096
+SIZE_MULTIPLE = 8
+MAX_STEPS = 500
+MAX_FRAMES = 1024
+METADATA_MAX_ITEMS = 16
+METADATA_KEY_MAX = 64
+METADATA_VALUE_MAX = 512
+# A caller may give any seed up to SEED_MAX (what the pipelines' generators take: gpu_worker's
+# SEED_MASK, kept equal by a test). A seed drawn at submit stays below DRAWN_SEED_LIMIT, so it is
+# exact in every client language's JSON numbers (JavaScript's included).
+SEED_MAX = 2**63 - 1
+DRAWN_SEED_LIMIT = 2**31
+
+PipelineName = Annotated[
+    str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+]
+Dimension = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIZE_MULTIPLE)]
+MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=METADATA_KEY_MAX)]
+MetadataValue = Annotated[str, StringConstraints(max_length=METADATA_VALUE_MAX)]
+
+
+def formats_for(num_frames: int) -> tuple[str, ...]:
+    """The output formats of a request with `num_frames` frames; the first is the default."""
+    return IMAGE_FORMATS if num_frames == 1 else VIDEO_FORMATS
+
+
+class Lane(StrEnum):
+    """Priority lane of a job; each lane has its own Celery queues."""
+
+    interactive = "interactive"
+    bulk = "bulk"
+
+
+class WebhookEvent(StrEnum):
+    """Job events a webhook can subscribe to."""
+
+    started = "started"
+    progress = "progress"
+    completed = "completed"
+
+
+class WebhookSpec(BaseModel):
+    """Where to send signed callbacks for a job, and for which events."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="https URL (http only where the server allows it); checked for SSRF at submit.",
+    )
+    events: list[WebhookEvent] = Field(
+        default_factory=lambda: [WebhookEvent.completed],
+        min_length=1,
+        max_length=3,
+        description="Subset of started, progress (throttled), completed.",
+    )
+
+    @field_validator("events")
+    @classmethod
+    def _no_duplicate_events(cls, events: list[WebhookEvent]) -> list[WebhookEvent]:
+        if len(set(events)) != len(events):
+            raise ValueError("events must not repeat")
+        return events
+
+
+class JobRequest(BaseModel):
+    """A generation request (`POST /v1/jobs`); every field is range-checked."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipeline: PipelineName = Field(default="default", description="Name of a served pipeline.")
+    prompt: str = Field(min_length=1, max_length=4000)
+    negative_prompt: str | None = Field(default=None, max_length=4000)
+    width: Dimension = 512
+    height: Dimension = 512
+    num_frames: int = Field(default=1, ge=1, le=MAX_FRAMES, description="1 = image, >1 = video.")
+    fps: int = Field(default=8, ge=1, le=120, description="Frames per second of a video.")
+    steps: int = Field(default=25, ge=1, le=MAX_STEPS)
+    guidance_scale: float = Field(default=7.0, ge=0, le=50, allow_inf_nan=False)
+    seed: int | None = Field(
+        default=None, ge=0, le=SEED_MAX, description="Drawn at submit when absent; recorded."
+    )
+    num_outputs: int = Field(default=1, ge=1, le=16)
+    output_format: OutputFormat | None = Field(
+        default=None,
+        validate_default=True,
+        description=f"{'|'.join(IMAGE_FORMATS)} for images, {'|'.join(VIDEO_FORMATS)} for video; "
+        f"default {IMAGE_FORMATS[0]} or {VIDEO_FORMATS[0]}.",
+    )
+    priority: Lane = Lane.interactive
+    webhook: WebhookSpec | None = None
+    start_by: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Unix time (s): a job not started by then expires without running.",
+    )
+    max_run_seconds: float | None = Field(
+        default=None, gt=0, le=86400, allow_inf_nan=False, description="Deadline of one run."
+    )
+    metadata: dict[MetadataKey, MetadataValue] = Field(
+        default_factory=dict,
+        max_length=METADATA_MAX_ITEMS,
+        description=f"Small str→str map echoed back (≤{METADATA_MAX_ITEMS} keys, "
+        f"key ≤{METADATA_KEY_MAX}, value ≤{METADATA_VALUE_MAX} chars).",
+    )
+
+    @field_validator("output_format")
+    @classmethod
+    def _format_fits_frames(cls, value: str | None, info: ValidationInfo) -> str:
+        if "num_frames" not in info.data:  # num_frames itself is invalid: one error is enough
+            return value or IMAGE_FORMATS[0]
+        frames = info.data["num_frames"]
+        allowed = formats_for(frames)
+        if value is None:
+            return allowed[0]
+        if value not in allowed:
+            kind = "an image (num_frames=1)" if frames == 1 else "a video (num_frames>1)"
+            raise ValueError(f"{value!r} is not a format for {kind}; use one of {list(allowed)}")
+        return value
+
+    @property
+    def is_video(self) -> bool:
+        """True when the request asks for more than one frame."""
+        return self.num_frames > 1
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON-safe dict stored as `JobRecord.request`."""
+        return self.model_dump(mode="json")

@@ -1,0 +1,154 @@
+"""Settings of the tasks package (Celery, node worker, API, webhooks): one class, `KILN_` prefix."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class KilnSettings(BaseSettings):
+    """Everything the tasks package reads from the environment; built once at each entry point."""
+
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
+
+    # --- Celery and the node worker -----------------------------------------------------------
+    broker_url: str | None = Field(
+        default=None, description="Celery broker URL; defaults to KILN_REDIS_URL."
+    )
+    visibility_timeout_s: int = Field(
+        default=3600,
+        description="Redis visibility timeout; the lease, not this, prevents double runs.",
+    )
+    pipelines: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["default", "tiny", "tiny-video"],
+        description="Pipeline names the API accepts even while no node announces them "
+        "(comma-separated).",
+    )
+    max_attempts: int = Field(default=3, description="Runs of a job before it is failed for good.")
+    retry_backoff_s: float = Field(
+        default=2.0, description="First retry delay; doubles per attempt."
+    )
+    retry_backoff_max_s: float = Field(default=60.0, description="Cap on the retry delay.")
+    lease_busy_delay_s: float = Field(
+        default=5.0,
+        description="Delay before re-publishing a delivery whose lease is held elsewhere.",
+    )
+    heartbeat_interval_s: float = Field(
+        default=2.0, description="Lease renewal and node heartbeat."
+    )
+    reaper_interval_s: float = Field(
+        default=5.0, description="How often each node looks for expired leases."
+    )
+    sweeper_age_s: float = Field(
+        default=30.0,
+        description="A queued record never confirmed published for this long is re-published.",
+    )
+    upload_retry_s: float = Field(
+        default=120.0, description="How long a node keeps retrying an unreachable object store."
+    )
+    progress_interval_s: float = Field(default=0.25, description="Throttle for progress writes.")
+    drain_grace_s: float = Field(default=30.0, description="SIGTERM: time to finish running jobs.")
+    bulk_share_every: int = Field(
+        default=4,
+        description="A node lets one bulk job through after this many interactive ones in a row.",
+    )
+    deadline_grace_s: float = Field(
+        default=10.0,
+        description="After max_run_seconds: time for a cooperative stop before the kill.",
+    )
+
+    # --- The API and webhooks -----------------------------------------------------------------
+    api_host: str = Field(default="127.0.0.1", description="Address `kiln api` listens on.")
+    api_port: int = Field(default=8000, ge=0, le=65535, description="Port `kiln api` listens on.")
+    auth_enabled: bool = Field(
+        default=True, description="Require bearer API keys; switch off only for local use."
+    )
+    api_key_pepper: SecretStr = Field(
+        default=SecretStr(""),
+        description="HMAC key for API-key hashes; changing it voids all keys.",
+    )
+    max_body_bytes: int = Field(default=65536, ge=1024, description="Larger request bodies: 413.")
+    max_queue_depth: int | None = Field(
+        default=100_000, ge=0, description="Queued jobs above which POST /v1/jobs is a 429."
+    )
+    queue_full_retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429.")
+    list_limit_max: int = Field(default=200, ge=1, description="Largest page of GET /v1/jobs.")
+    sse_block_ms: int = Field(default=2000, ge=10, description="One blocking SSE read (ms).")
+    sse_keepalive_s: float = Field(default=15.0, gt=0, description="SSE comment when this idle.")
+    sse_max_streams_per_key: int = Field(
+        default=16, ge=1, description="Open event streams one API key may hold; more: 429."
+    )
+    sse_max_streams_total: int = Field(
+        default=64,
+        ge=1,
+        description="Open event streams in all; more: 429. Must leave Redis connections spare.",
+    )
+    sse_busy_retry_after_s: int = Field(
+        default=2, ge=1, description="Retry-After of a 429 for too many event streams."
+    )
+    max_json_depth: int = Field(
+        default=32, ge=2, description="Request JSON nested deeper than this: 422."
+    )
+    http_header_timeout_s: float = Field(
+        default=5.0, gt=0, description="Time to send a request line and headers; then closed."
+    )
+    http_body_timeout_s: float = Field(
+        default=10.0, gt=0, description="Time to send a request body after its headers."
+    )
+    http_keepalive_timeout_s: int = Field(
+        default=5, ge=1, description="An idle keep-alive connection is closed after this."
+    )
+    webhook_secret: SecretStr | None = Field(
+        default=None,
+        description="Standard Webhooks signing secret (`whsec_...`); required for webhooks.",
+    )
+    webhook_allow_http: bool = Field(default=False, description="Allow http:// webhook URLs.")
+    webhook_allow_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Hosts, IPs or CIDRs exempt from the SSRF address checks (comma-separated).",
+    )
+    webhook_timeout_s: float = Field(default=10.0, gt=0, description="One delivery attempt.")
+    webhook_retry_schedule_s: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [10.0, 60.0, 300.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0],
+        description="Delays before each retry (comma-separated seconds); attempts = len + 1.",
+    )
+    webhook_retry_jitter: float = Field(
+        default=0.2, ge=0, le=1, description="Each delay is shortened by up to this fraction."
+    )
+    webhook_retry_after_max_s: float = Field(
+        default=21600.0, gt=0, description="Cap on a receiver's Retry-After."
+    )
+    webhook_progress_interval_s: float = Field(
+        default=5.0, ge=0, description="At most one progress webhook per job this often."
+    )
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _standard_webhooks_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        # Refuse a malformed secret at start-up rather than at the first delivery.
+        if value is None or not value.get_secret_value():
+            return None
+        encoded = value.get_secret_value().removeprefix("whsec_")
+        try:
+            decoded = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
+        except binascii.Error as exc:
+            raise ValueError("webhook_secret must be whsec_ followed by base64") from exc
+        if len(decoded) < 16:
+            raise ValueError("webhook_secret must carry at least 16 random bytes")
+        return value
+
+    @field_validator("pipelines", "webhook_allow_hosts", "webhook_retry_schedule_s", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        # Env values are plain comma lists (KILN_WEBHOOK_ALLOW_HOSTS=127.0.0.1,::1) or JSON arrays.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value

@@ -1,0 +1,159 @@
+"""What Kiln sends back (docs/contract.md §3, §6): the job view and the events of a job."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.states import JobState
+
+if TYPE_CHECKING:
+    from kiln.storage.objects import ObjectStore
+    from kiln.storage.status import JobEvent, JobRecord
+
+
+class JobParameters(JobRequest):
+    """The effective parameters of a job as recorded (seed included)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class Progress(BaseModel):
+    """Where a running job is."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    stage: str = Field(description="queued|loading|denoising|decoding|encoding|uploading")
+    step: int | None = None
+    total: int | None = None
+
+
+class OutputView(BaseModel):
+    """One stored output; `url` is presigned when the view is built."""
+
+    url: str
+    key: str
+    content_type: str
+    bytes: int
+    sha256: str
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None
+
+
+class ErrorView(BaseModel):
+    """Why a job failed."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    message: str
+    retryable: bool = False
+
+
+class Metrics(BaseModel):
+    """Timings and memory of a job's run; other numbers may appear beside these."""
+
+    model_config = ConfigDict(extra="allow")
+
+    queue_s: float | None = None
+    run_s: float | None = None
+    encode_s: float | None = None
+    upload_s: float | None = None
+    peak_memory_mb: float | None = None
+
+
+class JobView(BaseModel):
+    """A job as the API shows it (`GET /v1/jobs/{id}`)."""
+
+    id: str
+    status: JobState
+    lane: str
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempts: int
+    progress: Progress | None = None
+    outputs: list[OutputView] = Field(default_factory=list)
+    error: ErrorView | None = None
+    metrics: Metrics = Field(default_factory=Metrics)
+    parameters: JobParameters
+    batch_id: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    waiting_for: str | None = Field(
+        default=None,
+        description="Why a queued job cannot start yet, e.g. no live node serves its pipeline.",
+    )
+
+
+def output_view(output: dict[str, Any], objects: ObjectStore | None) -> OutputView:
+    """Build an output's view, presigning its URL now (stored URLs would expire)."""
+    key = str(output["key"])
+    url = objects.url(key) if objects is not None else str(output.get("url", ""))
+    return OutputView(
+        url=url,
+        key=key,
+        content_type=str(output.get("content_type", "application/octet-stream")),
+        bytes=int(output.get("bytes", output.get("size", 0))),
+        sha256=str(output.get("sha256", "")),
+        width=output.get("width"),
+        height=output.get("height"),
+        frames=output.get("frames"),
+    )
+
+
+def job_view(
+    record: JobRecord,
+    objects: ObjectStore | None = None,
+    served: Collection[str] | None = None,
+) -> JobView:
+    """Build the view of a stored record; output URLs are presigned at read time.
+
+    `served`: the pipelines live nodes serve now; a queued job whose pipeline is not among them
+    says so in `waiting_for` (it waits in its queue until such a node starts).
+    """
+    return JobView(
+        id=record.id,
+        status=record.state,
+        lane=str(record.lane),
+        created_at=record.created_at,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+        attempts=record.attempts,
+        progress=Progress.model_validate(record.progress) if record.progress else None,
+        outputs=[output_view(o, objects) for o in record.outputs],
+        error=ErrorView.model_validate(record.error) if record.error else None,
+        metrics=Metrics.model_validate(record.metrics or {}),
+        parameters=JobParameters.model_validate(record.request),
+        batch_id=record.batch_id,
+        metadata=dict(record.metadata),
+        waiting_for=_waiting_for(record, served),
+    )
+
+
+def _waiting_for(record: JobRecord, served: Collection[str] | None) -> str | None:
+    pipeline = str(record.request.get("pipeline", ""))
+    if served is None or record.state != JobState.QUEUED or pipeline in served:
+        return None
+    serving = ", ".join(sorted(served)) or "none"
+    return (
+        f"no live node serves pipeline {pipeline!r} (live nodes serve: {serving}); "
+        "the job waits in its queue until one does"
+    )
+
+
+class EventView(BaseModel):
+    """One event of a job's stream (the `data` of a server-sent event)."""
+
+    seq: int
+    type: str
+    time: float
+    payload: dict[str, Any] = Field(default_factory=dict)
+
+
+def event_view(event: JobEvent) -> EventView:
+    """Build the view of a stored event."""
+    return EventView(seq=event.seq, type=event.type, time=event.time, payload=dict(event.payload))

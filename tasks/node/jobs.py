@@ -1,0 +1,256 @@
+"""`run_job(job_id)`: one delivery of one job on a GPU node (docs/contract.md §4–§5).
+
+A delivery of a finished (or expired-away) job is dropped. A job leased by a live owner elsewhere
+is published again after `lease_busy_delay_s`; a running job whose lease is gone is reaped and
+taken over. A queued job past its `start_by`, out of attempts or over this node's limits is
+ended without running. Otherwise the node takes the lease and runs the job. Every write after
+that is fenced by the lease token, so a node that lost its lease can never overwrite the work of
+the node that took over. Each delivery returns normally, so Celery acknowledges it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+
+from kiln.gpu_worker.errors import GpuWorkerError, JobStopped
+from kiln.gpu_worker.protocol import GenerationResult, StepProgress
+from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, StaleLease, StorageError
+from kiln.storage.status import TERMINAL_STATES, JobRecord, JobState
+from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
+from kiln.tasks.node.compute import generation_request, run_metrics
+from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
+from kiln.tasks.node.progress_writer import PendingProgress
+from kiln.tasks.node.uploads import encode_and_upload
+from kiln.tasks.queue.app import RUN_JOB_TASK
+from kiln.tasks.queue.policy import error_dict, retry_delay
+from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
+
+log = logging.getLogger(__name__)
+
+
+class JobRunner:
+    """Runs one delivery of one job on this node."""
+
+    def __init__(self, node: Node, job_id: str) -> None:
+        self.node = node
+        self.store = node.store
+        self.settings = node.settings
+        self.job_id = job_id
+        self.webhook: object = None
+
+    def run(self) -> None:
+        """Handle the delivery; returns normally in every case so Celery acks it."""
+        try:
+            record = self.store.get(self.job_id)
+        except JobNotFound:
+            log.warning("run_job: job %s does not exist (expired?); dropping", self.job_id)
+            return
+        self.webhook = record.request.get("webhook")
+        if record.state in TERMINAL_STATES:
+            return
+        if record.state == JobState.RUNNING:
+            self._delivered_while_running(record)
+            return
+        if self._refused_before_start(record):
+            return
+        self._lease_and_run(record)
+
+    def _delivered_while_running(self, record: JobRecord) -> None:
+        holder = self.store.lease_owner(self.job_id)
+        if holder is not None:
+            # A duplicate delivery (visibility timeout, redelivery): the holder finishes it.
+            log.info("job %s delivered again while leased by %s; re-published", self.job_id, holder)
+            self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
+        elif self.store.reap(self.job_id):
+            self._lease_and_run(self.store.get(self.job_id))
+
+    def _refused_before_start(self, record: JobRecord) -> bool:
+        start_by = record.request.get("start_by")
+        if start_by is not None and time.time() > float(start_by):
+            self._transition_quietly(lambda: self.store.expire(self.job_id))
+            return True
+        if record.attempts >= self.settings.max_attempts:
+            error = {
+                "type": "max_attempts_exceeded",
+                "message": f"the job was started {record.attempts} times without finishing",
+                "retryable": False,
+            }
+            self._transition_quietly(lambda: self.store.fail(self.job_id, None, error))
+            return True
+        return self._refused_over_limits(record)
+
+    def _refused_over_limits(self, record: JobRecord) -> bool:
+        # Checked again here, not only at submit: a job may predate the limits or have been
+        # accepted against another node's. Over them it fails alone, for good, before any rank
+        # runs it, instead of taking the group down with it attempt after attempt.
+        request = generation_request(record)
+        violation = self.node.over_limits(request.pipeline, request)
+        if violation is None:
+            return False
+        error = {
+            "type": LIMIT_ERROR,
+            "message": violation.describe(),
+            "retryable": False,
+            "limit": violation.limit,
+        }
+        self._transition_quietly(lambda: self.store.fail(self.job_id, None, error))
+        return True
+
+    def _lease_and_run(self, record: JobRecord) -> None:
+        # One owner per delivery: a second delivery on this node must see LeaseHeld, not
+        # silently take over (re-acquiring with the same owner would fence the first).
+        owner = f"{self.node.node_id}/{uuid.uuid4().hex[:8]}"
+        try:
+            token = self.store.acquire_lease(self.job_id, owner)
+        except LeaseHeld:
+            self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
+            return
+        try:
+            record = self.store.start(self.job_id, token, node_id=self.node.node_id)
+        except (IllegalTransition, StaleLease):
+            self.store.release_lease(self.job_id, token)
+            return
+        self._notify("started")
+        with self.node.tracking(self.job_id, token) as tracked:
+            self._run_leased(record, tracked)
+        self.store.release_lease(self.job_id, token)
+
+    def _run_leased(self, record: JobRecord, tracked: TrackedJob) -> None:
+        try:
+            self._generate_and_store(record, tracked)
+        except JobStopped:
+            self._stopped(tracked)
+        except GpuWorkerError as exc:
+            self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
+        except StaleLease:
+            log.warning("job %s: lease lost to another node; leaving it to them", self.job_id)
+        except StorageError as exc:
+            self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
+        except Exception as exc:  # a bug or a bad request: fail the job, never loop on it
+            log.exception("job %s failed unexpectedly", self.job_id)
+            self._failed(record, tracked, error_dict(exc), retryable=False)
+
+    def _generate_and_store(self, record: JobRecord, tracked: TrackedJob) -> None:
+        result = self._generate(record, tracked)
+        if tracked.stop_reason is not None:
+            raise JobStopped(tracked.stop_reason)
+        report = encode_and_upload(
+            self.node.objects,
+            self.job_id,
+            record.request,
+            result.outputs,
+            retry_for_s=self.settings.upload_retry_s,
+            on_stage=lambda stage, step, total: self._progress(
+                tracked, stage, step, total, on_task_thread=True
+            ),
+        )
+        metrics = run_metrics(record, result, report.encode_s, report.upload_s)
+        self.node.progress.discard(self.job_id)  # the terminal state supersedes it
+        self.store.succeed(self.job_id, tracked.lease_token, report.outputs, metrics)
+        self._notify("completed")
+
+    def _generate(self, record: JobRecord, tracked: TrackedJob) -> GenerationResult:
+        # Both callbacks run on the coordinator's threads between steps: memory only, no I/O.
+        def on_progress(progress: StepProgress) -> None:
+            self._progress(tracked, progress.stage, progress.step, progress.total)
+
+        def should_stop() -> bool:
+            return tracked.stop_reason is not None  # set by heartbeat, cancel watch or drain
+
+        max_run = record.request.get("max_run_seconds")
+        future = self.node.coordinator.submit(
+            generation_request(record),
+            on_progress=on_progress,
+            should_stop=should_stop,
+            max_run_seconds=float(max_run) if max_run else None,
+        )
+        return future.result()
+
+    def _progress(
+        self, tracked: TrackedJob, stage: str, step: int, total: int, on_task_thread: bool = False
+    ) -> None:
+        tracked.last_progress_at = time.time()
+        changed = stage != tracked.last_stage or step == total
+        tracked.last_stage = stage
+        after_write = (lambda: self._notify("progress")) if self.webhook else None
+        pending = PendingProgress(
+            tracked.lease_token, {"stage": stage, "step": step, "total": total}, after_write
+        )
+        if on_task_thread:  # encoding/uploading: off the compute path, so written right away
+            self.node.progress.write_now(self.job_id, pending)
+        else:
+            self.node.progress.update(self.job_id, pending, urgent=changed)
+
+    def _stopped(self, tracked: TrackedJob) -> None:
+        self.node.progress.discard(self.job_id)
+        token = tracked.lease_token
+        if tracked.stop_reason == JobStopReason.CANCELED:
+            self.store.finish_canceled(self.job_id, token)
+            self._notify("completed")
+        elif tracked.stop_reason == JobStopReason.HANDED_BACK:
+            error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
+            self.node.submitter.publish(self.store.requeue(self.job_id, token, error))
+        else:
+            log.warning("job %s stopped after its lease was lost", self.job_id)
+
+    def _failed(
+        self, record: JobRecord, tracked: TrackedJob, error: dict[str, Any], *, retryable: bool
+    ) -> None:
+        self.node.progress.discard(self.job_id)
+        token = tracked.lease_token
+        attempts = record.attempts  # the record `start` returned: this run is counted
+        if retryable and attempts < self.settings.max_attempts:
+            requeued = self.store.requeue(self.job_id, token, error)
+            delay = retry_delay(attempts, self.settings)
+            self.node.submitter.publish(requeued, countdown=delay)
+            log.info("job %s: retryable failure, retry %d in %.1fs", self.job_id, attempts, delay)
+            return
+        error = {**error, "retryable": False} if retryable else error
+        self.store.fail(self.job_id, token, error)
+        self._notify("completed")
+
+    def _transition_quietly(self, transition: Callable[[], object]) -> None:
+        try:
+            transition()
+            self._notify("completed")
+        except IllegalTransition:
+            pass  # someone else moved it first; nothing to do
+
+    def _notify(self, event: str) -> None:
+        if self.webhook is None:
+            return
+        try:
+            enqueue_webhook_events(
+                self.store,
+                self.job_id,
+                event,
+                app=self.node.celery_app,
+                progress_interval_s=self.settings.webhook_progress_interval_s,
+            )
+        except Exception:  # a webhook problem never changes a job's outcome
+            log.exception("webhook enqueue for %s (%s) failed", self.job_id, event)
+
+
+def register_run_job(app: Celery, node: Node) -> None:
+    """Register `kiln.run_job` on the node worker's Celery app, bound to its `node`.
+
+    The task closes over the node, so a delivery runs on the node that registered it and nothing
+    process-wide holds one. `shared=False`: Celery would otherwise also add the task, node and
+    all, to every Celery app this process creates later.
+    """
+
+    @app.task(
+        name=RUN_JOB_TASK,
+        shared=False,
+        ignore_result=True,
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def run_job(job_id: str) -> None:
+        JobRunner(node, job_id).run()

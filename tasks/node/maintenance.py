@@ -1,0 +1,120 @@
+"""A node's five background loops, one thread each (docs/operations.md §5):
+
+- heartbeat (every `heartbeat_interval_s`): renew held leases, then publish the node's health;
+- reaper (every `reaper_interval_s`): re-queue and re-publish running jobs whose lease expired;
+- sweeper (every `reaper_interval_s`): re-publish queued jobs whose publish was never confirmed;
+- pruner (every `PRUNE_INTERVAL_S`): drop index entries of expired records;
+- cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel to stop.
+
+On their own threads, a long compute step never starves lease renewal. One heartbeat also runs
+in `Maintenance.start`, so the node is announced before its first interval passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kiln.storage.errors import StorageError
+from kiln.tasks.node.node import JobStopReason, Node
+
+log = logging.getLogger(__name__)
+
+PRUNE_INTERVAL_S = 60.0
+# A heartbeat outlives a few missed intervals, never less than this (docs/operations.md §1).
+HEARTBEAT_TTL_MIN_S = 5.0
+# A cancel must land within a denoising step; one pipelined read per poll is cheap.
+CANCEL_POLL_S = 0.02
+
+
+def renew_leases(node: Node) -> None:
+    """Renew every held lease; a job whose lease is gone is told to stop."""
+    for tracked in node.tracked_jobs():
+        if not node.store.renew_lease(tracked.job_id, tracked.lease_token):
+            log.warning("lease of job %s was lost; stopping it", tracked.job_id)
+            tracked.stop_reason = JobStopReason.LEASE_LOST
+
+
+def heartbeat(node: Node) -> None:
+    """One heartbeat: leases first (they matter most), then the node's health record."""
+    renew_leases(node)
+    ttl = max(3.0 * node.settings.heartbeat_interval_s, HEARTBEAT_TTL_MIN_S)
+    node.store.publish_node(node.node_id, node.health(), ttl)
+
+
+def reap_expired(node: Node) -> int:
+    """Re-queue and re-publish jobs whose lease expired while running; returns how many."""
+    reaped = 0
+    for job_id in node.store.expired_leases():
+        if node.store.reap(job_id):
+            node.submitter.publish(node.store.get(job_id))
+            reaped += 1
+            log.info("reaped job %s (its lease expired while running)", job_id)
+    return reaped
+
+
+def watch_cancels(node: Node) -> None:
+    """Tell running jobs whose cancel was requested to stop (one pipelined read for all)."""
+    running = {t.job_id: t for t in node.tracked_jobs() if t.stop_reason is None}
+    for job_id in node.store.cancels_requested(list(running)):
+        running[job_id].stop_reason = JobStopReason.CANCELED
+
+
+def prune_indexes(node: Node) -> int:
+    """Drop index entries of finished jobs whose records have expired (retention)."""
+    return node.store.prune_indexes()
+
+
+def sweep_unpublished(node: Node) -> int:
+    """Publish queued records whose publish was never confirmed; returns how many."""
+    job_ids = node.store.unpublished_jobs(node.settings.sweeper_age_s)
+    for job_id in job_ids:
+        node.submitter.publish(node.store.get(job_id))
+    return len(job_ids)
+
+
+def _loop(stop: threading.Event, interval_s: float, name: str, step: Callable[[], object]) -> None:
+    while not stop.wait(interval_s):
+        try:
+            step()
+        except StorageError as exc:
+            log.warning("%s: storage unavailable (%s); will retry", name, exc)
+        except Exception:  # a background loop must outlive any one bad iteration
+            log.exception("%s failed; will retry", name)
+
+
+class Maintenance:
+    """Starts and stops the node's background threads."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Send one heartbeat now, then start the five loops (daemon threads; `stop` joins them)."""
+        settings = self.node.settings
+        loops: list[tuple[str, float, Callable[[], object]]] = [
+            ("heartbeat", settings.heartbeat_interval_s, lambda: heartbeat(self.node)),
+            ("reaper", settings.reaper_interval_s, lambda: reap_expired(self.node)),
+            ("sweeper", settings.reaper_interval_s, lambda: sweep_unpublished(self.node)),
+            ("pruner", PRUNE_INTERVAL_S, lambda: prune_indexes(self.node)),
+            ("cancels", CANCEL_POLL_S, lambda: watch_cancels(self.node)),
+        ]
+        heartbeat(self.node)
+        for name, interval, step in loops:
+            thread = threading.Thread(
+                target=_loop,
+                args=(self._stop, interval, name, step),
+                name=f"kiln-{name}",
+                daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop the loops and wait for them."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)

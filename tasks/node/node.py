@@ -1,0 +1,186 @@
+"""One GPU node's runtime: its coordinator, stores, the leases it holds, and its drain state.
+
+`kiln worker` builds one `Node` in its main process before Celery consumes anything and registers
+`run_job` bound to it (`tasks.node.jobs.register_run_job`); nothing process-wide names the node.
+Its five background loops (heartbeat, reaper, sweeper, pruner, cancel watch) live in
+`tasks.node.maintenance`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from celery import Celery
+
+from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+from kiln.storage.objects import ObjectStore, open_object_store
+from kiln.storage.settings import StorageSettings
+from kiln.storage.status import JobStore
+from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, RequestShape
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.node.progress_writer import ProgressWriter
+from kiln.tasks.queue.submit import Publish, Submitter, celery_publisher
+
+log = logging.getLogger(__name__)
+
+
+class JobStopReason(StrEnum):
+    """Why the node takes a leased job off its group at the next step; decides what the record
+    becomes. Not gpu_worker's `StopReason`, which says how the coordinator stopped a request (its
+    `should_stop` answered yes, or its deadline passed): every reason here reaches the coordinator
+    as `should_stop` answering yes."""
+
+    CANCELED = "canceled"  # a cancel was requested: running → canceled
+    LEASE_LOST = "lease_lost"  # another node holds the job now: leave the record to it
+    HANDED_BACK = "handed_back"  # the node is draining: running → queued, published again
+
+
+class GroupCoordinator(Protocol):
+    """What a node uses of its worker group (`gpu_worker.coordinator.Coordinator`)."""
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        on_progress: Callable[[StepProgress], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        max_run_seconds: float | None = None,
+    ) -> Future[GenerationResult]: ...
+
+    def pipeline_limits(self) -> Mapping[str, DeclaredLimits]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class TrackedJob:
+    """A job this node holds the lease of; the heartbeat renews it until untracked."""
+
+    job_id: str
+    lease_token: int
+    stop_reason: JobStopReason | None = None
+    last_progress_at: float = field(default_factory=time.time)
+    last_stage: str = ""
+
+
+def default_node_id() -> str:
+    """A node id unique per process: host name plus pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Node:
+    """Everything a node's task threads and background loops share.
+
+    `coordinator` defaults to gpu_worker's for `group`; `publish` (how `run_job` messages go out)
+    to the Celery app's. Tests pass their own of either.
+    """
+
+    def __init__(
+        self,
+        group: GroupConfig,
+        settings: KilnSettings,
+        storage_settings: StorageSettings,
+        *,
+        celery_app: Celery,
+        node_id: str | None = None,
+        coordinator: GroupCoordinator | None = None,
+        publish: Publish | None = None,
+    ) -> None:
+        self.node_id = node_id or default_node_id()
+        self.group_config = group
+        self.settings = settings
+        self.storage_settings = storage_settings
+        self.store = JobStore.from_settings(storage_settings)
+        self.objects: ObjectStore = open_object_store(storage_settings)
+        self.celery_app = celery_app
+        self.submitter = Submitter(self.store, settings, publish or celery_publisher(celery_app))
+        self.coordinator: GroupCoordinator = coordinator or Coordinator(group)
+        self.progress = ProgressWriter(self.store, settings.progress_interval_s)
+        self.draining = threading.Event()
+        self._jobs: dict[str, TrackedJob] = {}
+        self._lock = threading.Lock()
+        self.started_at = time.time()
+
+    def start(self) -> None:
+        """Spawn and warm up the group, start the progress writer; raises if the group cannot."""
+        self.coordinator.start()
+        self.progress.start()
+
+    def shutdown(self) -> None:
+        """Stop the group and the progress writer (idempotent)."""
+        self.coordinator.shutdown()
+        self.progress.stop()
+
+    @contextlib.contextmanager
+    def tracking(self, job_id: str, lease_token: int) -> Iterator[TrackedJob]:
+        """Hold a job on this node: its lease is renewed by the heartbeat while inside.
+
+        A job tracked while the node drains is marked handed back from the start: the group
+        stops it at once and it goes back to the queue.
+        """
+        tracked = TrackedJob(job_id, lease_token)
+        if self.draining.is_set():
+            tracked.stop_reason = JobStopReason.HANDED_BACK
+        with self._lock:
+            self._jobs[job_id] = tracked
+        try:
+            yield tracked
+        finally:
+            with self._lock:
+                self._jobs.pop(job_id, None)
+
+    def tracked_jobs(self) -> list[TrackedJob]:
+        """A snapshot of the jobs this node holds."""
+        with self._lock:
+            return list(self._jobs.values())
+
+    def hand_back_all(self) -> None:
+        """Ask every running job to stop at its next step and go back to the queue."""
+        self.draining.set()
+        for tracked in self.tracked_jobs():
+            if tracked.stop_reason is None:
+                tracked.stop_reason = JobStopReason.HANDED_BACK
+
+    def pipeline_limits(self) -> dict[str, PipelineLimits]:
+        """Per served pipeline, the limits its ranks declared (schema ranges where none)."""
+        declared = self.coordinator.pipeline_limits()
+        return {
+            name: PipelineLimits.from_dict(declared.get(name, {}))
+            for name in self.group_config.pipelines
+        }
+
+    def over_limits(self, pipeline: str, request: RequestShape) -> LimitViolation | None:
+        """Why this node's `pipeline` does not take `request`; None when it does."""
+        limits = self.pipeline_limits().get(pipeline)
+        return limits.violation(pipeline, request) if limits is not None else None
+
+    def health(self) -> dict[str, object]:
+        """What the heartbeat publishes about this node."""
+        jobs = self.tracked_jobs()
+        return {
+            "node_id": self.node_id,
+            "pipelines": sorted(self.group_config.pipelines),
+            "limits": {name: limits.to_dict() for name, limits in self.pipeline_limits().items()},
+            "devices": list(self.group_config.devices),
+            "jobs_running": len(jobs),
+            "last_progress_at": max((j.last_progress_at for j in jobs), default=None),
+            "draining": self.draining.is_set(),
+            "started_at": self.started_at,
+            "coordinator": self.coordinator.stats(),
+        }

@@ -1,0 +1,99 @@
+"""Progress writes off the compute path.
+
+The coordinator calls a job's progress callback on its own threads, between two forwards; a Redis
+round trip there would idle the GPU. Callbacks only record the latest progress of each job here,
+and one writer thread flushes what is pending. Stage changes and last steps wake it at once; other
+steps wait for the throttle interval. Only the newest progress of a job matters, so updates that
+arrive before a flush simply replace each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.storage.errors import StorageError
+from kiln.storage.status import JobStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PendingProgress:
+    """The newest progress of one job, not yet written."""
+
+    lease_token: int
+    progress: dict[str, Any]
+    after_write: Callable[[], None] | None = None
+
+
+class ProgressWriter:
+    """Writes the newest progress of each job from one background thread."""
+
+    def __init__(self, store: JobStore, interval_s: float) -> None:
+        self.store = store
+        self.interval_s = interval_s
+        self._pending: dict[str, PendingProgress] = {}
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # keeps one job's writes in order across threads
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kiln-progress", daemon=True)
+
+    def start(self) -> None:
+        """Start the writer thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Flush what is pending and stop."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def update(self, job_id: str, pending: PendingProgress, urgent: bool) -> None:
+        """Record a job's newest progress (memory only); `urgent` wakes the writer now."""
+        with self._lock:
+            self._pending[job_id] = pending
+        if urgent:
+            self._wake.set()
+
+    def discard(self, job_id: str) -> None:
+        """Forget a job's unwritten progress (its terminal state supersedes it)."""
+        with self._lock:
+            self._pending.pop(job_id, None)
+
+    def write_now(self, job_id: str, pending: PendingProgress) -> None:
+        """Write a job's progress on the calling thread, superseding anything pending for it.
+
+        For callers that are off the compute path anyway (the job's own task thread).
+        """
+        with self._write_lock:
+            self.discard(job_id)
+            self._write(job_id, pending)
+
+    def flush(self) -> None:
+        """Write everything pending now (one Lua call per job)."""
+        with self._write_lock:
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            for job_id, item in pending.items():
+                self._write(job_id, item)
+
+    def _write(self, job_id: str, item: PendingProgress) -> None:
+        try:
+            self.store.set_progress(job_id, item.lease_token, item.progress)
+        except StorageError as exc:  # progress is best effort; a stale token is expected
+            log.debug("progress of %s not written: %s", job_id, exc)
+            return
+        if item.after_write is not None:
+            item.after_write()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            self.flush()
+        self.flush()

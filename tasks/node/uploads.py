@@ -1,0 +1,111 @@
+"""Encode a job's frames and upload them under deterministic keys, verified.
+
+Runs on the job's task thread, so it overlaps the group's compute of the next job.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kiln.gpu_worker.outputs import EncodedOutput, OutputSpec, encode
+from kiln.storage.errors import ObjectStoreUnavailable, StorageError
+from kiln.storage.objects import ObjectStore, output_key
+
+
+class OutputVerificationFailed(ObjectStoreUnavailable):
+    """An uploaded object does not read back with the size and sha256 we sent (retryable)."""
+
+
+@dataclass(frozen=True)
+class UploadReport:
+    """The job-view output entries plus how long encoding and uploading took."""
+
+    outputs: list[dict[str, Any]]
+    encode_s: float
+    upload_s: float
+
+
+def output_spec(request: Mapping[str, Any]) -> OutputSpec:
+    """The encoding options of a stored job request.
+
+    The record carries the effective request (the contract's defaults filled in at submit), so
+    format and fps are read as recorded. The contract has no quality field: each codec's own.
+    """
+    return OutputSpec(format=str(request["output_format"]), fps=int(request["fps"]))
+
+
+def put_verified(
+    objects: ObjectStore, key: str, data: bytes, content_type: str, metadata: dict[str, str]
+) -> str:
+    """Upload and read back the head; returns the sha256 hex. Raises if it does not match."""
+    sha256 = hashlib.sha256(data).hexdigest()
+    objects.put(key, data, content_type, metadata)
+    head = objects.head(key)
+    if head is None or head.size != len(data) or head.sha256 != sha256:
+        raise OutputVerificationFailed(f"object {key} did not verify after upload")
+    return sha256
+
+
+def retry_storage(call: Callable[[], str], *, deadline: float, pause_s: float = 0.5) -> str:
+    """Retry a retryable storage call with backoff until `deadline` (monotonic)."""
+    while True:
+        try:
+            return call()
+        except StorageError as exc:
+            if not exc.retryable or time.monotonic() + pause_s > deadline:
+                raise
+            time.sleep(pause_s)
+            pause_s = min(pause_s * 2, 8.0)
+
+
+def encode_and_upload(
+    objects: ObjectStore,
+    job_id: str,
+    request: Mapping[str, Any],
+    frames_per_output: Sequence[np.ndarray],
+    *,
+    retry_for_s: float,
+    on_stage: Callable[[str, int, int], None],
+) -> UploadReport:
+    """Encode every output, upload each to `{prefix}/{job_id}/{index}.{ext}`, verify each."""
+    spec = output_spec(request)
+    deadline = time.monotonic() + retry_for_s
+    outputs: list[dict[str, Any]] = []
+    encode_s = upload_s = 0.0
+    total = len(frames_per_output)
+    for index, frames in enumerate(frames_per_output):
+        on_stage("encoding", index + 1, total)
+        started = time.perf_counter()
+        encoded = encode(frames, spec)
+        encode_s += time.perf_counter() - started
+        on_stage("uploading", index + 1, total)
+        started = time.perf_counter()
+        key = output_key(objects.prefix, job_id, index, encoded.extension)
+        metadata = {"job-id": job_id, "index": str(index), "seed": str(request.get("seed"))}
+        upload = functools.partial(
+            put_verified, objects, key, encoded.data, encoded.content_type, metadata
+        )
+        sha256 = retry_storage(upload, deadline=deadline)
+        upload_s += time.perf_counter() - started
+        outputs.append(output_entry(key, encoded, sha256))
+    return UploadReport(outputs, encode_s, upload_s)
+
+
+def output_entry(key: str, encoded: EncodedOutput, sha256: str) -> dict[str, Any]:
+    """What the job record keeps of one verified output (its URL is presigned at read time)."""
+    return {
+        "key": key,
+        "content_type": encoded.content_type,
+        "bytes": len(encoded.data),
+        "sha256": sha256,
+        "width": encoded.width,
+        "height": encoded.height,
+        "frames": encoded.frames,
+    }

@@ -1,0 +1,1 @@
+"""The queue: the Celery app, lanes and routing, submission, the retry policy."""

@@ -1,0 +1,60 @@
+"""The Celery app and its reliability configuration (docs/operations.md §5).
+
+Importing this module never imports torch: producers publish by task name, and only the node
+worker imports `node.jobs`, where the GPU work lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE, LanePriorityCycle
+
+RUN_JOB_TASK = "kiln.run_job"
+
+
+def transport_options(settings: KilnSettings, namespace: str) -> dict[str, Any]:
+    """Redis transport options; the visibility timeout is the same everywhere it is read."""
+    return {
+        # Queues live under the same namespace as Kiln's own keys: deployments sharing one
+        # Redis never see each other's tasks.
+        "global_keyprefix": f"{namespace}:celery:",
+        "visibility_timeout": settings.visibility_timeout_s,
+        # Restore unacked messages of dead workers promptly once the visibility timeout passes.
+        "unacked_restore_interval": 5,
+        "unacked_restore_throttle": 1,
+        "queue_order_strategy": f"{LanePriorityCycle.__module__}:{LanePriorityCycle.__name__}",
+    }
+
+
+def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -> Celery:
+    """A Celery app for producers and workers alike; status lives in Kiln's store, not here."""
+    broker_url = settings.broker_url or storage_settings.redis_url
+    app = Celery("kiln", broker=broker_url, set_as_current=False)
+    LanePriorityCycle.bulk_every = settings.bulk_share_every
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        result_backend=None,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        broker_transport_options=transport_options(settings, storage_settings.redis_namespace),
+        broker_connection_retry_on_startup=True,
+        task_default_queue=WEBHOOKS_QUEUE,
+        task_queues=[Queue(WEBHOOKS_QUEUE)],
+        task_create_missing_queues=True,
+        worker_send_task_events=False,
+        # Kiln's time limits are its own (the threads pool enforces none).
+        task_time_limit=None,
+        task_soft_time_limit=None,
+        include=["kiln.tasks.webhooks.enqueue"],
+    )
+    return app

@@ -1,0 +1,206 @@
+"""Submission: the only code that publishes `run_job`.
+
+A job is accepted once its `queued` record is written; publishing comes second. If publishing
+fails the record stays `published=False` and a node's sweeper re-publishes it later, so an accepted
+job is never lost and the caller still gets its id.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kiln.storage.errors import StorageError
+from kiln.storage.status import JobRecord, JobStore, NewJob, request_fingerprint
+from kiln.tasks.contract.limits import (
+    BUILTIN_LIMITS,
+    LimitViolation,
+    PipelineLimits,
+    announced_limits,
+    first_violation,
+)
+from kiln.tasks.contract.schemas import DRAWN_SEED_LIMIT, JobRequest
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
+from kiln.tasks.queue.lanes import queue_name
+
+log = logging.getLogger(__name__)
+
+KNOWN_PIPELINES_CACHE_S = 2.0
+
+
+class Publish(Protocol):
+    """Publishes `run_job(job_id)` on a queue, optionally delayed."""
+
+    def __call__(self, job_id: str, queue: str, countdown: float = 0.0) -> None: ...
+
+
+class UnknownPipeline(ValueError):
+    """The request names a pipeline no configuration or live node serves."""
+
+    def __init__(self, name: str, known: Sequence[str]) -> None:
+        super().__init__(f"unknown pipeline {name!r}; served: {', '.join(known) or 'none'}")
+        self.name = name
+        self.known = list(known)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What submission may name: pipeline names, and per name the limits live nodes announce."""
+
+    names: list[str] = field(default_factory=list)
+    limits: dict[str, list[PipelineLimits]] = field(default_factory=dict)
+
+
+def celery_publisher(app: Any) -> Publish:
+    """A `Publish` that sends `kiln.run_job` through a Celery app (by name: no torch import)."""
+
+    def publish(job_id: str, queue: str, countdown: float = 0.0) -> None:
+        app.send_task(RUN_JOB_TASK, args=[job_id], queue=queue, countdown=countdown or None)
+
+    return publish
+
+
+def job_queue(record: JobRecord) -> str:
+    """The queue a job's record belongs on."""
+    return queue_name(record.lane, str(record.request.get("pipeline", "default")))
+
+
+def new_job_id() -> str:
+    """A fresh job id: random, URL-safe, no separators that could escape an object key."""
+    return uuid.uuid4().hex
+
+
+class Submitter:
+    """Validates pipelines, writes `queued` records and publishes them."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        settings: KilnSettings,
+        publish: Publish | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        if publish is None:
+            publish = celery_publisher(make_celery_app(settings, store.settings))
+        self._publish = publish
+        self._served: tuple[float, Served] = (0.0, Served())
+
+    def known_pipelines(self) -> list[str]:
+        """Configured pipelines plus those announced by live nodes (cached for a moment)."""
+        return self._served_now().names
+
+    def limits_for(self, pipeline: str) -> list[PipelineLimits]:
+        """Limits of each live node announcing `pipeline`, else a built-in name's static ones."""
+        announced = self._served_now().limits.get(pipeline)
+        if announced:
+            return announced
+        builtin = BUILTIN_LIMITS.get(pipeline)
+        return [builtin] if builtin is not None else []
+
+    def over_limits(self, request: JobRequest) -> LimitViolation | None:
+        """Why no live node (nor the static limits) takes `request`; None when one does."""
+        return first_violation(request.pipeline, self.limits_for(request.pipeline), request)
+
+    def _served_now(self) -> Served:
+        fetched_at, served = self._served
+        if time.monotonic() - fetched_at < KNOWN_PIPELINES_CACHE_S:
+            return served
+        names = set(self.settings.pipelines)
+        limits: dict[str, list[PipelineLimits]] = {}
+        for node in self.store.live_nodes():
+            names.update(str(p) for p in node.get("pipelines", []))
+            for name, announced in announced_limits(node).items():
+                limits.setdefault(name, []).append(announced)
+        served = Served(sorted(names), limits)
+        self._served = (time.monotonic(), served)
+        return served
+
+    def submit(
+        self,
+        request: JobRequest,
+        *,
+        owner: str | None = None,
+        idempotency_key: str | None = None,
+        batch_id: str | None = None,
+    ) -> tuple[JobRecord, bool]:
+        """Accept one job; returns its record and whether it was created (vs an idempotent hit)."""
+        # Refusals: UnknownPipeline, or a pydantic ValidationError naming the pipeline limit the
+        # request is over (what JobRequest's callers already handle as an invalid request).
+        self._check_pipeline(request.pipeline)
+        self._check_limits(request)
+        new = self._new_job(
+            request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id
+        )
+        record, created = self.store.create_job(new)
+        if created or not record.published:
+            self.publish(record)
+        return record, created
+
+    def submit_many(
+        self,
+        requests: Sequence[JobRequest],
+        *,
+        owner: str | None = None,
+        batch_id: str | None = None,
+    ) -> list[str]:
+        """Accept many jobs with one pipelined write, then publish each; returns their ids."""
+        for index, request in enumerate(requests):
+            self._check_pipeline(request.pipeline)
+            self._check_limits(request, (index,))
+        news = [self._new_job(r, owner=owner, batch_id=batch_id) for r in requests]
+        self.store.create_jobs(news)
+        for new in news:
+            self._publish_and_mark(new.id, queue_name(new.lane, new.request["pipeline"]))
+        return [new.id for new in news]
+
+    def publish(self, record: JobRecord, countdown: float = 0.0) -> None:
+        """(Re-)publish a queued job; failures are logged and left to the sweeper."""
+        self._publish_and_mark(record.id, job_queue(record), countdown)
+
+    def _publish_and_mark(self, job_id: str, queue: str, countdown: float = 0.0) -> None:
+        try:
+            self._publish(job_id, queue, countdown)
+            self.store.mark_published(job_id)
+        except (StorageError, OSError, ConnectionError) as exc:
+            # The record is written: the sweeper re-publishes unconfirmed jobs, nothing is lost.
+            log.warning("publishing job %s failed (%s); the sweeper will retry", job_id, exc)
+
+    def _check_pipeline(self, name: str) -> None:
+        known = self.known_pipelines()
+        if name not in known:
+            raise UnknownPipeline(name, known)
+
+    def _check_limits(self, request: JobRequest, loc: tuple[str | int, ...] = ()) -> None:
+        violation = self.over_limits(request)
+        if violation is not None:
+            raise violation.error(loc)
+
+    def _new_job(
+        self,
+        request: JobRequest,
+        *,
+        owner: str | None,
+        idempotency_key: str | None = None,
+        batch_id: str | None = None,
+    ) -> NewJob:
+        effective = request
+        if request.seed is None:
+            effective = request.model_copy(update={"seed": random.randrange(DRAWN_SEED_LIMIT)})
+        return NewJob(
+            id=new_job_id(),
+            request=effective.model_dump(mode="json"),
+            batch_id=batch_id,
+            metadata=dict(request.metadata or {}),
+            owner=owner,
+            idempotency_key=idempotency_key,
+            # of the request as sent (defaults filled, no drawn seed): a replay must match it
+            fingerprint=request_fingerprint(request.to_record()) if idempotency_key else None,
+            lane=str(request.priority),
+        )

@@ -1,0 +1,97 @@
+"""What one webhook message says: the job event it reports, its body, and its signature.
+
+A message reports one job event, pinned when it is queued. Its body is the job's view as of that
+event (docs/contract.md §7), built at the first attempt; every retry sends the same bytes, and
+only `webhook-timestamp`, and so the signature, is new per attempt (Standard Webhooks).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from standardwebhooks import Webhook
+
+from kiln.storage.objects import ObjectStore
+from kiln.storage.status import JobEvent, JobRecord, JobStore
+from kiln.tasks.contract.schemas import WebhookEvent
+from kiln.tasks.contract.states import TERMINAL_STATES, JobState, is_terminal
+from kiln.tasks.contract.views import JobView, Metrics, Progress, job_view
+
+USER_AGENT = "Kiln-Webhooks/1"
+# the job event types each webhook event reports
+EVENT_TYPES: dict[str, frozenset[str]] = {
+    WebhookEvent.started: frozenset({JobState.RUNNING}),
+    WebhookEvent.progress: frozenset({"progress"}),
+    WebhookEvent.completed: frozenset(TERMINAL_STATES),
+}
+# events looked through for the one a webhook reports: it is the newest of its kind when the
+# webhook is queued right after the write, so a short look back is plenty
+EVENT_LOOKBACK = 32
+
+
+def new_webhook_secret() -> str:
+    """A fresh Standard Webhooks secret (`whsec_` + base64 of 32 random bytes)."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def find_event(store: JobStore, job_id: str, event: str) -> JobEvent | None:
+    """The job's newest event that webhook `event` (started|progress|completed) reports."""
+    types = EVENT_TYPES.get(event, frozenset())
+    return next((e for e in store.latest_events(job_id, EVENT_LOOKBACK) if e.type in types), None)
+
+
+def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) -> JobView:
+    """The job's view as of `source`: from the event, the record only for what it cannot change.
+
+    A finished job's record is final, so a terminal event takes it whole; a start or a progress
+    write is reported as the running job it was then, whatever the job has become since.
+    """
+    view = job_view(record, objects)
+    if is_terminal(source.type):
+        return view.model_copy(update={"status": JobState(source.type)})
+    update: dict[str, Any] = {
+        "status": JobState.RUNNING,
+        "finished_at": None,
+        "outputs": [],
+        "error": None,
+        "metrics": Metrics(),
+    }
+    if source.type == JobState.RUNNING:
+        attempts = int(source.payload.get("attempts", record.attempts))
+        update.update(started_at=source.time, attempts=attempts, progress=None)
+    else:
+        update["progress"] = Progress.model_validate(source.payload)
+    return view.model_copy(update=update)
+
+
+def webhook_payload(
+    record: JobRecord, event: str, source: JobEvent, objects: ObjectStore | None
+) -> str:
+    """The JSON body: `{type: job.<event>, timestamp, seq, data: <job view>}`, all as of `source`.
+
+    `timestamp` is when the event happened and `seq` its place in the job's event stream, so a
+    receiver can order webhooks that arrive out of order.
+    """
+    body = {
+        "type": f"job.{event}",
+        "timestamp": datetime.fromtimestamp(source.time, tz=UTC).isoformat(),
+        "seq": source.seq,
+        "data": view_at(record, source, objects).model_dump(mode="json"),
+    }
+    return json.dumps(body, separators=(",", ":"))
+
+
+def signed_headers(secret: str, webhook_id: str, payload: str, now: float) -> dict[str, str]:
+    """Standard Webhooks headers for one attempt (new timestamp, same id)."""
+    timestamp = datetime.fromtimestamp(int(now), tz=UTC)
+    return {
+        "webhook-id": webhook_id,
+        "webhook-timestamp": str(int(now)),
+        "webhook-signature": Webhook(secret).sign(webhook_id, timestamp, payload),
+        "content-type": "application/json",
+        "user-agent": USER_AGENT,
+    }

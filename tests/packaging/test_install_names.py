@@ -1,0 +1,69 @@
+"""Kiln installs under `kiln.*` only: a user's own `tasks.py` and `storage.py` stay theirs.
+
+The Celery tutorial names its module `tasks.py`; before the namespace, `from tasks.client import
+KilnClient` failed in such a project with "'tasks' is not a package". And the processes that
+never run a model (the API, the client, the CLI's entry point) must not load torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+USER_CODE = {
+    "tasks.py": "from celery import Celery\n\napp = Celery('users')\nWHOSE = 'user tasks'\n",
+    "storage.py": "WHOSE = 'user storage'\n",
+    "main.py": (
+        "import json\n"
+        "import storage\n"
+        "import tasks\n"
+        "from kiln.tasks.client import KilnClient\n"
+        "from kiln.tasks.contract.schemas import JobRequest\n"
+        "print(json.dumps([tasks.WHOSE, storage.WHOSE, KilnClient.__module__,\n"
+        "                  JobRequest(prompt='x').pipeline]))\n"
+    ),
+}
+
+
+def test_a_project_with_its_own_tasks_and_storage_modules_imports_kiln_too(
+    tmp_path: Path,
+) -> None:
+    for name, text in USER_CODE.items():
+        (tmp_path / name).write_text(text)
+    result = subprocess.run(
+        [sys.executable, "main.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [
+        "user tasks",
+        "user storage",
+        "kiln.tasks.client.client",
+        "default",
+    ]
+
+
+# Each entry point is imported in a fresh interpreter, which then lists what it loaded.
+NO_TORCH_ENTRY_POINTS = {
+    "the API app": "from kiln.tasks.api.app import create_app",
+    "the client": "from kiln.tasks.client import KilnClient",
+    "the CLI entry point": "from kiln.tasks.cli.main import main, build_parser; build_parser()",
+    "the webhook delivery": "from kiln.tasks.webhooks.delivery import deliver_once",
+}
+HEAVY = ("torch", "diffusers", "transformers", "kiln.gpu_worker")
+
+
+def test_the_api_client_and_cli_entry_point_load_no_torch() -> None:
+    probe = "import sys, json\n{}\nprint(json.dumps(sorted(sys.modules)))"
+    for what, statement in NO_TORCH_ENTRY_POINTS.items():
+        result = subprocess.run(
+            [sys.executable, "-c", probe.format(statement)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, f"{what}: {result.stderr}"
+        loaded = json.loads(result.stdout)
+        heavy = [m for m in loaded if m.split(".")[0] in HEAVY or m.startswith(HEAVY)]
+        assert heavy == [], f"{what} loaded {heavy[:5]}"

@@ -1,0 +1,68 @@
+"""Key names: stable (stored data outlives a release), and every prefix completes into its entry."""
+
+from __future__ import annotations
+
+import inspect
+
+from kiln.storage.keys import Keys
+
+# what each entry of Keys builds for the namespace "ns" and the id "x"; a change here orphans the
+# data of every running deployment
+NAMES = {
+    "job": "ns:job:x",
+    "events": "ns:job:x:events",
+    "lease": "ns:job:x:lease",
+    "cancel": "ns:job:x:cancel",
+    "webhooks": "ns:job:x:webhooks",
+    "idempotency": "ns:idem:x",
+    "batch": "ns:batch:x",
+    "state_index": "ns:idx:state:x",
+    "batch_index": "ns:idx:batch:x",
+    "owner_index": "ns:idx:owner:x",
+    "all_index": "ns:idx:all",
+    "retired": "ns:retired",
+    "creation_seq": "ns:creation_seq",
+    "running": "ns:running",
+    "unpublished": "ns:unpublished",
+    "queue_depth": "ns:queue_depth",
+    "node": "ns:node:x",
+    "nodes": "ns:nodes",
+    "api_key": "ns:apikey:x",
+    "api_key_id": "ns:apikey_id:x",
+    "api_key_ids": "ns:apikeys",
+}
+# the prefixes scripts complete with an id they read, and the entry each must agree with
+PREFIXES = {
+    "job_prefix": "job",
+    "idempotency_prefix": "idempotency",
+    "batch_prefix": "batch",
+    "state_index_prefix": "state_index",
+    "batch_index_prefix": "batch_index",
+    "owner_index_prefix": "owner_index",
+    "node_prefix": "node",
+    "api_key_prefix": "api_key",
+}
+
+
+def _entries() -> dict[str, str]:
+    keys = Keys("ns")
+    built = {}
+    for name, member in inspect.getmembers(Keys):
+        if name.startswith("_") or name in PREFIXES or name == "events_suffix":
+            continue
+        if isinstance(member, property):
+            built[name] = getattr(keys, name)
+        elif inspect.isfunction(member):
+            built[name] = getattr(keys, name)("x")
+    return built
+
+
+def test_every_key_name_is_as_stored() -> None:
+    assert _entries() == NAMES
+
+
+def test_prefixes_complete_into_their_entries() -> None:
+    keys = Keys("ns")
+    for prefix, entry in PREFIXES.items():
+        assert getattr(keys, prefix) + "x" == getattr(keys, entry)("x"), prefix
+    assert keys.job("x") + keys.events_suffix == keys.events("x")
