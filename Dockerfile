@@ -73,10 +73,8 @@ USER 10001:10001
 EXPOSE 5555
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthcheck' % os.environ.get('FLOWER_PORT', '5555'), timeout=4)"]
-# Kiln builds its Celery app from settings (kiln.tasks.queue.app.make_celery_app) and has no
-# module-level app object for `celery -A` to find; `Celery.start` runs the same `celery` command
-# line on the built app, and the arguments after -c go to `celery flower`.
-ENTRYPOINT ["python", "-c", "import sys; from kiln.storage.settings import StorageSettings; from kiln.tasks.contract.settings import KilnSettings; from kiln.tasks.queue.app import make_celery_app; sys.exit(make_celery_app(KilnSettings(), StorageSettings()).start(['flower', *sys.argv[1:]]))"]
+# `kiln.tasks.queue.celery_app` builds Kiln's Celery app from the KILN_* settings at import.
+ENTRYPOINT ["celery", "-A", "kiln.tasks.queue.celery_app", "flower"]
 CMD ["--port=5555"]
 
 # ---- worker: a GPU node --------------------------------------------------------------------

@@ -37,6 +37,9 @@ class GroupConfig:
     cpu_threads_per_rank: int | None = None
     warmup: bool = True
     settings: GpuWorkerSettings | None = None
+    # How the ranks log (gpu_worker/logs.py): the node passes its own format and level down.
+    log_format: str = "text"
+    log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if not self.pipelines:
@@ -77,11 +80,11 @@ class GroupConfig:
         return expand_devices(self.devices)
 
     def backend(self) -> str:
-        """nccl when every rank has a GPU, gloo when every rank is a CPU."""
+        """`nccl` when every rank has a GPU, `gloo` when every rank is a CPU."""
         return backend_for(self.world())
 
     def threads_per_rank(self) -> int:
-        """torch threads for each rank: the configured number, else the cores shared out."""
+        """Torch threads for each rank: the configured number, else the cores shared out."""
         if self.cpu_threads_per_rank is not None:
             return max(1, self.cpu_threads_per_rank)
         return max(1, available_cores() // len(self.world()))

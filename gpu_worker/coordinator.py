@@ -24,11 +24,18 @@ from typing import Any
 
 from kiln.gpu_worker.batching import WaitingRequests
 from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.counters import (
+    REBUILD_DIED,
+    REBUILD_KILLED,
+    REBUILD_START_FAILED,
+    GroupCounters,
+)
 from kiln.gpu_worker.errors import GpuWorkerError, UnsupportedRequest, WorkerGroupDied
 from kiln.gpu_worker.failures import death_error
 from kiln.gpu_worker.group import GroupMessage, WorkerGroup
 from kiln.gpu_worker.group_slot import GroupSlot
 from kiln.gpu_worker.inflight import InflightBatch, InflightRequests, discard_outputs
+from kiln.gpu_worker.inputs import InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import (
     BatchDone,
@@ -78,8 +85,10 @@ class Coordinator:
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
     ) -> Future[GenerationResult]:
-        """Queue a request; the future raises JobFailed (and subclasses), JobStopped or
-        WorkerGroupDied. `max_run_seconds` counts from this call."""
+        """Queue a request; `max_run_seconds` counts from this call.
+
+        The future raises JobFailed (and subclasses), JobStopped or WorkerGroupDied.
+        """
         future: Future[GenerationResult] = Future()
         if request.pipeline not in self.config.pipelines:
             served = sorted(self.config.pipelines)
@@ -109,6 +118,11 @@ class Coordinator:
         with self._cond:
             return dict(self._slot.limits)
 
+    def pipeline_inputs(self) -> dict[str, InputSchema]:
+        """Input schemas of the pipelines that declare one, as rank 0 loaded them."""
+        with self._cond:
+            return dict(self._slot.input_schemas)
+
     def stats(self) -> dict[str, Any]:
         """Counters for heartbeats and health checks."""
         with self._cond:
@@ -124,6 +138,11 @@ class Coordinator:
                 "pids": group.pids if group is not None else [],
                 "pipelines": self.pipelines(),
             }
+
+    def counters(self) -> GroupCounters:
+        """A copy of the cumulative work counters (busy time, steps, batch sizes, rebuilds)."""
+        with self._cond:
+            return self._inflight.counters.snapshot()
 
     def shutdown(self) -> None:
         """Fail what is queued or running with WorkerGroupDied and stop the group; idempotent."""
@@ -217,6 +236,7 @@ class Coordinator:
 
     def _rebuild(self) -> None:
         with self._cond:
+            why = _rebuild_reason(self._slot)
             old, reason = self._slot.detach()
             inflight = self._inflight.detach()
         if old is not None:
@@ -230,6 +250,7 @@ class Coordinator:
             return
         with self._cond:
             self._slot.rebuilds += 1
+            self._inflight.counters.add_rebuild(why)
 
     def _build_group(self) -> None:
         self._slot.build(self._on_group_message, self._on_group_death)
@@ -272,6 +293,15 @@ class Coordinator:
             self._cond.notify_all()
         if inflight is not None:
             _fail_open(inflight, reason)
+
+
+def _rebuild_reason(slot: GroupSlot) -> str:
+    """Why the dispatcher replaces the group in `slot` (read before `detach` clears it)."""
+    if slot.kill_reason is not None:
+        return REBUILD_KILLED
+    if slot.dead_reason is not None:
+        return REBUILD_DIED
+    return REBUILD_START_FAILED
 
 
 def _fail_open(batch: InflightBatch, reason: str) -> None:

@@ -17,6 +17,7 @@ from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import WorkerGroupDied
 from kiln.gpu_worker.group_monitor import DeathHandler, GroupMessage, GroupMonitor, MessageHandler
 from kiln.gpu_worker.group_spawn import RankProcesses, wait_for_exit
+from kiln.gpu_worker.inputs import InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import CoordinatorCommand, ShutdownGroup
 
@@ -37,7 +38,7 @@ class WorkerGroup:
         self.config = config
         self._ranks = RankProcesses(config)
         self._monitor = GroupMonitor(
-            self._ranks, on_message or (lambda message: None), on_death or (lambda reason: None)
+            self._ranks, on_message or (lambda _message: None), on_death or (lambda _reason: None)
         )
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -62,6 +63,11 @@ class WorkerGroup:
     def limits(self) -> dict[str, DeclaredLimits]:
         """What each pipeline declares it takes, as rank 0 loaded it (empty before `start`)."""
         return self._ranks.limits
+
+    @property
+    def input_schemas(self) -> dict[str, InputSchema]:
+        """Input schemas of the pipelines that declare one, as rank 0 loaded them."""
+        return self._ranks.input_schemas
 
     @property
     def _dead_reason(self) -> str | None:

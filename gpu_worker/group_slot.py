@@ -13,6 +13,7 @@ from collections.abc import Callable
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import RankStartupFailed
 from kiln.gpu_worker.group import GroupMessage, WorkerGroup
+from kiln.gpu_worker.inputs import InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
 
 # Handlers of the current group's messages and death; they get the group's generation.
@@ -35,6 +36,7 @@ class GroupSlot:
         self.dead_reason: str | None = None  # the group died, or rank 0 became unreachable
         self.rebuilds = 0
         self.limits: dict[str, DeclaredLimits] = {}  # per pipeline, as the last group loaded it
+        self.input_schemas: dict[str, InputSchema] = {}  # likewise, for pipelines that declare
 
     def build(self, on_message: GenerationMessageHandler, on_death: GenerationDeathHandler) -> None:
         """Start a new group of the next generation; raise `RankStartupFailed`."""
@@ -55,6 +57,7 @@ class GroupSlot:
         with self._cond:
             self.group = group
             self.limits = dict(group.limits)
+            self.input_schemas = dict(group.input_schemas)
 
     def is_current(self, generation: int) -> bool:
         """True when `generation` is the group in the slot (or the one being built)."""

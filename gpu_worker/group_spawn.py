@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import RankStartupFailed
+from kiln.gpu_worker.inputs import InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import RankFailed, RankReady
@@ -65,6 +66,7 @@ class RankProcesses:
         self.conns: list[Connection] = []  # every owner-side end, closed at shutdown
         self._store: dist.TCPStore | None = None
         self.limits: dict[str, DeclaredLimits] = {}  # per pipeline, as rank 0 loaded it
+        self.input_schemas: dict[str, InputSchema] = {}  # per pipeline that declares one
 
     def prepare_pipelines(self) -> None:
         """Build what the pipelines load from; raise `RankStartupFailed` naming the pipeline."""
@@ -127,6 +129,8 @@ class RankProcesses:
             verdict_wait_s=config.verdict_wait_s,
             warmup=config.warmup,
             settings=config.settings,
+            log_format=config.log_format,
+            log_level=config.log_level,
         )
 
     def await_ready(self) -> None:
@@ -157,6 +161,7 @@ class RankProcesses:
         if isinstance(message, RankReady):
             if rank == 0:
                 self.limits = dict(message.limits)
+                self.input_schemas = dict(message.inputs)
             del waiting[rank]
         elif isinstance(message, RankFailed):
             raise RankStartupFailed(f"rank {rank} failed to start:\n{message.message}")

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kiln.gpu_worker.config import GroupConfig
+from kiln.gpu_worker.counters import GroupCounters
 from kiln.gpu_worker.errors import JobFailed, UnsupportedRequest
 from kiln.gpu_worker.failures import failure_error
 from kiln.gpu_worker.group import GroupMessage
@@ -86,6 +87,7 @@ class InflightRequests:
         self._batch_seq = 0
         self.batches_run = 0
         self.last_progress_at: float | None = None
+        self.counters = GroupCounters()  # for the node's metrics (`Coordinator.counters`)
 
     # --- the dispatcher thread, under the lock ---------------------------------------------------
 
@@ -107,6 +109,8 @@ class InflightRequests:
     def detach(self) -> InflightBatch | None:
         """Give up the running batch (its group died or is replaced); the caller fails it."""
         batch, self.batch = self.batch, None
+        if batch is not None:
+            self.counters.busy_s += time.monotonic() - batch.started_at
         return batch
 
     def police(self, now: float) -> Policing:
@@ -181,6 +185,7 @@ class InflightRequests:
             if batch is not None:
                 self.batch = None
                 self.batches_run += 1
+                self.counters.busy_s += time.monotonic() - batch.started_at
                 self._cond.notify_all()
             return batch
 
@@ -189,6 +194,12 @@ class InflightRequests:
         if batch is None:
             discard_outputs(message.outputs)
             return
+        metrics = message.metrics
+        pipeline = next(iter(batch.tickets.values())).request.pipeline
+        with self._cond:
+            self.counters.add_forward(
+                pipeline, metrics.steps_run, metrics.batch_size, metrics.peak_memory_mb
+            )
         frames = _read_outputs(message.outputs)
         for ticket in batch.open_tickets():
             request_id = ticket.request.request_id

@@ -59,7 +59,7 @@ def declared_limits(pipeline: object) -> DeclaredLimits:
     limits = getattr(pipeline, "limits", None)
     if limits is None:
         return DeclaredLimits()
-    declared = limits()
+    declared: DeclaredLimits = limits()
     unknown = set(declared) - LIMIT_KEYS
     if unknown:  # a typo would otherwise silently announce no limit at all
         raise ValueError(f"unknown limit(s) {sorted(unknown)}; known: {sorted(LIMIT_KEYS)}")

@@ -7,11 +7,13 @@ reads in one place.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
 
+from kiln.gpu_worker.inputs import InputSchema, InputValue, inputs_key
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.shm import FrameDescriptor
 
@@ -33,9 +35,12 @@ class GenerationRequest:
     # a second default here once drifted from it.
     guidance_scale: float = field(kw_only=True)
     num_outputs: int = 1
+    # The pipeline's own inputs beyond the fields above (`scheduler`, `strength`, ...), as JSON
+    # values, validated against the pipeline's input schema before they get here.
+    extra_inputs: Mapping[str, InputValue] = field(default_factory=dict, kw_only=True)
 
-    def batch_key(self) -> tuple[str, int, int, int, int, float]:
-        """Requests with equal keys can share one forward pass."""
+    def batch_key(self) -> tuple[str, int, int, int, int, float, str]:
+        """Requests with equal keys can share one forward pass (equal extra inputs included)."""
         return (
             self.pipeline,
             self.width,
@@ -43,6 +48,7 @@ class GenerationRequest:
             self.num_frames,
             self.steps,
             self.guidance_scale,
+            inputs_key(self.extra_inputs),
         )
 
 
@@ -167,11 +173,12 @@ class BatchFailed:
 
 @dataclass(frozen=True)
 class RankReady:
-    """Rank -> group owner: loaded, parallelised, warmed up; with its pipelines' limits."""
+    """Rank -> group owner: loaded, parallelised, warmed up; its pipelines' limits and inputs."""
 
     rank: int
     pid: int
     limits: dict[str, DeclaredLimits] = field(default_factory=dict)
+    inputs: dict[str, InputSchema] = field(default_factory=dict)  # per pipeline that declares
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,12 @@ class ApiKey:
     admin: bool
     created_at: float
     revoked: bool
+    max_queued: int | None = None  # the key's own cap on queued jobs; None: the server's
+    max_running: int | None = None  # the key's own cap on running jobs; None: the server's
+
+
+def _optional_int(value: str | None) -> int | None:
+    return int(value) if value else None
 
 
 def _api_key(data: dict[str, str]) -> ApiKey:
@@ -34,7 +40,15 @@ def _api_key(data: dict[str, str]) -> ApiKey:
         admin=data["admin"] == "1",
         created_at=float(data["created_at"]),
         revoked=data["revoked"] == "1",
+        max_queued=_optional_int(data.get("max_queued")),
+        max_running=_optional_int(data.get("max_running")),
     )
+
+
+def _cap(value: int | None) -> str:
+    if value is not None and value < 1:
+        raise ValueError(f"a job cap must be at least 1, not {value}")
+    return "" if value is None else str(value)
 
 
 class ApiKeyStore:
@@ -52,11 +66,22 @@ class ApiKeyStore:
         return cls(redis_client(settings), settings)
 
     @redis_boundary
-    def create(self, key_hash: str, name: str, admin: bool = False) -> ApiKey:
-        """Store a new key under `key_hash`; ValueError if that hash is already stored."""
+    def create(
+        self,
+        key_hash: str,
+        name: str,
+        admin: bool = False,
+        *,
+        max_queued: int | None = None,
+        max_running: int | None = None,
+    ) -> ApiKey:
+        """Store a new key under `key_hash`; ValueError if that hash is already stored.
+
+        `max_queued` and `max_running` cap the key's jobs, overriding the server's defaults.
+        """
         key_id = "key_" + secrets.token_hex(8)
         keys = [self.keys.api_key(key_hash), self.keys.api_key_id(key_id), self.keys.api_key_ids]
-        args = [key_id, key_hash, name, "1" if admin else "0"]
+        args = [key_id, key_hash, name, "1" if admin else "0", _cap(max_queued), _cap(max_running)]
         if not self.scripts["apikey_create"](keys, args):
             raise ValueError("an API key with this hash exists already")
         return _api_key(self.redis.hgetall(self.keys.api_key(key_hash)))
@@ -68,6 +93,15 @@ class ApiKeyStore:
         if not data or data["revoked"] == "1":
             return None
         return _api_key(data)
+
+    @redis_boundary
+    def get(self, key_id: str) -> ApiKey | None:
+        """The key with this id (revoked or not); None if unknown."""
+        key_hash = self.redis.get(self.keys.api_key_id(key_id))
+        if not key_hash:
+            return None
+        data = self.redis.hgetall(self.keys.api_key(key_hash))
+        return _api_key(data) if data else None
 
     @redis_boundary
     def list(self) -> list[ApiKey]:

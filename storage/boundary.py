@@ -21,6 +21,7 @@ _SCRIPT_ERRORS: dict[str, type[errors.StorageError]] = {
     "KILN_STALE": errors.StaleLease,
     "KILN_LEASEHELD": errors.LeaseHeld,
     "KILN_CONFLICT": errors.IdempotencyConflict,
+    "KILN_QUOTA": errors.QuotaExceeded,
 }
 
 # server answers that mean "not now" rather than "never" (redis-py strips some codes into types)
@@ -54,6 +55,8 @@ def _describe(code: str, detail: str) -> str:
         return f"job {words[0]}: lease token {words[1]} is not the current one"
     if code == "KILN_LEASEHELD" and len(words) >= 2:
         return f"job {words[0]}: lease held by {' '.join(words[1:])}"
+    if code == "KILN_QUOTA" and len(words) == 3:
+        return f"owner {words[0]} has {words[2]} {words[1]} jobs, its maximum"
     if code == "KILN_CONFLICT":
         return f"idempotency key {detail!r} is bound to another request"
     return detail

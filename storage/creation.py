@@ -39,10 +39,11 @@ class CreationOps(StoreBase):
             k.unpublished,
             k.queue_depth,
             k.creation_seq,
+            k.owner_queued,
         ]
 
     def _job_keys(self, new: NewJob) -> list[str]:
-        """KEYS[6..11] of create.lua: the job's own keys ('' for what it has not)."""
+        """KEYS[7..13] of create.lua: the job's own keys ('' for what it has not)."""
         k, batch = self.keys, new.batch_id
         return [
             k.job(new.id),
@@ -51,10 +52,11 @@ class CreationOps(StoreBase):
             k.batch(batch) if batch else "",
             k.batch_index(batch) if batch else "",
             k.owner_index(new.owner) if new.owner else "",
+            k.queue_index(new.queue) if new.queue else "",
         ]
 
     def _prefixes(self) -> list[str | int]:
-        """The ARGV[2..8] of create_many.lua: it completes each job's keys from these."""
+        """The ARGV[2..9] of create_many.lua: it completes each job's keys from these."""
         k = self.keys
         return [
             k.job_prefix,
@@ -63,6 +65,7 @@ class CreationOps(StoreBase):
             k.batch_prefix,
             k.batch_index_prefix,
             k.owner_index_prefix,
+            k.queue_index_prefix,
             self.settings.event_stream_maxlen,
         ]
 
@@ -79,19 +82,22 @@ class CreationOps(StoreBase):
             dumps(new.metadata),
             new.idempotency_key or "",
             fingerprint,
+            new.queue or "",
         ]
 
     @redis_boundary
-    def create_job(self, new: NewJob) -> tuple[JobRecord, bool]:
+    def create_job(self, new: NewJob, max_queued: int | None = None) -> tuple[JobRecord, bool]:
         """Write a `queued` record (event 1, indexes, counters); returns (record, created).
 
         With an idempotency key already bound to the same fingerprint, or an id that exists,
         the existing record comes back with created=False; another fingerprint raises
-        IdempotencyConflict. BatchNotFound if `batch_id` names no batch.
+        IdempotencyConflict. BatchNotFound if `batch_id` names no batch. QuotaExceeded if the
+        job has an owner with `max_queued` queued jobs already (checked in the same step).
         """
         keys = self._shared_keys() + self._job_keys(new)
-        args = [*self._create_fields(new), self.keys.job_prefix, self.settings.event_stream_maxlen]
-        status, record = self._run("create", keys, args)
+        cap = "" if max_queued is None else max_queued
+        settings = [self.keys.job_prefix, self.settings.event_stream_maxlen, cap]
+        status, record = self._run("create", keys, [*self._create_fields(new), *settings])
         return self._record(new.id, record), status == 1
 
     @redis_boundary

@@ -35,6 +35,12 @@ class StaleLease(StorageError):
     """The lease token presented is not the job's current one (fenced off)."""
 
 
+class QuotaExceeded(StorageError):
+    """The job's owner is at its cap of queued or running jobs; nothing was written."""
+
+    retryable = True
+
+
 class IdempotencyConflict(StorageError):
     """The idempotency key is already bound to a request with another fingerprint."""
 

@@ -23,6 +23,14 @@ def valid_id(value: str) -> bool:
     return bool(_ID.fullmatch(value))
 
 
+_QUEUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+
+
+def valid_queue(value: str) -> bool:
+    """True if `value` may name a queue inside a key (`<lane>.<pipeline>`: no `:`, no spaces)."""
+    return bool(_QUEUE.fullmatch(value))
+
+
 class Keys:
     """Key names of one namespace."""
 
@@ -106,6 +114,32 @@ class Keys:
         """Sorted set per owner of job ids, scored by creation sequence."""
         return self.owner_index_prefix + owner
 
+    @property
+    def queue_index_prefix(self) -> str:
+        """Prefix of the queue indexes (scripts complete it with the queue a record names)."""
+        return f"{self.ns}:idx:queue:"
+
+    def queue_index(self, queue: str) -> str:
+        """Sorted set per queue (`<lane>.<pipeline>`) of its queued job ids, in queue order.
+
+        Scored by the creation sequence drawn when the job entered `queued` (at creation, and again
+        on each return to the queue), so ZRANK is the number of queued jobs ahead of it.
+        """
+        return self.queue_index_prefix + queue
+
+    @property
+    def completions_prefix(self) -> str:
+        """Prefix of the completion windows (scripts complete it with the queue a record names)."""
+        return f"{self.ns}:completions:"
+
+    def completions(self, queue: str) -> str:
+        """Sorted set per queue of recently finished runs: `<job id>@<start ms>` -> finish (ms).
+
+        Trimmed to a time window and a size cap by the transition that ends a run; it expires when
+        no run of the queue has finished for a window. Read for the queue's completion rate.
+        """
+        return self.completions_prefix + queue
+
     # --- global ----------------------------------------------------------------------------------
     @property
     def all_index(self) -> str:
@@ -119,7 +153,10 @@ class Keys:
 
     @property
     def creation_seq(self) -> str:
-        """Counter giving each job a unique creation sequence (index score)."""
+        """Counter giving each job a unique creation sequence (index score).
+
+        A job that returns to `queued` draws a new number from it for its queue index score.
+        """
         return f"{self.ns}:creation_seq"
 
     @property
@@ -136,6 +173,61 @@ class Keys:
     def queue_depth(self) -> str:
         """Counter of jobs in `queued`."""
         return f"{self.ns}:queue_depth"
+
+    @property
+    def owner_queued(self) -> str:
+        """Hash: owner (API key id) -> its jobs in `queued`; an owner at 0 has no field."""
+        return f"{self.ns}:owner_queued"
+
+    @property
+    def owner_running(self) -> str:
+        """Hash: owner (API key id) -> its jobs in `running`; an owner at 0 has no field."""
+        return f"{self.ns}:owner_running"
+
+    # --- operator controls -----------------------------------------------------------------------
+    @property
+    def paused_queues(self) -> str:
+        """Hash: queue (`<lane>.<pipeline>`) -> when and by whom it was paused (JSON); no TTL."""
+        return f"{self.ns}:paused_queues"
+
+    @property
+    def drain_requests(self) -> str:
+        """Hash: node id -> the operator's drain request for it (JSON); no TTL."""
+        return f"{self.ns}:drain_requests"
+
+    # --- batches fed from the object store (storage/batch_store.py) ----------------------------
+    # The batch record itself is `batch(batch_id)`; a fed batch adds its own fields to it
+    # (status, cursor, counts of lines ended unfed, ...). These keys expire with it at the end.
+    def batch_feeder(self, batch_id: str) -> str:
+        """String `<token>|<owner>` with the lease TTL: the one feeder of the batch."""
+        return self.batch(batch_id) + ":feeder"
+
+    def batch_open(self, batch_id: str) -> str:
+        """Sorted set of the batch's fed jobs whose result is not written yet, scored by line."""
+        return self.batch(batch_id) + ":open"
+
+    def batch_parts(self, batch_id: str) -> str:
+        """List of the object keys of the batch's committed result parts, in order."""
+        return self.batch(batch_id) + ":parts"
+
+    @property
+    def active_batches(self) -> str:
+        """Sorted set of batch ids still being fed or finished, scored by batch sequence."""
+        return f"{self.ns}:batches:active"
+
+    @property
+    def batch_list(self) -> str:
+        """Sorted set of every fed batch's id, scored by batch sequence (newest last)."""
+        return f"{self.ns}:batches:all"
+
+    def batch_owner_list(self, owner: str) -> str:
+        """Sorted set per owner (API key id) of its batch ids, scored by batch sequence."""
+        return f"{self.ns}:batches:owner:{owner}"
+
+    @property
+    def batch_seq(self) -> str:
+        """Counter giving each fed batch a unique sequence number (index score)."""
+        return f"{self.ns}:batches:seq"
 
     # --- nodes ---------------------------------------------------------------------------------
     @property

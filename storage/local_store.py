@@ -127,4 +127,5 @@ class LocalObjectStore:
 
     def url(self, key: str, expires_s: int | None = None) -> str:
         """`file://` URL of the object (`expires_s` does not apply)."""
+        del expires_s  # the ObjectStore signature; a file URL does not expire
         return self._path(key).as_uri()

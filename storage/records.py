@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.storage.keys import valid_id
+from kiln.storage.keys import valid_id, valid_queue
 from kiln.storage.states import JobState
 
 
@@ -22,12 +22,17 @@ class NewJob:
     idempotency_key: str | None = None
     fingerprint: str | None = None
     lane: str = "interactive"
+    # the queue it waits in (`<lane>.<pipeline>`): its place in that queue's index, the per-queue
+    # completion window of its runs; None: no queue index entry (positions unknown)
+    queue: str | None = None
 
     def __post_init__(self) -> None:
         if not valid_id(self.id):
             raise ValueError(f"invalid job id {self.id!r}")
         if self.batch_id is not None and not valid_id(self.batch_id):
             raise ValueError(f"invalid batch id {self.batch_id!r}")
+        if self.queue is not None and not valid_queue(self.queue):
+            raise ValueError(f"invalid queue {self.queue!r}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class JobRecord:
     batch_id: str | None
     metadata: dict[str, str]
     published: bool
+    queue: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ def job_from_hash(data: dict[str, str]) -> JobRecord:
         batch_id=data.get("batch_id") or None,
         metadata=json.loads(data.get("metadata", "{}")),
         published=data.get("published") == "1",
+        queue=data.get("queue") or None,
     )
 
 

@@ -50,6 +50,13 @@ ScriptName = Literal[
     "prune_indexes",
     "apikey_create",
     "apikey_revoke",
+    "queue_snapshot",
+    "batch_submit",
+    "batch_lease",
+    "batch_fed",
+    "batch_reported",
+    "batch_stop",
+    "batch_finish",
 ]
 SCRIPT_NAMES: tuple[ScriptName, ...] = get_args(ScriptName)
 PRELUDE = "_prelude"

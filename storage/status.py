@@ -13,6 +13,7 @@ from kiln.storage.delivery import DeliveryOps
 from kiln.storage.leases import LeaseOps
 from kiln.storage.nodes import NodeOps
 from kiln.storage.queries import QueryOps
+from kiln.storage.queues import QueueOps
 from kiln.storage.records import BatchRecord, JobEvent, JobRecord, NewJob
 from kiln.storage.settings import StorageSettings
 from kiln.storage.states import TERMINAL_STATES, TRANSITIONS, JobState
@@ -33,7 +34,15 @@ __all__ = [
 
 
 class JobStore(
-    CreationOps, TransitionOps, LeaseOps, QueryOps, BatchOps, DeliveryOps, NodeOps, StoreBase
+    CreationOps,
+    TransitionOps,
+    LeaseOps,
+    QueryOps,
+    QueueOps,
+    BatchOps,
+    DeliveryOps,
+    NodeOps,
+    StoreBase,
 ):
     """Every Redis read and write of Kiln's job state goes through here."""
 

@@ -17,11 +17,15 @@ _FAIL = edge_sources((Q, R), JobState.FAILED)
 _REQUEUE = edge_sources((R,), Q)
 _FINISH_CANCELED = edge_sources((R,), JobState.CANCELED)
 _EXPIRE = edge_sources((Q,), JobState.EXPIRED)
+_CANCEL_QUEUED = edge_sources((Q,), JobState.CANCELED)
 # the scripts that hard-code a transition: cancel.lua (queued -> canceled), reap.lua (running ->
 # queued or canceled); checked here so a change of the table cannot silently diverge from them
 edge_sources((Q,), JobState.CANCELED)
 edge_sources((R,), Q)
 edge_sources((R,), JobState.CANCELED)
+# how far back a queue's completion window reaches (s): its runs finished in that time give the
+# queue's recent completion rate (storage.queues reads it)
+COMPLETION_WINDOW_S = 600
 
 
 class TransitionOps(StoreBase):
@@ -40,6 +44,9 @@ class TransitionOps(StoreBase):
             k.unpublished,
             k.queue_depth,
             k.retired,
+            k.creation_seq,
+            k.owner_queued,
+            k.owner_running,
         ]
 
     def _machine_settings(self) -> list[str | int]:
@@ -50,8 +57,11 @@ class TransitionOps(StoreBase):
             k.batch_prefix,
             k.batch_index_prefix,
             k.idempotency_prefix,
+            k.queue_index_prefix,
+            k.completions_prefix,
             self.settings.event_stream_maxlen,
             self.settings.retention_s,
+            COMPLETION_WINDOW_S,
         ]
 
     def _transition(
@@ -65,6 +75,7 @@ class TransitionOps(StoreBase):
         payload: dict[str, Any],
         fields: dict[str, str] | None = None,
         honor_cancel: bool = False,
+        running_cap: int | None = None,
     ) -> JobRecord:
         self._require_id(job_id)
         flat = [item for pair in (fields or {}).items() for item in pair]
@@ -76,17 +87,34 @@ class TransitionOps(StoreBase):
             str(token or 0),
             dumps(payload),
             "1" if honor_cancel else "0",
+            "" if running_cap is None else str(running_cap),
         ]
         keys = self._machine_keys(job_id)
         reply = self._run("transition", keys, [*args, *self._machine_settings(), *flat])
         return self._record(job_id, reply)
 
     @redis_boundary
-    def start(self, job_id: str, lease_token: int, node_id: str | None = None) -> JobRecord:
-        """queued → running (fenced): sets started_at, attempts + 1; the event names the node."""
+    def start(
+        self,
+        job_id: str,
+        lease_token: int,
+        node_id: str | None = None,
+        running_cap: int | None = None,
+    ) -> JobRecord:
+        """Queued → running (fenced): sets started_at, attempts + 1; the event names the node.
+
+        With `running_cap`, QuotaExceeded (nothing written) while the job's owner has that many
+        running jobs already: checked and counted in the same step, so the cap holds across nodes.
+        """
         payload = {"node_id": node_id} if node_id else {}
         return self._transition(
-            job_id, _START, R, fence="token", token=lease_token, payload=payload
+            job_id,
+            _START,
+            R,
+            fence="token",
+            token=lease_token,
+            payload=payload,
+            running_cap=running_cap,
         )
 
     @redis_boundary
@@ -104,7 +132,7 @@ class TransitionOps(StoreBase):
     def succeed(
         self, job_id: str, lease_token: int, outputs: list[dict[str, Any]], metrics: dict[str, Any]
     ) -> JobRecord:
-        """running → succeeded (fenced) with the verified outputs and the run's metrics."""
+        """Running → succeeded (fenced) with the verified outputs and the run's metrics."""
         return self._transition(
             job_id,
             _SUCCEED,
@@ -139,7 +167,7 @@ class TransitionOps(StoreBase):
 
     @redis_boundary
     def requeue(self, job_id: str, lease_token: int, error: dict[str, Any]) -> JobRecord:
-        """running → queued for a retry (fenced); → canceled instead if a cancel is pending.
+        """Running → queued for a retry (fenced); → canceled instead if a cancel is pending.
 
         The job is marked unpublished: the caller publishes it again and calls mark_published.
         """
@@ -162,8 +190,23 @@ class TransitionOps(StoreBase):
         return self._record(job_id, self._run("cancel", self._machine_keys(job_id), args))
 
     @redis_boundary
+    def cancel_queued(self, job_id: str, reason: str) -> JobRecord:
+        """Queued → canceled with the event payload `{reason}`; IllegalTransition otherwise.
+
+        Unlike `cancel`, a running job is left alone (no cancel flag is set).
+        """
+        return self._transition(
+            job_id,
+            _CANCEL_QUEUED,
+            JobState.CANCELED,
+            fence="none",
+            token=None,
+            payload={"reason": reason},
+        )
+
+    @redis_boundary
     def finish_canceled(self, job_id: str, lease_token: int) -> JobRecord:
-        """running → canceled (fenced), once the worker has stopped the job."""
+        """Running → canceled (fenced), once the worker has stopped the job."""
         return self._transition(
             job_id,
             _FINISH_CANCELED,
@@ -175,14 +218,14 @@ class TransitionOps(StoreBase):
 
     @redis_boundary
     def expire(self, job_id: str) -> JobRecord:
-        """queued → expired (its start_by deadline passed)."""
+        """Queued → expired (its start_by deadline passed)."""
         return self._transition(
             job_id, _EXPIRE, JobState.EXPIRED, fence="none", token=None, payload={}
         )
 
     @redis_boundary
     def reap(self, job_id: str) -> bool:
-        """running → queued if its lease is gone (→ canceled if a cancel is pending); True if so.
+        """Running → queued if its lease is gone (→ canceled if a cancel is pending); True if so.
 
         The job is marked unpublished: the caller publishes it again and calls mark_published.
         """

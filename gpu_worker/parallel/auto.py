@@ -1,5 +1,4 @@
-"""The `auto` choice, made per forward: an even row split, else context parallel, else an
-uneven row split.
+"""The `auto` choice, made per forward: even row split, else context parallel, else uneven rows.
 
 An even row split needs one all-gather and no attention traffic. Context parallel needs a plan
 the ranks can run (on CPU: Ulysses, heads divisible by the ranks) and a sequence that divides by

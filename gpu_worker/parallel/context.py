@@ -59,11 +59,11 @@ class ContextSwitch:
         self.on = on
 
 
-def _pass_inputs(module: Any, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _pass_inputs(_module: Any, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return args, kwargs
 
 
-def _pass_output(module: Any, output: Any) -> Any:
+def _pass_output(_module: Any, output: Any) -> Any:
     return output
 
 

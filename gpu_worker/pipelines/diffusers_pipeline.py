@@ -6,8 +6,8 @@ huggingface_hub itself, so a worker that must not touch the network sets it in i
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,8 +15,21 @@ import torch
 from diffusers import DiffusionPipeline
 
 from kiln.gpu_worker.errors import JobFailed, UnsupportedRequest
+from kiln.gpu_worker.inputs import (
+    InputSchema,
+    InputValue,
+    extra_input_names,
+    extra_inputs_refusal,
+)
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.pipelines.base import StepCallback
+from kiln.gpu_worker.pipelines.diffusers_inputs import (
+    SCHEDULER_INPUT,
+    call_parameters,
+    compatible_schedulers,
+    derive_input_schema,
+    quiet_diffusers,
+)
 from kiln.gpu_worker.pipelines.diffusers_limits import derive_limits
 from kiln.gpu_worker.protocol import GenerationRequest
 
@@ -42,7 +55,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
     """Float pixels in [0, 1] to uint8, rounding like diffusers' own `numpy_to_pil`."""
-    return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    scaled: np.ndarray = np.clip(frames, 0.0, 1.0) * 255.0
+    return scaled.round().astype(np.uint8)
 
 
 class DiffusersPipeline:
@@ -58,11 +72,16 @@ class DiffusersPipeline:
         self.pipe: Any = pipe  # diffusers' pipelines are dynamically typed
         self.device = device
         self.name = name
-        parameters = inspect.signature(type(pipe).__call__).parameters
+        parameters = call_parameters(type(pipe))
         self._call_params = frozenset(parameters)
         self._call_defaults = {n: p.default for n, p in parameters.items()}
         self.is_video = "num_frames" in self._call_params
         self._limits = limits
+        self._parameters = dict(parameters)
+        self._default_scheduler: Any = getattr(pipe, "scheduler", None)
+        self._scheduler_classes: dict[str, Any] | None = None  # found on first use
+        self._schedulers: dict[str, Any] = {}  # built from the default's config, kept
+        self._schema: InputSchema | None = None
 
     @classmethod
     def load(
@@ -101,8 +120,35 @@ class DiffusersPipeline:
             denoiser=self.denoiser(),
         )
 
+    def input_schema(self) -> InputSchema:
+        """What this pipeline takes, derived from its `__call__` (see `diffusers_inputs`)."""
+        if self._schema is None:
+            self._schema = derive_input_schema(
+                self.pipe,
+                self._parameters,
+                self.limits(),
+                title=f"{self.name} inputs",
+                is_video=self.is_video,
+                schedulers=list(self._compatible_schedulers()),
+            )
+        return self._schema
+
+    def _compatible_schedulers(self) -> dict[str, Any]:
+        if self._scheduler_classes is None:
+            self._scheduler_classes = compatible_schedulers(self._default_scheduler)
+        return self._scheduler_classes
+
     def validate(self, request: GenerationRequest) -> None:
         """Raise `UnsupportedRequest` naming the field the pipeline cannot serve as asked."""
+        refusal = extra_inputs_refusal(self.name, self.input_schema(), request.extra_inputs)
+        if refusal is not None:
+            raise UnsupportedRequest(refusal)
+        scheduler = request.extra_inputs.get(SCHEDULER_INPUT)
+        if scheduler is not None and scheduler not in self._compatible_schedulers():
+            raise UnsupportedRequest(
+                f"inputs.{SCHEDULER_INPUT}: {scheduler!r} is not one of "
+                f"{sorted(self._compatible_schedulers())}"
+            )
         if request.steps < 1:
             raise UnsupportedRequest(f"steps: must be at least 1, got {request.steps}")
         if request.num_outputs < 1:
@@ -165,7 +211,7 @@ class DiffusersPipeline:
         for request in requests:  # never let diffusers silently round a size or frame count
             self.validate(request)
         kwargs = self._call_kwargs(requests, on_step_end)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._scheduler(requests[0].extra_inputs):
             result = self.pipe(**kwargs)
         frames = self._frames_of(result, requests[0])
         outputs: list[list[np.ndarray]] = []
@@ -205,8 +251,45 @@ class DiffusersPipeline:
             kwargs["guidance_scale"] = first.guidance_scale
         if self.is_video:
             kwargs["num_frames"] = first.num_frames
+        kwargs.update(self._extra_kwargs(first.extra_inputs))
         kwargs.update(self._callback_kwargs(first.steps, on_step_end))
         return kwargs
+
+    def _extra_kwargs(self, extra_inputs: Mapping[str, InputValue]) -> dict[str, Any]:
+        """The request's extra inputs as call arguments: only names the schema declares."""
+        schema = self.input_schema()
+        allowed = extra_input_names(schema) - {SCHEDULER_INPUT}
+        kwargs: dict[str, Any] = {}
+        for name, value in extra_inputs.items():
+            if name not in allowed:
+                continue  # `scheduler` is applied around the call; validate refused the rest
+            kind = schema["properties"][name].get("type")
+            # JSON has one kind of number: an integer parameter gets an int, a number a float.
+            if kind == "integer" and isinstance(value, float) and value.is_integer():
+                value = int(value)
+            elif kind == "number" and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            kwargs[name] = value
+        return kwargs
+
+    @contextlib.contextmanager
+    def _scheduler(self, extra_inputs: Mapping[str, InputValue]) -> Iterator[None]:
+        """Swap in the scheduler a batch asks for (built once, from the default's config)."""
+        wanted = extra_inputs.get(SCHEDULER_INPUT)
+        if wanted is None or wanted == type(self._default_scheduler).__name__:
+            yield
+            return
+        scheduler = self._schedulers.get(str(wanted))
+        if scheduler is None:
+            cls = self._compatible_schedulers()[str(wanted)]
+            with quiet_diffusers():
+                scheduler = cls.from_config(self._default_scheduler.config)
+            self._schedulers[str(wanted)] = scheduler
+        self.pipe.scheduler = scheduler
+        try:
+            yield
+        finally:
+            self.pipe.scheduler = self._default_scheduler
 
     def _callback_kwargs(self, steps: int, on_step_end: StepCallback) -> dict[str, Any]:
         def total() -> int:
@@ -216,7 +299,7 @@ class DiffusersPipeline:
         if "callback_on_step_end" in self._call_params:
             # An exception raised here (StopDenoising) leaves the denoising loop at once.
             def on_step(
-                pipe: Any, step_index: int, timestep: Any, tensors: dict[str, Any]
+                _pipe: Any, step_index: int, _timestep: Any, tensors: dict[str, Any]
             ) -> dict[str, Any]:
                 on_step_end(step_index + 1, total())
                 return tensors
@@ -224,7 +307,7 @@ class DiffusersPipeline:
             return {"callback_on_step_end": on_step}
         if "callback" in self._call_params and "callback_steps" in self._call_params:
 
-            def legacy(step_index: int, timestep: Any, latents: Any) -> None:
+            def legacy(step_index: int, _timestep: Any, _latents: Any) -> None:
                 on_step_end(step_index + 1, total())
 
             return {"callback": legacy, "callback_steps": 1}

@@ -32,7 +32,7 @@ def tiny_vocab_and_merges() -> tuple[dict[str, int], list[str]]:
         tokens += [char, char + END_OF_WORD]
     merges: list[str] = []
     for word in WORDS:
-        symbols = list(word[:-1]) + [word[-1] + END_OF_WORD]
+        symbols = [*word[:-1], word[-1] + END_OF_WORD]
         merged = symbols[0]
         for symbol in symbols[1:]:
             merge = f"{merged} {symbol}"

@@ -11,7 +11,9 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from kiln.gpu_worker.inputs import declared_input_schema
 from kiln.gpu_worker.limits import declared_limits
+from kiln.gpu_worker.logs import configure_rank_logging
 from kiln.gpu_worker.protocol import FailureKind, RankFailed, RankFault, RankReady
 from kiln.gpu_worker.ranks.follower import follow
 from kiln.gpu_worker.ranks.leader import LeaderLink, lead
@@ -38,6 +40,7 @@ class RankPipes:
 
 def rank_main(args: RankArgs, pipes: RankPipes) -> None:
     """Entry point of a rank process (the `spawn` target)."""
+    configure_rank_logging(args.log_format, args.log_level, node_id=args.node_name, rank=args.rank)
     title = process_title(args.node_name, args.rank, args.world_size, args.device)
     prepare_rank_process(
         title=title, parent_pid=args.parent_pid, death_pipe=pipes.death, threads=args.threads
@@ -45,13 +48,16 @@ def rank_main(args: RankArgs, pipes: RankPipes) -> None:
     try:
         runtime = start_rank(args)
         limits = {name: declared_limits(pipeline) for name, pipeline in runtime.pipelines.items()}
+        schemas = {name: declared_input_schema(p) for name, p in runtime.pipelines.items()}
+        inputs = {name: schema for name, schema in schemas.items() if schema is not None}
     except BaseException:
         send_quietly(pipes.status, RankFailed(args.rank, traceback.format_exc()))
         exit_rank(1)
-    pipes.status.send(RankReady(args.rank, os.getpid(), limits))
+    pipes.status.send(RankReady(args.rank, os.getpid(), limits, inputs))
     try:
         if args.rank == 0:
-            assert pipes.commands is not None and pipes.results is not None
+            assert pipes.commands is not None
+            assert pipes.results is not None
             link = LeaderLink(pipes.commands, pipes.results, args.verdict_wait_s)
             lead(runtime, link, pipes.status)
         else:

@@ -1,5 +1,8 @@
-"""What the ranks other than 0 (the followers) do: sleep in the relay broadcast, run what rank 0
-sends, and take rank 0's stop decision after every step."""
+"""What the ranks other than 0 (the followers) do.
+
+They sleep in the relay broadcast, run what rank 0 sends, and take rank 0's stop decision after
+every step.
+"""
 
 from __future__ import annotations
 

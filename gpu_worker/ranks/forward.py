@@ -1,5 +1,4 @@
-"""One forward on one rank, alike on every rank: the per-step stop decision, failure
-classification, the outcome.
+"""One forward on one rank, alike on every rank: stop decisions, failure classes, the outcome.
 
 Rank 0 decides after every step whether each request of the batch stops (`StopDecision`, see
 `ranks.leader.LeaderLink.decide_stops`), and broadcasts that one decision; every rank raises
@@ -9,6 +8,7 @@ Rank 0 decides after every step whether each request of the batch stops (`StopDe
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -19,11 +19,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kiln.gpu_worker.logs import forward_fields
 from kiln.gpu_worker.memory import PeakMemory
 from kiln.gpu_worker.pipelines.base import Pipeline, StopDenoising
 from kiln.gpu_worker.protocol import FailureKind, RankFault, RankOutcome, RunBatch
 from kiln.gpu_worker.ranks.process import send_quietly
 from kiln.gpu_worker.ranks.start import RankRuntime
+
+logger = logging.getLogger(__name__)
 
 # Rank 0 only: (step, total) -> ids of the requests to stop at the end of this step.
 StopDecision = Callable[[int, int], frozenset[str]]
@@ -43,6 +46,7 @@ class StepSync:
         self.stopped: frozenset[str] = frozenset()
 
     def __call__(self, step: int, total: int) -> None:
+        """Take the stop decision for `step`; raises StopDenoising once every request stopped."""
         self.steps_run += 1
         flags = torch.zeros(len(self._ids), dtype=torch.uint8)
         if self._decide is not None:
@@ -71,13 +75,30 @@ def forward_batch(
 ) -> ForwardResult:
     """Run the batch on this rank; a failure here is also told to the group's owner at once."""
     pipeline = runtime.pipelines[batch.requests[0].pipeline]
-    result = run_forward(pipeline, batch, sync, runtime.args.rank, runtime.device)
-    outcome = result.outcome
-    if outcome.kind is not None:
-        # Tell the owner at once: if the other ranks did not fail alike, rank 0 may never get
-        # to report, and the coordinator would otherwise only learn of it from a timeout.
-        notice = RankFault(outcome.rank, batch.batch_id, outcome.kind, outcome.message, False)
-        send_quietly(status, notice)
+    level = logging.INFO if runtime.args.rank == 0 else logging.DEBUG  # one line per forward
+    with forward_fields(batch.batch_id, [request.request_id for request in batch.requests]):
+        logger.log(
+            level,
+            "forward %d: %d request(s) on %s",
+            batch.batch_id,
+            len(batch.requests),
+            batch.requests[0].pipeline,
+        )
+        result = run_forward(pipeline, batch, sync, runtime.args.rank, runtime.device)
+        outcome = result.outcome
+        logger.log(
+            level,
+            "forward %d %s after %d step(s) in %.2f s",
+            batch.batch_id,
+            outcome.status,
+            outcome.steps_run,
+            result.run_s,
+        )
+        if outcome.kind is not None:
+            # Tell the owner at once: if the other ranks did not fail alike, rank 0 may never
+            # get to report, and the coordinator would otherwise only learn of it from a timeout.
+            notice = RankFault(outcome.rank, batch.batch_id, outcome.kind, outcome.message, False)
+            send_quietly(status, notice)
     return result
 
 

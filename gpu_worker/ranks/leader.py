@@ -1,5 +1,7 @@
-"""Everything only rank 0 (the leader) does: the coordinator's commands in, batches relayed to the
-followers, the per-step report and stop decision, the batch's results out.
+"""Everything only rank 0 (the leader) does.
+
+The coordinator's commands in, batches relayed to the followers, the per-step report and stop
+decision, the batch's results out.
 
 Rank 0 never waits on a user callback: it sends `StepDone(k)` and, at the end of step k+1, takes
 the coordinator's `StopVerdict` for step k (waiting for it only if the coordinator is more than a
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection
 
 from kiln.gpu_worker.errors import UnsupportedRequest
+from kiln.gpu_worker.inputs import declared_input_schema, extra_inputs_refusal
 from kiln.gpu_worker.pipelines import Pipeline
 from kiln.gpu_worker.protocol import (
     BatchDone,
@@ -144,6 +147,11 @@ def _refusal(request: GenerationRequest, pipelines: Mapping[str, Pipeline]) -> s
     if pipeline is None:
         return f"pipeline: this group serves {sorted(pipelines)}, not {request.pipeline!r}"
     try:
+        if request.extra_inputs:  # only what the pipeline declares is ever passed to it
+            schema = declared_input_schema(pipeline)
+            refusal = extra_inputs_refusal(request.pipeline, schema, request.extra_inputs)
+            if refusal is not None:
+                return refusal
         pipeline.validate(request)
     except UnsupportedRequest as exc:
         return str(exc)

@@ -1,5 +1,7 @@
-"""The OS side of a rank process: it dies with its parent, names itself, takes its share of cores,
-tells its parent what it can while the parent lives, and exits without blocking.
+"""The OS side of a rank process.
+
+It dies with its parent, names itself, takes its share of cores, tells its parent what it can
+while the parent lives, and exits without blocking.
 
 Two independent ways to notice the parent's death, because either alone has a gap:
 PR_SET_PDEATHSIG fires when the *thread* that spawned us exits (Linux only), and the death pipe

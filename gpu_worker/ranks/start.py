@@ -1,5 +1,4 @@
-"""Starting a rank, alike on every rank: join the group, load and parallelise every pipeline,
-warm each one up.
+"""Starting a rank, alike on every rank: join, load and parallelise every pipeline, warm up.
 
 Besides the default process group (the tensor collectives: gloo on CPU, nccl on CUDA), a group of
 several ranks opens two gloo CPU groups: the idle group, whose timeout is effectively infinite so
@@ -47,6 +46,8 @@ class RankArgs:
     verdict_wait_s: float
     warmup: bool
     settings: GpuWorkerSettings | None = None
+    log_format: str = "text"
+    log_level: str = "INFO"
 
 
 @dataclass
@@ -115,6 +116,6 @@ def warm_up(name: str, pipeline: Pipeline) -> None:
             pipeline.validate(request)
         except UnsupportedRequest:
             continue
-        pipeline.run([request], lambda step, total: None)
+        pipeline.run([request], lambda _step, _total: None)
         return
     logger.info("pipeline %s accepts no small warm-up request; not warmed up", name)

@@ -5,10 +5,17 @@
 --     and webhook attempts;
 --   m.running, m.unpublished, m.depth, m.retired: the namespace's running set, unpublished set,
 --     queue depth counter and retired set;
---   m.state_index_prefix, m.batch_prefix, m.batch_index_prefix, m.idem_prefix: prefixes from
---     storage/keys.py, completed here with the state, batch id and idempotency key read from the
---     record: the caller does not know them before the script runs, so it cannot name the keys;
---   m.maxlen: events kept per job; m.retention: seconds a finished job's keys are kept.
+--   m.seq, m.owner_queued, m.owner_running: the creation sequence (a job entering `queued` draws
+--     its queue index score from it) and the per-owner counts of queued and running jobs;
+--   m.state_index_prefix, m.batch_prefix, m.batch_index_prefix, m.idem_prefix,
+--     m.queue_index_prefix, m.completions_prefix: prefixes from storage/keys.py, completed here
+--     with the state, batch id, idempotency key and queue read from the record: the caller does
+--     not know them before the script runs, so it cannot name the keys;
+--   m.maxlen: events kept per job; m.retention: seconds a finished job's keys are kept;
+--   m.window: seconds of finished runs a queue's completion window keeps.
+
+-- finished runs kept per queue's completion window, at most (the rate needs no more)
+local COMPLETIONS_KEPT = 1000
 
 local function move_batch(m, job, target)
   if job.batch == '' then return end
@@ -25,17 +32,47 @@ local function move_batch(m, job, target)
   end
 end
 
+-- the job's queue index: left when it leaves `queued`, entered (at the back) when it returns
+local function move_queue_entry(m, job, target)
+  if job.queue == '' then return end
+  local index = m.queue_index_prefix .. job.queue
+  if job.state == 'queued' then redis.call('ZREM', index, job.id) end
+  if target == 'queued' then redis.call('ZADD', index, redis.call('INCR', m.seq), job.id) end
+end
+
 local function move_counters(m, job, target)
   redis.call('ZREM', m.state_index_prefix .. job.state, job.id)
   redis.call('ZADD', m.state_index_prefix .. target, job.cseq, job.id)
-  if job.state == 'queued' then redis.call('DECR', m.depth) end
-  if target == 'queued' then redis.call('INCR', m.depth) end
+  if job.state == 'queued' then
+    redis.call('DECR', m.depth)
+    owner_count_add(m.owner_queued, job.job_owner, -1)
+  end
+  if target == 'queued' then
+    redis.call('INCR', m.depth)
+    owner_count_add(m.owner_queued, job.job_owner, 1)
+  end
+  if job.state == 'running' then owner_count_add(m.owner_running, job.job_owner, -1) end
+  if target == 'running' then owner_count_add(m.owner_running, job.job_owner, 1) end
+  move_queue_entry(m, job, target)
   move_batch(m, job, target)
+end
+
+-- a run ended for good: note it in its queue's completion window (the queue's recent rate)
+local function record_completion(m, job, now_ms)
+  if job.queue == '' then return end
+  local key = m.completions_prefix .. job.queue
+  local started = tonumber(redis.call('HGET', m.job, 'started_at') or '0') or 0
+  local window_ms = tonumber(m.window) * 1000
+  redis.call('ZADD', key, now_ms, job.id .. '@' .. math.floor(started * 1000))
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now_ms - window_ms)
+  redis.call('ZREMRANGEBYRANK', key, 0, -(COMPLETIONS_KEPT + 1))
+  redis.call('PEXPIRE', key, window_ms)
 end
 
 -- after this, only retention keeps the record: no lease, no flag, out of live indexes; its
 -- index entries are listed in m.retired for removal once the record has expired
-local function finish(m, job, time, target)
+local function finish(m, job, time, now_ms, target)
+  if job.state == 'running' then record_completion(m, job, now_ms) end
   redis.call('HSET', m.job, 'finished_at', time, 'lease_token', '0')
   redis.call('DEL', m.lease, m.cancel)
   redis.call('ZREM', m.running, job.id)
@@ -74,7 +111,7 @@ local function transition(m, job, target, payload, fields)
   redis.call('HSET', m.job, 'state', target)
   if target == 'running' then payload = enter_running(m, job, time, now_ms, payload)
   elseif target == 'queued' then enter_queued(m, job, time)
-  elseif TERMINAL[target] then finish(m, job, time, target) end
+  elseif TERMINAL[target] then finish(m, job, time, now_ms, target) end
   move_counters(m, job, target)
   append_event(m.job, m.events, m.maxlen, target, time, payload)
 end

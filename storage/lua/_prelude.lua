@@ -17,10 +17,10 @@ end
 -- the fields of a job record that state changes need, read once; KILN_NOTFOUND without a record
 local function load_job(job_key, id)
   local v = redis.call('HMGET', job_key, 'state', 'lease_token', 'batch_id', 'created_seq',
-    'idempotency_key', 'lease_owner', 'owner')
+    'idempotency_key', 'lease_owner', 'owner', 'queue')
   if not v[1] then raise('NOTFOUND', id) end
   return {id = id, state = v[1], token = v[2] or '0', batch = v[3] or '', cseq = v[4],
-    idem = v[5] or '', owner = v[6] or '', job_owner = v[7] or ''}
+    idem = v[5] or '', owner = v[6] or '', job_owner = v[7] or '', queue = v[8] or ''}
 end
 
 -- lease fencing: 'token' needs the job's current token, 'not_running' refuses a running job,
@@ -31,6 +31,18 @@ local function check_fence(job, mode, token)
   elseif mode == 'not_running' and job.state == 'running' then
     raise('STALE', job.id .. ' none')
   end
+end
+
+-- per-owner counters (a hash: owner -> count): jobs without an owner are not counted, and an
+-- owner whose count reaches 0 leaves the hash (records written before the counters existed can
+-- only take a count down to 0, never below)
+local function owner_count_add(hash_key, owner, n)
+  if owner == '' or n == 0 then return end
+  if redis.call('HINCRBY', hash_key, owner, n) <= 0 then redis.call('HDEL', hash_key, owner) end
+end
+
+local function owner_count(hash_key, owner)
+  return tonumber(redis.call('HGET', hash_key, owner) or '0')
 end
 
 -- append an event under the record's next seq (entry id `<seq>-0`, no gaps); returns the seq

@@ -1,18 +1,21 @@
 -- create: write one job as queued (its first event, indexes, counters), unless it exists: same
 -- id, or an idempotency key bound to the same fingerprint. Returns {1 created or 0 existing,
--- the record as a flat HGETALL}. Errors: CONFLICT (key bound to another fingerprint), NOBATCH.
+-- the record as a flat HGETALL}. Errors: CONFLICT (key bound to another fingerprint), NOBATCH,
+-- QUOTA (the owner has `max queued` queued jobs already; an existing job is still returned).
 -- include: _create
 -- KEYS[1] = index of every job (zset)
 -- KEYS[2] = index of queued jobs (zset)
 -- KEYS[3] = unpublished jobs (zset)
 -- KEYS[4] = queue depth (counter)
 -- KEYS[5] = creation sequence (counter)
--- KEYS[6] = job record (hash)
--- KEYS[7] = job events (stream)
--- KEYS[8] = idempotency entry (hash; '' without a key)
--- KEYS[9] = batch record (hash; '' without a batch)
--- KEYS[10] = batch index (zset; '' without a batch)
--- KEYS[11] = owner index (zset; '' without an owner)
+-- KEYS[6] = queued jobs per owner (hash)
+-- KEYS[7] = job record (hash)
+-- KEYS[8] = job events (stream)
+-- KEYS[9] = idempotency entry (hash; '' without a key)
+-- KEYS[10] = batch record (hash; '' without a batch)
+-- KEYS[11] = batch index (zset; '' without a batch)
+-- KEYS[12] = owner index (zset; '' without an owner)
+-- KEYS[13] = queue index (zset; '' without a queue)
 -- ARGV[1] = job id
 -- ARGV[2] = request (JSON)
 -- ARGV[3] = lane
@@ -21,16 +24,20 @@
 -- ARGV[6] = metadata (JSON)
 -- ARGV[7] = idempotency key ('' for none)
 -- ARGV[8] = request fingerprint ('' without an idempotency key)
--- ARGV[9] = job record prefix
--- ARGV[10] = events kept per job
-local job = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]}
+-- ARGV[9] = queue: `<lane>.<pipeline>` ('' for none: no queue index entry)
+-- ARGV[10] = job record prefix
+-- ARGV[11] = events kept per job
+-- ARGV[12] = max queued: most queued jobs the owner may have ('' for no cap)
+local job = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}
 local c = {all = KEYS[1], queued = KEYS[2], unpublished = KEYS[3], depth = KEYS[4],
-  seq = KEYS[5], job_prefix = ARGV[9], maxlen = ARGV[10]}
-local jk = {record = KEYS[6], events = KEYS[7], idem = KEYS[8], batch = KEYS[9],
-  batch_index = KEYS[10], owner_index = KEYS[11]}
+  seq = KEYS[5], owner_queued = KEYS[6], job_prefix = ARGV[10], maxlen = ARGV[11],
+  max_queued = ARGV[12]}
+local jk = {record = KEYS[7], events = KEYS[8], idem = KEYS[9], batch = KEYS[10],
+  batch_index = KEYS[11], owner_index = KEYS[12], queue_index = KEYS[13]}
 
 local status, record = create_job(c, jk, job, (clock()), redis.call('INCR', c.seq))
 if status == 'CONFLICT' then raise('CONFLICT', job[7]) end
 if status == 'NOBATCH' then raise('NOBATCH', job[5]) end
+if status == 'QUOTA' then raise('QUOTA', job[4] .. ' queued ' .. c.max_queued) end
 flush_later(c)
 return {status, redis.call('HGETALL', record)}

@@ -1,7 +1,8 @@
 -- transition: move a job along one edge of the state machine (storage/states.py), fenced by its
 -- lease. A pending cancel turns a retry into `canceled` when honor_cancel is '1' (the job would
 -- only be stopped again). Returns the record after the change as a flat HGETALL.
--- Errors: NOTFOUND, ILLEGAL (terminal, or not in a source state), STALE (fence).
+-- Errors: NOTFOUND, ILLEGAL (terminal, or not in a source state), STALE (fence), QUOTA (a move
+-- into running while the job's owner has `running cap` running jobs already).
 -- include: _machine
 -- KEYS[1] = job record (hash)
 -- KEYS[2] = job events (stream)
@@ -12,6 +13,9 @@
 -- KEYS[7] = unpublished jobs (zset)
 -- KEYS[8] = queue depth (counter)
 -- KEYS[9] = retired index entries (zset)
+-- KEYS[10] = creation sequence (counter)
+-- KEYS[11] = queued jobs per owner (hash)
+-- KEYS[12] = running jobs per owner (hash)
 -- ARGV[1] = job id
 -- ARGV[2] = sources: accepted states, space separated and padded (' queued running ')
 -- ARGV[3] = target state
@@ -19,26 +23,37 @@
 -- ARGV[5] = lease token (for fence mode token)
 -- ARGV[6] = event payload (JSON)
 -- ARGV[7] = honor_cancel: '1' or '0'
--- ARGV[8] = state index prefix
--- ARGV[9] = batch prefix
--- ARGV[10] = batch index prefix
--- ARGV[11] = idempotency entry prefix
--- ARGV[12] = events kept per job
--- ARGV[13] = retention seconds
--- ARGV[14..] = record fields written with the change: field, value, field, value, ...
+-- ARGV[8] = running cap: most running jobs the job's owner may have ('' for no cap); checked
+--   only by a move into running
+-- ARGV[9] = state index prefix
+-- ARGV[10] = batch prefix
+-- ARGV[11] = batch index prefix
+-- ARGV[12] = idempotency entry prefix
+-- ARGV[13] = queue index prefix
+-- ARGV[14] = completion window prefix
+-- ARGV[15] = events kept per job
+-- ARGV[16] = retention seconds
+-- ARGV[17] = completion window (s)
+-- ARGV[18..] = record fields written with the change: field, value, field, value, ...
 local job_id, sources, target, fence, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local payload, honor_cancel = ARGV[6], ARGV[7]
+local payload, honor_cancel, running_cap = ARGV[6], ARGV[7], ARGV[8]
 local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
-  running = KEYS[6], unpublished = KEYS[7], depth = KEYS[8], retired = KEYS[9],
-  state_index_prefix = ARGV[8], batch_prefix = ARGV[9], batch_index_prefix = ARGV[10],
-  idem_prefix = ARGV[11], maxlen = ARGV[12], retention = ARGV[13]}
-local fields = {unpack(ARGV, 14)}
+  running = KEYS[6], unpublished = KEYS[7], depth = KEYS[8], retired = KEYS[9], seq = KEYS[10],
+  owner_queued = KEYS[11], owner_running = KEYS[12],
+  state_index_prefix = ARGV[9], batch_prefix = ARGV[10], batch_index_prefix = ARGV[11],
+  idem_prefix = ARGV[12], queue_index_prefix = ARGV[13], completions_prefix = ARGV[14],
+  maxlen = ARGV[15], retention = ARGV[16], window = ARGV[17]}
+local fields = {unpack(ARGV, 18)}
 
 local job = load_job(m.job, job_id)
 if TERMINAL[job.state] then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target) end
 check_fence(job, fence, token)
 if not string.find(sources, ' ' .. job.state .. ' ', 1, true) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
+end
+if target == 'running' and running_cap ~= '' and job.job_owner ~= ''
+    and owner_count(m.owner_running, job.job_owner) >= tonumber(running_cap) then
+  raise('QUOTA', job.job_owner .. ' running ' .. running_cap)
 end
 if honor_cancel == '1' and redis.call('EXISTS', m.cancel) == 1 then
   target, payload, fields = 'canceled', cjson.encode({reason = 'cancel_requested'}), {}

@@ -19,13 +19,19 @@ from fastapi.exceptions import RequestValidationError
 
 from kiln.storage.errors import IdempotencyConflict, StorageUnavailable
 from kiln.storage.settings import StorageSettings
+from kiln.tasks.api.admin_routes import router as admin_routes
+from kiln.tasks.api.batch_routes import router as batch_routes
 from kiln.tasks.api.body_limit import BodySizeLimit
 from kiln.tasks.api.context import ApiContext, build_context, check_connection_budget
 from kiln.tasks.api.errors import idempotency_conflict, storage_unavailable, validation_error
 from kiln.tasks.api.event_routes import router as event_routes
 from kiln.tasks.api.http_guard import uvicorn_config
 from kiln.tasks.api.job_routes import router as job_routes
+from kiln.tasks.api.metrics import install_metrics
+from kiln.tasks.api.pipeline_routes import router as pipeline_routes
 from kiln.tasks.api.system_routes import router as system_routes
+from kiln.tasks.contract.batches import BATCHES_PATH
+from kiln.tasks.contract.logs import configure_logging, start_json_logging
 from kiln.tasks.contract.settings import KilnSettings
 
 log = logging.getLogger(__name__)
@@ -47,14 +53,23 @@ def create_app(
         title="Kiln",
         version=API_VERSION,
         description="Durable queue for GPU image and video generation jobs.",
+        # Any route: the server itself refuses a malformed or oversized request line or headers
+        # before routing (api.http_guard), as plain text.
+        responses={400: {"description": "Malformed or oversized request line or headers."}},
     )
     app.state.kiln = ctx
-    for routes in (job_routes, event_routes, system_routes):
+    for routes in (job_routes, event_routes, system_routes, pipeline_routes, batch_routes):
         app.include_router(routes)
+    app.include_router(admin_routes)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StorageUnavailable, storage_unavailable)
     app.add_exception_handler(IdempotencyConflict, idempotency_conflict)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=settings.max_body_bytes,
+        streamed={BATCHES_PATH: settings.max_batch_bytes},  # read as a stream by its route
+    )
+    install_metrics(app, ctx)  # GET /metrics; outermost, so a 413 is counted too
     return app
 
 
@@ -66,9 +81,19 @@ def serve_api(
     **uvicorn_options: Any,
 ) -> None:
     """Run the API under uvicorn until interrupted (what `kiln api` calls)."""
-    app = create_app(settings, storage_settings)
-    if host:
-        uvicorn_options["host"] = host
-    if port is not None:
-        uvicorn_options["port"] = port
-    uvicorn.Server(uvicorn_config(app, settings, **uvicorn_options)).run()
+    # Logging first (KILN_LOG_FORMAT): in JSON, uvicorn's loggers propagate to Kiln's handler.
+    capture = start_json_logging("INFO") if settings.log_format == "json" else None
+    if capture is None:
+        configure_logging("text", "INFO")
+    else:
+        uvicorn_options.setdefault("log_config", None)
+    try:
+        app = create_app(settings, storage_settings)
+        if host:
+            uvicorn_options["host"] = host
+        if port is not None:
+            uvicorn_options["port"] = port
+        uvicorn.Server(uvicorn_config(app, settings, **uvicorn_options)).run()
+    finally:
+        if capture is not None:
+            capture.stop()

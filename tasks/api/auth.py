@@ -32,6 +32,8 @@ class Principal:
     key_id: str | None
     admin: bool
     name: str = ""
+    max_queued: int | None = None  # the key's own caps; None: the server's defaults apply
+    max_running: int | None = None
 
     def may_see(self, owner: str | None) -> bool:
         """Whether this caller may read or cancel a job owned by `owner`."""
@@ -74,7 +76,13 @@ class Authenticator:
         if not self.enabled:
             return ANONYMOUS_ADMIN
         key = self._lookup(bearer_token(authorization))
-        return Principal(key_id=key.id, admin=key.admin, name=key.name)
+        return Principal(
+            key_id=key.id,
+            admin=key.admin,
+            name=key.name,
+            max_queued=key.max_queued,
+            max_running=key.max_running,
+        )
 
     def _lookup(self, token: str) -> ApiKey:
         key = self.keys.lookup(hash_api_key(token, self.pepper))

@@ -10,16 +10,25 @@ serves the next request. `api.http_guard`'s body deadline bounds how long that d
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodySizeLimit:
-    """Refuses bodies over `max_bytes` (declared or streamed) with 413; buffers the rest."""
+    """Refuses bodies over `max_bytes` (declared or streamed) with 413; buffers the rest.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    `streamed` maps paths whose route reads its body as a stream (a batch file: far larger than
+    memory) to their own limit: a larger declared length is a 413 here, and the body passes
+    through unbuffered; the route counts what it reads against the same limit.
+    """
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, streamed: Mapping[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.streamed = dict(streamed or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass through non-HTTP and body-less requests; read and check the body otherwise."""
@@ -27,6 +36,13 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
+        streamed_limit = self.streamed.get(scope.get("path", ""))
+        if streamed_limit is not None:
+            if declared is not None and declared.isdigit() and int(declared) > streamed_limit:
+                await self._too_large(send, streamed_limit)
+                return
+            await self.app(scope, receive, send)
+            return
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._too_large(send)
             return
@@ -48,8 +64,8 @@ class BodySizeLimit:
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _too_large(self, send: Send) -> None:
-        body = json.dumps({"detail": f"request body is over {self.max_bytes} bytes"}).encode()
+    async def _too_large(self, send: Send, limit: int | None = None) -> None:
+        body = json.dumps({"detail": too_large_detail(limit or self.max_bytes)}).encode()
         await send(
             {
                 "type": "http.response.start",
@@ -61,6 +77,11 @@ class BodySizeLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def too_large_detail(limit: int) -> str:
+    """The `detail` of a 413."""
+    return f"request body is over {limit} bytes"
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

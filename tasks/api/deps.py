@@ -99,6 +99,16 @@ def principal(
 
 
 Caller = Annotated[Principal, Depends(principal)]
+
+
+def admin(caller: Caller) -> Principal:
+    """The caller, if it holds an admin key; 403 otherwise."""
+    if not caller.admin:
+        raise HTTPException(403, "only admin API keys may do this")
+    return caller
+
+
+Admin = Annotated[Principal, Depends(admin)]
 JobId = Annotated[str, Path(max_length=128, description="A job id.")]
 AUTH_ERRORS = error_docs(401)
 JOB_ERRORS = error_docs(401, 403, 404)

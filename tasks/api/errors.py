@@ -64,13 +64,13 @@ def safe_json_response(
         return JSONResponse(fallback, status_code=status_code, headers=headers)
 
 
-async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
     """422 in FastAPI's shape, with every echoed input made encodable."""
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
     return safe_json_response({"detail": errors}, 422, _FALLBACK_422)
 
 
-async def storage_unavailable(request: Request, exc: Exception) -> JSONResponse:
+async def storage_unavailable(_request: Request, exc: Exception) -> JSONResponse:
     """503 with a fixed message: the cause (hosts, ports, Redis errors) stays in the log."""
     log.warning("job store unavailable: %s", exc)
     return JSONResponse(
@@ -80,7 +80,7 @@ async def storage_unavailable(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def idempotency_conflict(request: Request, exc: Exception) -> JSONResponse:
+async def idempotency_conflict(_request: Request, _exc: Exception) -> JSONResponse:
     """409: the key was used before with another body."""
     detail = "Idempotency-Key was already used with a different request body"
     return JSONResponse({"detail": detail}, status_code=409)

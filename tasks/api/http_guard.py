@@ -12,18 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kiln.tasks.contract.batches import BATCHES_PATH
 from kiln.tasks.contract.settings import KilnSettings
 
 log = logging.getLogger(__name__)
 REQUEST_TIMEOUT = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 )
+BAD_REQUEST = (
+    b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
+# How long a refused connection is read (and the bytes dropped) after the response went out.
+LINGER_S = 2.0
 
 
 class DeadlineH11Protocol(H11Protocol):
@@ -31,11 +40,14 @@ class DeadlineH11Protocol(H11Protocol):
 
     header_timeout_s = 5.0
     body_timeout_s = 10.0
+    # paths whose body is a large upload read while it streams (a batch file): their own deadline
+    long_body_timeouts: ClassVar[Mapping[str, float]] = MappingProxyType({})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None
+        self._lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Start the header deadline at once: a client that says nothing is cut off too."""
@@ -44,8 +56,26 @@ class DeadlineH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         """Let uvicorn parse, then move the deadline to the request's new phase."""
+        if self._lingering:
+            return  # the rest of a refused request: read and dropped, never parsed
         super().data_received(data)
         self._watch()
+
+    def send_400_response(self, msg: str) -> None:
+        """Refuse a malformed or oversized request line or headers, then close cleanly.
+
+        uvicorn closes at once, while the client may still be sending (a request line longer
+        than h11's buffer, say); the unread bytes make the kernel answer with a reset and the
+        client never sees the 400. Here the response goes out, our side is shut for writing,
+        and what still arrives is read and dropped for a moment before the socket closes.
+        """
+        text = f"{msg} The request line or headers are malformed or too large.".encode()
+        self.transport.write(BAD_REQUEST % (len(text), text))
+        self._disarm()
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def on_response_complete(self) -> None:
         """A pipelined or still-uploading request may be left half-read: watch it."""
@@ -78,9 +108,13 @@ class DeadlineH11Protocol(H11Protocol):
             return  # same phase: the deadline runs on (a trickle must not extend it)
         self._disarm()
         self._phase = phase
+        body_timeout = self.body_timeout_s
+        if phase == "body" and self.cycle is not None:
+            path = str(self.cycle.scope.get("path", ""))
+            body_timeout = self.long_body_timeouts.get(path, body_timeout)
         timeouts = {
             "headers": self.header_timeout_s,
-            "body": self.body_timeout_s,
+            "body": body_timeout,
             "idle": float(self.timeout_keep_alive),
         }
         if phase is not None:
@@ -115,12 +149,13 @@ def deadline_protocol(settings: KilnSettings) -> type[DeadlineH11Protocol]:
         {
             "header_timeout_s": settings.http_header_timeout_s,
             "body_timeout_s": settings.http_body_timeout_s,
+            "long_body_timeouts": MappingProxyType({BATCHES_PATH: settings.batch_body_timeout_s}),
         },
     )
 
 
 def uvicorn_config(app: Any, settings: KilnSettings, **options: Any) -> uvicorn.Config:
-    """uvicorn's configuration for the API: h11 with deadlines, keep-alive from `settings`."""
+    """Uvicorn's configuration for the API: h11 with deadlines, keep-alive from `settings`."""
     options.setdefault("host", settings.api_host)
     options.setdefault("port", settings.api_port)
     return uvicorn.Config(

@@ -8,6 +8,7 @@ from fastapi import Header, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from kiln.storage.errors import QuotaExceeded
 from kiln.storage.keys import valid_id
 from kiln.storage.status import JobRecord
 from kiln.tasks.api.context import ApiContext
@@ -21,7 +22,7 @@ from kiln.tasks.api.deps import (
     field_error,
     visible_job,
 )
-from kiln.tasks.api.limits import refuse_over_limits
+from kiln.tasks.api.limits import refuse_bad_inputs, refuse_over_limits
 from kiln.tasks.contract.responses import (
     CancelResult,
     JobList,
@@ -31,6 +32,8 @@ from kiln.tasks.contract.responses import (
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.states import JobState
 from kiln.tasks.contract.views import JobView, job_view
+from kiln.tasks.queue.positions import queue_estimate
+from kiln.tasks.queue.quotas import effective_cap
 from kiln.tasks.queue.submit import UnknownPipeline
 from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 from kiln.tasks.webhooks.ssrf import UnsafeUrl, check_url
@@ -52,6 +55,7 @@ def _check_request(ctx: ApiContext, request: JobRequest) -> None:
         loc = ("body", "pipeline")
         raise field_error(loc, msg, "unknown_pipeline", request.pipeline, known=known)
     refuse_over_limits(ctx.submitter, request)
+    refuse_bad_inputs(ctx.submitter, request)
     if request.webhook is None:
         return
     url_loc = ("body", "webhook", "url")
@@ -90,10 +94,15 @@ def submit_job(
     _check_request(ctx, body)
     # Keys are scoped to the API key so two callers never share one.
     scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
+    max_queued = effective_cap(caller.max_queued, ctx.settings.max_queued_per_key)
     try:
         record, created = ctx.submitter.submit(
-            body, owner=caller.key_id, idempotency_key=scoped_key
+            body, owner=caller.key_id, idempotency_key=scoped_key, max_queued=max_queued
         )
+    except QuotaExceeded as exc:
+        retry_after = str(ctx.settings.queue_full_retry_after_s)
+        detail = f"this API key has {max_queued} queued jobs, its maximum; retry later"
+        raise HTTPException(429, detail, headers={"Retry-After": retry_after}) from exc
     except UnknownPipeline as exc:
         raise field_error(
             ("body", "pipeline"), str(exc), "unknown_pipeline", exc.name, known=exc.known
@@ -104,14 +113,19 @@ def submit_job(
         errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]
         raise RequestValidationError(errors) from exc
     response.status_code = 201 if created else 200
-    return job_view(record, ctx.objects, ctx.store.served_pipelines())
+    return _full_view(ctx, record)
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=JOB_ERRORS, tags=["jobs"])
 def get_job(ctx: Ctx, caller: Caller, job_id: JobId) -> JobView:
-    """A job's view; output URLs are presigned now."""
+    """A job's view; output URLs are presigned now; a queued job's place in line and ETA."""
     record = visible_job(ctx, caller, job_id)
-    return job_view(record, ctx.objects, ctx.store.served_pipelines())
+    return _full_view(ctx, record)
+
+
+def _full_view(ctx: ApiContext, record: JobRecord) -> JobView:
+    estimate = queue_estimate(ctx.store, record, ctx.settings.bulk_share_every)
+    return job_view(record, ctx.objects, ctx.store.served_pipelines(), estimate)
 
 
 @router.post(

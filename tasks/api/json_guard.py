@@ -1,6 +1,6 @@
-"""Strict JSON request bodies: what Python's `json` accepts but the API cannot use is a 422.
+r"""Strict JSON request bodies: what Python's `json` accepts but the API cannot use is a 422.
 
-`json.loads` takes `NaN`, `Infinity`, `1e999`, lone UTF-16 surrogates (`"\\ud800"`), NUL and
+`json.loads` takes `NaN`, `Infinity`, `1e999`, lone UTF-16 surrogates (`"\ud800"`), NUL and
 integers of any size. None of them can be stored, echoed or sent on as JSON, so `StrictJsonRoute`
 checks a body before FastAPI parses it and names the offending field in FastAPI's 422 shape.
 Errors carry no `input`: the very value is what cannot be encoded.
@@ -57,12 +57,12 @@ def _parse_float(text: str) -> float | _Refused:
     return value if math.isfinite(value) else _NOT_FINITE
 
 
-def _parse_constant(text: str) -> _Refused:
+def _parse_constant(_text: str) -> _Refused:
     return _NOT_FINITE
 
 
 def printable(text: str) -> str:
-    """`text` with each lone surrogate written out as `\\udXXX`, so it encodes (in a `loc`, say)."""
+    r"""`text` with each lone surrogate written out as `\udXXX`, so it encodes (in a `loc`, say)."""
     return _SURROGATE.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
 
 

@@ -1,4 +1,4 @@
-"""The API's refusal of a request over its pipeline's limits: a 422 naming the limit."""
+"""The API's refusal of a request over its pipeline's limits or inputs: a 422 naming the field."""
 
 from __future__ import annotations
 
@@ -16,4 +16,14 @@ def refuse_over_limits(submitter: Submitter, request: JobRequest) -> None:
         loc = ("body", violation.field) if violation.field else ("body",)
         raise field_error(
             loc, violation.message, ERROR_TYPE, violation.value, **violation.context()
+        )
+
+
+def refuse_bad_inputs(submitter: Submitter, request: JobRequest) -> None:
+    """Raise a 422 (loc body.inputs.<name>) when no live node's schema takes `request.inputs`."""
+    violation = submitter.bad_inputs(request)
+    if violation is not None:
+        loc = tuple(str(part) for part in violation.loc(("body",)))
+        raise field_error(
+            loc, violation.message, violation.kind, violation.value, **violation.context()
         )

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any
 
-from fastapi import Query
+from fastapi import Depends, Query
 from fastapi.responses import JSONResponse
 
 from kiln.tasks.api.auth import Principal
-from kiln.tasks.api.deps import AUTH_ERRORS, Caller, Ctx, api_router
+from kiln.tasks.api.deps import AUTH_ERRORS, Caller, Ctx, api_router, principal
 from kiln.tasks.contract.responses import Health, NodeList, PipelineList, Readiness
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,11 @@ router = api_router()
 @router.get("/v1/nodes", response_model=NodeList, responses=AUTH_ERRORS, tags=["operations"])
 def nodes(ctx: Ctx, caller: Caller) -> NodeList:
     """Live worker nodes from their heartbeats; process ids for admin keys only."""
-    return NodeList(nodes=[_node_for(caller, node) for node in ctx.store.live_nodes()])
+    return NodeList(
+        nodes=[_node_for(caller, node) for node in ctx.store.live_nodes()],
+        paused_queues=sorted(ctx.store.paused_queues()),
+        drain_requests=sorted(ctx.store.drain_requests()),
+    )
 
 
 PID_KEYS = frozenset({"pid", "pids"})
@@ -37,8 +41,14 @@ def _node_for(caller: Principal, info: Any) -> Any:
     return info
 
 
-@router.get("/v1/pipelines", response_model=PipelineList, responses=AUTH_ERRORS, tags=["jobs"])
-def pipelines(ctx: Ctx, caller: Caller) -> PipelineList:
+@router.get(
+    "/v1/pipelines",
+    response_model=PipelineList,
+    responses=AUTH_ERRORS,
+    tags=["jobs"],
+    dependencies=[Depends(principal)],  # any valid key; who the caller is does not matter
+)
+def pipelines(ctx: Ctx) -> PipelineList:
     """Pipeline names jobs may name."""
     return PipelineList(pipelines=ctx.submitter.known_pipelines())
 

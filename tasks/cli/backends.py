@@ -12,11 +12,17 @@ from kiln.tasks.contract.views import JobView, job_view
 class JobsBackend(Protocol):
     """The three job operations the CLI needs."""
 
-    def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView: ...
+    def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
+        """Submit a job (once per `idempotency_key`); the job's view."""
+        ...
 
-    def get(self, job_id: str) -> JobView: ...
+    def get(self, job_id: str) -> JobView:
+        """The job's view."""
+        ...
 
-    def cancel(self, job_id: str) -> JobView: ...
+    def cancel(self, job_id: str) -> JobView:
+        """Request the job's cancellation; the job's view after it."""
+        ...
 
 
 class DirectBackend:
@@ -40,8 +46,12 @@ class DirectBackend:
         return job_view(record, self.objects, self.store.served_pipelines())
 
     def get(self, job_id: str) -> JobView:
-        """The job's current view."""
-        return job_view(self.store.get(job_id), self.objects, self.store.served_pipelines())
+        """The job's current view; a queued job's position and expected start."""
+        from kiln.tasks.queue.positions import queue_estimate
+
+        record = self.store.get(job_id)
+        estimate = queue_estimate(self.store, record, self.submitter.settings.bulk_share_every)
+        return job_view(record, self.objects, self.store.served_pipelines(), estimate)
 
     def cancel(self, job_id: str) -> JobView:
         """Cancel (queued: at once; running: at its next step)."""

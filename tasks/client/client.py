@@ -10,8 +10,18 @@ from typing import Any
 
 import httpx
 
+from kiln.tasks.client.batches import BatchCalls
 from kiln.tasks.contract.backoff import doubling_delay
-from kiln.tasks.contract.responses import CancelResult, JobList, WebhookAttempts
+from kiln.tasks.contract.responses import (
+    CancelResult,
+    DrainResult,
+    JobList,
+    PipelineInfo,
+    PurgeResult,
+    QueueControl,
+    QueueList,
+    WebhookAttempts,
+)
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.states import is_terminal
 from kiln.tasks.contract.views import EventView, JobView
@@ -117,8 +127,12 @@ def _raise_for(response: httpx.Response) -> None:
     raise _ERRORS.get(code, ApiError)(code, detail)
 
 
-class KilnClient:
-    """Talks to a Kiln API: `submit`, `get`, `wait`, `cancel`, `events`, `list`, `webhooks`."""
+class KilnClient(BatchCalls):
+    """A Kiln API: `submit`, `get`, `wait`, `cancel`, `events`, `list`, `webhooks`, `pipeline`.
+
+    Batches (`BatchCalls`): `submit_batch`, `get_batch`, `list_batches`, `cancel_batch`,
+    `batch_results`, `wait_batch`.
+    """
 
     def __init__(
         self,
@@ -184,6 +198,10 @@ class KilnClient:
         clean = {k: v for k, v in params.items() if v is not None}
         return JobList.model_validate(self._call("GET", "/v1/jobs", params=clean).json())
 
+    def pipeline(self, name: str) -> PipelineInfo:
+        """What a pipeline takes: its input schema (for `JobRequest.inputs`), limits, adapters."""
+        return PipelineInfo.model_validate(self._call("GET", f"/v1/pipelines/{name}").json())
+
     def webhooks(self, job_id: str) -> WebhookAttempts:
         """The job's webhook delivery attempts."""
         return WebhookAttempts.model_validate(
@@ -222,6 +240,41 @@ class KilnClient:
                 yield from _parse_sse(response.iter_lines())
         except httpx.ConnectError as exc:
             raise KilnConnectionError(f"events of {job_id}: {exc}") from exc
+
+    # --- operator controls (admin keys) ------------------------------------------------------
+    def queues(self) -> QueueList:
+        """Every queue with its queued jobs and whether it is paused."""
+        return QueueList.model_validate(self._call("GET", "/v1/admin/queues").json())
+
+    def pause_queue(self, queue: str) -> QueueControl:
+        """Pause `queue` (`<lane>.<pipeline>`) on every node."""
+        return QueueControl.model_validate(
+            self._call("POST", f"/v1/admin/queues/{queue}/pause").json()
+        )
+
+    def resume_queue(self, queue: str) -> QueueControl:
+        """Resume a paused queue."""
+        return QueueControl.model_validate(
+            self._call("POST", f"/v1/admin/queues/{queue}/resume").json()
+        )
+
+    def purge_queue(self, queue: str) -> PurgeResult:
+        """Cancel every job queued in `queue`."""
+        return PurgeResult.model_validate(
+            self._call("POST", f"/v1/admin/queues/{queue}/purge").json()
+        )
+
+    def drain_node(self, node_id: str, *, exit: bool = False) -> DrainResult:
+        """Ask a node to finish its jobs and take no more (then exit, with `exit`)."""
+        params = {"exit": "true" if exit else "false"}
+        response = self._call("POST", f"/v1/admin/nodes/{node_id}/drain", params=params)
+        return DrainResult.model_validate(response.json())
+
+    def undrain_node(self, node_id: str) -> DrainResult:
+        """Withdraw a node's drain request."""
+        return DrainResult.model_validate(
+            self._call("DELETE", f"/v1/admin/nodes/{node_id}/drain").json()
+        )
 
     def wait(self, job_id: str, timeout: float = 600.0, poll_s: float = 1.0) -> JobView:
         """Block until the job is finished; raises `WaitTimeout` with the last view seen."""

@@ -1,3 +1,5 @@
-"""The job contract: settings, the request (schemas) and what comes back (views, responses), job
-states, pipeline limits, retry delays. The bottom room: every other room, the client included,
-may import it."""
+"""The job contract; the bottom room: every other room, the client included, may import it.
+
+Settings, the request (schemas) and what comes back (views, responses), job states, pipeline
+limits, retry delays.
+"""

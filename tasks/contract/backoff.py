@@ -1,6 +1,6 @@
 """How long to wait before trying again. Two rules, kept apart because they differ.
 
-`doubling_delay`: `first_s · 2^(n−1)`, capped. Job retries (docs/contract.md §5) draw their delay
+`doubling_delay`: `first_s · 2^(n-1)`, capped. Job retries (docs/contract.md §5) draw their delay
 from [d/2, d] of it (`equal_jitter`, in `queue.policy`); the client's `wait` polls at this pace.
 
 `scheduled_delay`: webhook retries (docs/contract.md §7) do not double. They follow the operator's

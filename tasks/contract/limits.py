@@ -23,19 +23,29 @@ class RequestShape(Protocol):
     """The request fields limits look at (a `JobRequest` or a `GenerationRequest`)."""
 
     @property
-    def width(self) -> int: ...
+    def width(self) -> int:
+        """Output width in pixels."""
+        ...
 
     @property
-    def height(self) -> int: ...
+    def height(self) -> int:
+        """Output height in pixels."""
+        ...
 
     @property
-    def steps(self) -> int: ...
+    def steps(self) -> int:
+        """Denoising steps."""
+        ...
 
     @property
-    def num_frames(self) -> int: ...
+    def num_frames(self) -> int:
+        """Frames per output (1 for an image)."""
+        ...
 
     @property
-    def num_outputs(self) -> int: ...
+    def num_outputs(self) -> int:
+        """Outputs the request asks for."""
+        ...
 
 
 @dataclass(frozen=True)

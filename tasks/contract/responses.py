@@ -75,12 +75,80 @@ class Readiness(BaseModel):
 
 
 class NodeList(BaseModel):
-    """Live worker nodes as their latest heartbeats describe them."""
+    """Live worker nodes as their latest heartbeats describe them.
+
+    Each node says whether it is `draining`, the operator's `drain` request it applies, the
+    `paused_queues` among its own and the queues it is `consuming` now.
+    """
 
     nodes: list[dict[str, Any]]
+    paused_queues: list[str] = Field(
+        default_factory=list, description="Every queue an operator has paused (all nodes)."
+    )
+    drain_requests: list[str] = Field(
+        default_factory=list, description="Node ids with a pending drain request."
+    )
+
+
+class QueueView(BaseModel):
+    """One queue (`<lane>.<pipeline>`) as an operator sees it."""
+
+    queue: str
+    queued: int = Field(description="Jobs queued in it now.")
+    paused: bool
+    paused_at: float | None = None
+    paused_by: str = ""
+
+
+class QueueList(BaseModel):
+    """The queues of the known pipelines (both lanes), and every paused queue."""
+
+    queues: list[QueueView]
+
+
+class QueueControl(BaseModel):
+    """What a pause or resume did: the queue's state now, and whether it changed."""
+
+    queue: str
+    paused: bool
+    changed: bool
+
+
+class PurgeResult(BaseModel):
+    """The jobs a purge canceled (each now `canceled`, event reason `purged`), in queue order."""
+
+    queue: str
+    canceled: int
+    job_ids: list[str]
+
+
+class DrainResult(BaseModel):
+    """A node's drain request as it stands after the call."""
+
+    node_id: str
+    drain_requested: bool
+    exit: bool = Field(default=False, description="The node exits once idle.")
 
 
 class PipelineList(BaseModel):
     """Pipelines the API accepts jobs for (configured or announced by a live node)."""
 
     pipelines: list[str]
+
+
+class PipelineInfo(BaseModel):
+    """One pipeline as jobs may use it: its input schema, its limits and its adapters."""
+
+    name: str
+    live_nodes: int = Field(description="Live nodes serving the pipeline now.")
+    inputs: dict[str, Any] | None = Field(
+        description="JSON Schema of the pipeline's inputs, as a live node announces it; "
+        "properties with `x-kiln-field` are request fields under the pipeline's own names, "
+        "the others go in a job's `inputs`. null while no live node announces one."
+    )
+    limits: dict[str, int | None] = Field(
+        description="Sizes, steps, frames and budget the pipeline takes (docs/contract.md §2)."
+    )
+    adapters: list[str] = Field(
+        default_factory=list, description="LoRA adapters jobs may name (none yet)."
+    )

@@ -12,10 +12,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictInt,
     StringConstraints,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
+
+from kiln.tasks.contract.inputs import lift_request_fields
 
 # Output formats, the first of each kind the default. gpu_worker/outputs.py encodes exactly these
 # (it cannot import tasks; tests/tasks/test_one_definition.py keeps the two equal).
@@ -46,6 +51,20 @@ PipelineName = Annotated[
 Dimension = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIZE_MULTIPLE)]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=METADATA_KEY_MAX)]
 MetadataValue = Annotated[str, StringConstraints(max_length=METADATA_VALUE_MAX)]
+INPUTS_MAX_ITEMS = 32
+INPUT_VALUE_MAX = 4096
+InputName = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+]
+# One input's value: a JSON scalar (image references are strings). Strict members: "1" stays a
+# string and true a boolean, so the pipeline's schema judges the value as sent.
+InputScalar = (
+    StrictBool
+    | StrictInt
+    | Annotated[float, Field(allow_inf_nan=False)]
+    | Annotated[str, StringConstraints(max_length=INPUT_VALUE_MAX)]
+    | None
+)
 
 
 def formats_for(num_frames: int) -> tuple[str, ...]:
@@ -134,6 +153,21 @@ class JobRequest(BaseModel):
         description=f"Small str→str map echoed back (≤{METADATA_MAX_ITEMS} keys, "
         f"key ≤{METADATA_KEY_MAX}, value ≤{METADATA_VALUE_MAX} chars).",
     )
+    inputs: dict[InputName, InputScalar] = Field(
+        default_factory=dict,
+        max_length=INPUTS_MAX_ITEMS,
+        description="The pipeline's own inputs by name (GET /v1/pipelines/{name} lists them), "
+        "e.g. scheduler or strength; request fields under a pipeline's name "
+        "(num_inference_steps) move to their top-level field, which must then be absent.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_request_fields(cls, data: Any) -> Any:
+        # `inputs: {num_inference_steps: 10}` is `steps: 10`: one place for each value.
+        if isinstance(data, dict):
+            return lift_request_fields(data, frozenset(cls.model_fields))
+        return data
 
     @field_validator("output_format")
     @classmethod
@@ -156,4 +190,8 @@ class JobRequest(BaseModel):
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-safe dict stored as `JobRecord.request`."""
-        return self.model_dump(mode="json")
+        record = self.model_dump(mode="json")
+        if not record["inputs"]:
+            # Requests without inputs keep the fingerprint they had before `inputs` existed.
+            del record["inputs"]
+        return record

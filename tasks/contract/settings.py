@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -61,6 +61,22 @@ class KilnSettings(BaseSettings):
         default=10.0,
         description="After max_run_seconds: time for a cooperative stop before the kill.",
     )
+    metrics_port: int = Field(
+        default=9400,
+        ge=0,
+        le=65535,
+        description="Port of a node's Prometheus /metrics (`kiln worker`); 0 = off.",
+    )
+    task_events: bool = Field(
+        default=False,
+        description="Workers send Celery task events (for Flower); producers send task-sent.",
+    )
+
+    # --- Logging (every process) --------------------------------------------------------------
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Log lines as text, or one JSON object per line (API, nodes, ranks, Celery).",
+    )
 
     # --- The API and webhooks -----------------------------------------------------------------
     api_host: str = Field(default="127.0.0.1", description="Address `kiln api` listens on.")
@@ -77,6 +93,18 @@ class KilnSettings(BaseSettings):
         default=100_000, ge=0, description="Queued jobs above which POST /v1/jobs is a 429."
     )
     queue_full_retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429.")
+    max_queued_per_key: int | None = Field(
+        default=None,
+        ge=1,
+        description="Queued jobs one API key may have; more: 429. Unset: no cap. "
+        "`kiln keys create --max-queued` overrides it per key.",
+    )
+    max_running_per_key: int | None = Field(
+        default=None,
+        ge=1,
+        description="Running jobs one API key may have; a node delays the next. Unset: no cap. "
+        "`kiln keys create --max-running` overrides it per key.",
+    )
     list_limit_max: int = Field(default=200, ge=1, description="Largest page of GET /v1/jobs.")
     sse_block_ms: int = Field(default=2000, ge=10, description="One blocking SSE read (ms).")
     sse_keepalive_s: float = Field(default=15.0, gt=0, description="SSE comment when this idle.")
@@ -125,6 +153,27 @@ class KilnSettings(BaseSettings):
     )
     webhook_progress_interval_s: float = Field(
         default=5.0, ge=0, description="At most one progress webhook per job this often."
+    )
+
+    # --- Batches (tasks/batches) --------------------------------------------------------------
+    max_batch_bytes: int = Field(
+        default=2 * 1024**3, ge=1024, description="Larger POST /v1/batches bodies: 413."
+    )
+    batch_body_timeout_s: float = Field(
+        default=3600.0, gt=0, description="Time to send (and validate) a POST /v1/batches body."
+    )
+    batch_window: int = Field(
+        default=256, ge=1, description="Most jobs of one batch queued or running at once."
+    )
+    batch_feed_interval_s: float = Field(
+        default=0.5, gt=0, description="How often each node's feeder visits the active batches."
+    )
+    batch_feed_chunk: int = Field(
+        default=500, ge=1, description="Most lines one feeder visit creates (or ends) per batch."
+    )
+    batch_results_flush_s: float = Field(
+        default=2.0, ge=0, description="A batch's finished jobs are written as a result part "
+        "at least this often.",
     )
 
     @field_validator("webhook_secret")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,6 +88,26 @@ class JobView(BaseModel):
         default=None,
         description="Why a queued job cannot start yet, e.g. no live node serves its pipeline.",
     )
+    queue_position: int | None = Field(
+        default=None,
+        ge=0,
+        description="For a queued job: how many queued jobs will start before it (0: next). "
+        "Set by GET /v1/jobs/{id}, the submit response and `kiln status`; null elsewhere.",
+    )
+    estimated_start_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="For a queued job: seconds until it is expected to start, from the recent "
+        "completion rate of its pipeline; null while no rate is known or its queue is paused.",
+    )
+
+
+@dataclass(frozen=True)
+class QueueEstimate:
+    """Where a queued job stands: jobs that start before it, and when it should start (s)."""
+
+    position: int
+    estimated_start_s: float | None = None
 
 
 def output_view(output: dict[str, Any], objects: ObjectStore | None) -> OutputView:
@@ -109,12 +130,15 @@ def job_view(
     record: JobRecord,
     objects: ObjectStore | None = None,
     served: Collection[str] | None = None,
+    estimate: QueueEstimate | None = None,
 ) -> JobView:
     """Build the view of a stored record; output URLs are presigned at read time.
 
     `served`: the pipelines live nodes serve now; a queued job whose pipeline is not among them
-    says so in `waiting_for` (it waits in its queue until such a node starts).
+    says so in `waiting_for` (it waits in its queue until such a node starts). `estimate`: the
+    queued job's position and expected start (tasks.queue.positions).
     """
+    queued = record.state == JobState.QUEUED and estimate is not None
     return JobView(
         id=record.id,
         status=record.state,
@@ -131,6 +155,8 @@ def job_view(
         batch_id=record.batch_id,
         metadata=dict(record.metadata),
         waiting_for=_waiting_for(record, served),
+        queue_position=estimate.position if queued and estimate else None,
+        estimated_start_s=estimate.estimated_start_s if queued and estimate else None,
     )
 
 

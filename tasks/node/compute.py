@@ -27,6 +27,7 @@ def generation_request(record: JobRecord) -> GenerationRequest:
         num_frames=int(r["num_frames"]),
         guidance_scale=float(r["guidance_scale"]),
         num_outputs=int(r["num_outputs"]),
+        extra_inputs=dict(r.get("inputs") or {}),  # absent from records made before `inputs`
     )
 
 

@@ -1,11 +1,15 @@
-"""`run_job(job_id)`: one delivery of one job on a GPU node (docs/contract.md §4–§5).
+"""`run_job(job_id)`: one delivery of one job on a GPU node (docs/contract.md §4-§5).
 
 A delivery of a finished (or expired-away) job is dropped. A job leased by a live owner elsewhere
 is published again after `lease_busy_delay_s`; a running job whose lease is gone is reaped and
 taken over. A queued job past its `start_by`, out of attempts or over this node's limits is
 ended without running. Otherwise the node takes the lease and runs the job. Every write after
 that is fenced by the lease token, so a node that lost its lease can never overwrite the work of
-the node that took over. Each delivery returns normally, so Celery acknowledges it.
+the node that took over. Each delivery is acknowledged once, whatever it did; the Celery state
+it ends in says what that was (tasks/node/outcomes.py: SUCCESS, FAILURE, REVOKED, RETRY).
+
+In JSON logs every line of a delivery carries its `job_id`, and once the job runs its `attempt`
+and `batch_id`; the node metrics count each attempt's stages (tasks/node/metrics.py).
 """
 
 from __future__ import annotations
@@ -18,17 +22,27 @@ from typing import Any
 
 from celery import Celery
 
-from kiln.gpu_worker.errors import GpuWorkerError, JobStopped
+from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
 from kiln.gpu_worker.protocol import GenerationResult, StepProgress
-from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, StaleLease, StorageError
+from kiln.storage.errors import (
+    IllegalTransition,
+    JobNotFound,
+    LeaseHeld,
+    QuotaExceeded,
+    StaleLease,
+    StorageError,
+)
 from kiln.storage.status import TERMINAL_STATES, JobRecord, JobState
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
+from kiln.tasks.contract.logs import log_context
 from kiln.tasks.node.compute import generation_request, run_metrics
 from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
+from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, JobFailedError, settle_task
 from kiln.tasks.node.progress_writer import PendingProgress
 from kiln.tasks.node.uploads import encode_and_upload
 from kiln.tasks.queue.app import RUN_JOB_TASK
 from kiln.tasks.queue.policy import error_dict, retry_delay
+from kiln.tasks.queue.submit import job_queue
 from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 
 log = logging.getLogger(__name__)
@@ -43,23 +57,37 @@ class JobRunner:
         self.settings = node.settings
         self.job_id = job_id
         self.webhook: object = None
+        self.outcome = DeliveryOutcome(Delivery.DROPPED)
 
-    def run(self) -> None:
-        """Handle the delivery; returns normally in every case so Celery acks it."""
+    def run(self) -> DeliveryOutcome:
+        """Handle the delivery; returns what it did (it never raises for the job's own fate)."""
+        with log_context(job_id=self.job_id):
+            self._run()
+        return self.outcome
+
+    def _run(self) -> None:
         try:
             record = self.store.get(self.job_id)
         except JobNotFound:
             log.warning("run_job: job %s does not exist (expired?); dropping", self.job_id)
             return
         self.webhook = record.request.get("webhook")
-        if record.state in TERMINAL_STATES:
-            return
-        if record.state == JobState.RUNNING:
-            self._delivered_while_running(record)
-            return
-        if self._refused_before_start(record):
-            return
-        self._lease_and_run(record)
+        with log_context(batch_id=record.batch_id):
+            if record.state in TERMINAL_STATES:
+                self._delivered_when_finished(record)
+            elif record.state == JobState.RUNNING:
+                self._delivered_while_running(record)
+            elif not self._refused_before_start(record):
+                self._lease_and_run(record)
+
+    def _delivered_when_finished(self, record: JobRecord) -> None:
+        # A message of a job canceled (or expired) while queued still reaches a node: its task
+        # is the job's, so it ends REVOKED as the job did.
+        if record.state == JobState.CANCELED:
+            self.outcome = DeliveryOutcome(Delivery.CANCELED)
+        elif record.state == JobState.EXPIRED:
+            self.outcome = DeliveryOutcome(Delivery.EXPIRED)
+        log.info("job %s is %s already; delivery dropped", self.job_id, record.state)
 
     def _delivered_while_running(self, record: JobRecord) -> None:
         holder = self.store.lease_owner(self.job_id)
@@ -67,13 +95,16 @@ class JobRunner:
             # A duplicate delivery (visibility timeout, redelivery): the holder finishes it.
             log.info("job %s delivered again while leased by %s; re-published", self.job_id, holder)
             self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
+            self.outcome = DeliveryOutcome(Delivery.DEFERRED)
         elif self.store.reap(self.job_id):
             self._lease_and_run(self.store.get(self.job_id))
 
     def _refused_before_start(self, record: JobRecord) -> bool:
         start_by = record.request.get("start_by")
         if start_by is not None and time.time() > float(start_by):
-            self._transition_quietly(lambda: self.store.expire(self.job_id))
+            if self._transition_quietly(lambda: self.store.expire(self.job_id)):
+                self.outcome = DeliveryOutcome(Delivery.EXPIRED)
+                log.info("job %s expired: not started by its start_by", self.job_id)
             return True
         if record.attempts >= self.settings.max_attempts:
             error = {
@@ -81,9 +112,15 @@ class JobRunner:
                 "message": f"the job was started {record.attempts} times without finishing",
                 "retryable": False,
             }
-            self._transition_quietly(lambda: self.store.fail(self.job_id, None, error))
+            self._refuse(error)
             return True
-        return self._refused_over_limits(record)
+        return self._refused_over_limits(record) or self._refused_for_inputs(record)
+
+    def _refuse(self, error: dict[str, Any]) -> None:
+        """Fail the queued job for good without running it."""
+        if self._transition_quietly(lambda: self.store.fail(self.job_id, None, error)):
+            self.outcome = DeliveryOutcome(Delivery.FAILED, error)
+            log.warning("job %s failed before it ran: %s", self.job_id, error["message"])
 
     def _refused_over_limits(self, record: JobRecord) -> bool:
         # Checked again here, not only at submit: a job may predate the limits or have been
@@ -99,27 +136,68 @@ class JobRunner:
             "retryable": False,
             "limit": violation.limit,
         }
-        self._transition_quietly(lambda: self.store.fail(self.job_id, None, error))
+        self._refuse(error)
+        return True
+
+    def _refused_for_inputs(self, record: JobRecord) -> bool:
+        # Like the limits: the job may have been accepted against another node's schema.
+        request = generation_request(record)
+        violation = self.node.bad_inputs(request.pipeline, request.extra_inputs)
+        if violation is None:
+            return False
+        error = {"type": violation.kind, "message": violation.describe(), "retryable": False}
+        self._refuse(error)
         return True
 
     def _lease_and_run(self, record: JobRecord) -> None:
         # One owner per delivery: a second delivery on this node must see LeaseHeld, not
         # silently take over (re-acquiring with the same owner would fence the first).
+        if self._held_back(record):
+            return
         owner = f"{self.node.node_id}/{uuid.uuid4().hex[:8]}"
         try:
             token = self.store.acquire_lease(self.job_id, owner)
         except LeaseHeld:
             self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
+            self.outcome = DeliveryOutcome(Delivery.DEFERRED)
             return
         try:
-            record = self.store.start(self.job_id, token, node_id=self.node.node_id)
+            cap = self.node.running_caps.cap(record.owner)
+            node_id = self.node.node_id
+            record = self.store.start(self.job_id, token, node_id=node_id, running_cap=cap)
         except (IllegalTransition, StaleLease):
             self.store.release_lease(self.job_id, token)
             return
-        self._notify("started")
-        with self.node.tracking(self.job_id, token) as tracked:
-            self._run_leased(record, tracked)
-        self.store.release_lease(self.job_id, token)
+        except QuotaExceeded as exc:
+            self.store.release_lease(self.job_id, token)
+            self._defer(record, f"{exc}")
+            return
+        with log_context(attempt=record.attempts):
+            log.info(
+                "job %s started: attempt %d on %s",
+                self.job_id,
+                record.attempts,
+                record.request.get("pipeline"),
+            )
+            if record.started_at is not None:
+                self.node.metrics.observe_stage("queue", record.started_at - record.created_at)
+            self._notify("started")
+            with self.node.tracking(self.job_id, token) as tracked:
+                self._run_leased(record, tracked)
+            self.store.release_lease(self.job_id, token)
+
+    def _held_back(self, record: JobRecord) -> bool:
+        """A paused queue or an operator's drain: nothing starts here (tasks/node/controls.py)."""
+        reason = self.node.holds_back(job_queue(record))
+        if reason is not None:
+            self._defer(record, reason)
+        return reason is not None
+
+    def _defer(self, record: JobRecord, reason: str) -> None:
+        """Publish the queued job again for later, as for a busy lease; its record is untouched."""
+        self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
+        self.outcome = DeliveryOutcome(Delivery.DEFERRED)
+        log.info("job %s not started now (%s); re-published", self.job_id, reason)
 
     def _run_leased(self, record: JobRecord, tracked: TrackedJob) -> None:
         try:
@@ -127,9 +205,12 @@ class JobRunner:
         except JobStopped:
             self._stopped(tracked)
         except GpuWorkerError as exc:
+            if isinstance(exc, OutOfMemory):
+                self.node.metrics.count_oom(str(record.request.get("pipeline")))
             self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
         except StaleLease:
             log.warning("job %s: lease lost to another node; leaving it to them", self.job_id)
+            self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
         except StorageError as exc:
             self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
         except Exception as exc:  # a bug or a bad request: fail the job, never loop on it
@@ -149,28 +230,54 @@ class JobRunner:
             on_stage=lambda stage, step, total: self._progress(
                 tracked, stage, step, total, on_task_thread=True
             ),
+            on_retry=self.node.metrics.count_upload_retry,
         )
+        self.node.metrics.observe_stage("encode", report.encode_s)
+        self.node.metrics.observe_stage("upload", report.upload_s)
         metrics = run_metrics(record, result, report.encode_s, report.upload_s)
         self.node.progress.discard(self.job_id)  # the terminal state supersedes it
         self.store.succeed(self.job_id, tracked.lease_token, report.outputs, metrics)
+        self.outcome = DeliveryOutcome(Delivery.SUCCEEDED)
+        log.info("job %s succeeded: %s", self.job_id, metrics)
         self._notify("completed")
 
     def _generate(self, record: JobRecord, tracked: TrackedJob) -> GenerationResult:
+        decoding_at: list[float] = []  # when the ranks reported the last denoising step
+
         # Both callbacks run on the coordinator's threads between steps: memory only, no I/O.
         def on_progress(progress: StepProgress) -> None:
+            if progress.stage == "decoding" and not decoding_at:
+                decoding_at.append(time.monotonic())
             self._progress(tracked, progress.stage, progress.step, progress.total)
 
         def should_stop() -> bool:
             return tracked.stop_reason is not None  # set by heartbeat, cancel watch or drain
 
         max_run = record.request.get("max_run_seconds")
-        future = self.node.coordinator.submit(
+        submitted = time.monotonic()
+        future = self.node.submit(
             generation_request(record),
             on_progress=on_progress,
             should_stop=should_stop,
             max_run_seconds=float(max_run) if max_run else None,
         )
-        return future.result()
+        result = future.result()
+        self._observe_compute(result, time.monotonic() - submitted, decoding_at)
+        return result
+
+    def _observe_compute(
+        self, result: GenerationResult, total_s: float, decoding_at: list[float]
+    ) -> None:
+        """Split the group's part of the attempt into load, denoise and decode."""
+        if result.metrics is None:
+            return
+        # run_s is the forward on the ranks (denoising and decoding); the rest of the time since
+        # the submit is "load": waiting for the group and the batch to start.
+        run_s = min(result.metrics.run_s, total_s)
+        decode_s = min(time.monotonic() - decoding_at[0], run_s) if decoding_at else 0.0
+        self.node.metrics.observe_stage("load", total_s - run_s)
+        self.node.metrics.observe_stage("denoise", run_s - decode_s)
+        self.node.metrics.observe_stage("decode", decode_s)
 
     def _progress(
         self, tracked: TrackedJob, stage: str, step: int, total: int, on_task_thread: bool = False
@@ -192,12 +299,17 @@ class JobRunner:
         token = tracked.lease_token
         if tracked.stop_reason == JobStopReason.CANCELED:
             self.store.finish_canceled(self.job_id, token)
+            self.outcome = DeliveryOutcome(Delivery.CANCELED)
+            log.info("job %s canceled while running", self.job_id)
             self._notify("completed")
         elif tracked.stop_reason == JobStopReason.HANDED_BACK:
             error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
             self.node.submitter.publish(self.store.requeue(self.job_id, token, error))
+            self.outcome = DeliveryOutcome(Delivery.HANDED_BACK, error)
+            log.info("job %s handed back to the queue (the node is draining)", self.job_id)
         else:
             log.warning("job %s stopped after its lease was lost", self.job_id)
+            self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
 
     def _failed(
         self, record: JobRecord, tracked: TrackedJob, error: dict[str, Any], *, retryable: bool
@@ -209,18 +321,23 @@ class JobRunner:
             requeued = self.store.requeue(self.job_id, token, error)
             delay = retry_delay(attempts, self.settings)
             self.node.submitter.publish(requeued, countdown=delay)
+            self.outcome = DeliveryOutcome(Delivery.RETRYING, error, delay)
             log.info("job %s: retryable failure, retry %d in %.1fs", self.job_id, attempts, delay)
             return
         error = {**error, "retryable": False} if retryable else error
         self.store.fail(self.job_id, token, error)
+        self.outcome = DeliveryOutcome(Delivery.FAILED, error)
+        log.warning("job %s failed: %s: %s", self.job_id, error.get("type"), error.get("message"))
         self._notify("completed")
 
-    def _transition_quietly(self, transition: Callable[[], object]) -> None:
+    def _transition_quietly(self, transition: Callable[[], object]) -> bool:
+        """Run a transition out of `queued`; False when someone else moved the job first."""
         try:
             transition()
-            self._notify("completed")
         except IllegalTransition:
-            pass  # someone else moved it first; nothing to do
+            return False  # someone else moved it first; nothing to do
+        self._notify("completed")
+        return True
 
     def _notify(self, event: str) -> None:
         if self.webhook is None:
@@ -247,10 +364,16 @@ def register_run_job(app: Celery, node: Node) -> None:
 
     @app.task(
         name=RUN_JOB_TASK,
+        bind=True,
         shared=False,
         ignore_result=True,
         acks_late=True,
+        # A task that ends in FAILURE (or RETRY, or Ignore) is acknowledged like one that
+        # returns: the job's outcome is stored already, a redelivery would only run it again.
+        acks_on_failure=True,
         reject_on_worker_lost=True,
+        throws=(JobFailedError,),  # a failed job is not an error of the worker: logged at INFO
     )
-    def run_job(job_id: str) -> None:
-        JobRunner(node, job_id).run()
+    def run_job(self: Any, job_id: str) -> str:
+        """One delivery of `job_id`; its Celery state says what it did (node/outcomes.py)."""
+        return settle_task(self, JobRunner(node, job_id).run())

@@ -1,10 +1,14 @@
-"""A node's five background loops, one thread each (docs/operations.md §5):
+"""A node's five background loops, one thread each (docs/operations.md §5).
 
 - heartbeat (every `heartbeat_interval_s`): renew held leases, then publish the node's health;
 - reaper (every `reaper_interval_s`): re-queue and re-publish running jobs whose lease expired;
 - sweeper (every `reaper_interval_s`): re-publish queued jobs whose publish was never confirmed;
 - pruner (every `PRUNE_INTERVAL_S`): drop index entries of expired records;
-- cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel to stop.
+- cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel to stop;
+- controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
+  drain request (tasks/node/controls.py);
+- batches (every `batch_feed_interval_s`, not while draining): feed the active batches whose
+  feeder lease this node holds or can take, and write their results (tasks/batches/feeder.py).
 
 On their own threads, a long compute step never starves lease renewal. One heartbeat also runs
 in `Maintenance.start`, so the node is announced before its first interval passes.
@@ -12,11 +16,14 @@ in `Maintenance.start`, so the node is announced before its first interval passe
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
 
 from kiln.storage.errors import StorageError
+from kiln.tasks.batches.feeder import BatchFeeder
+from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls, apply_controls
 from kiln.tasks.node.node import JobStopReason, Node
 
 log = logging.getLogger(__name__)
@@ -31,7 +38,13 @@ CANCEL_POLL_S = 0.02
 def renew_leases(node: Node) -> None:
     """Renew every held lease; a job whose lease is gone is told to stop."""
     for tracked in node.tracked_jobs():
-        if not node.store.renew_lease(tracked.job_id, tracked.lease_token):
+        try:
+            renewed = node.store.renew_lease(tracked.job_id, tracked.lease_token)
+        except StorageError:
+            node.metrics.count_lease_renewal_failure()
+            raise
+        if not renewed:
+            node.metrics.count_lease_renewal_failure()
             log.warning("lease of job %s was lost; stopping it", tracked.job_id)
             tracked.stop_reason = JobStopReason.LEASE_LOST
 
@@ -87,8 +100,9 @@ def _loop(stop: threading.Event, interval_s: float, name: str, step: Callable[[]
 class Maintenance:
     """Starts and stops the node's background threads."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, controls: NodeControls | None = None) -> None:
         self.node = node
+        self.controls = controls  # operator controls: a sixth loop when given
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -102,6 +116,19 @@ class Maintenance:
             ("pruner", PRUNE_INTERVAL_S, lambda: prune_indexes(self.node)),
             ("cancels", CANCEL_POLL_S, lambda: watch_cancels(self.node)),
         ]
+        if self.controls is not None:
+            poll = functools.partial(apply_controls, self.controls)
+            loops.append(("controls", CONTROL_POLL_S, poll))
+        node = self.node
+        feeder = BatchFeeder(
+            node.store, node.objects, node.submitter, settings, node.node_id, node.celery_app
+        )
+
+        def feed_batches() -> None:
+            if not node.draining.is_set():  # a draining node lets its batch leases lapse
+                feeder.tick()
+
+        loops.append(("batches", settings.batch_feed_interval_s, feed_batches))
         heartbeat(self.node)
         for name, interval, step in loops:
             thread = threading.Thread(

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -23,25 +23,33 @@ from typing import Any, Protocol
 from celery import Celery
 
 from kiln.gpu_worker.config import GroupConfig
-from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.inputs import InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+from kiln.gpu_worker.replicas import node_coordinator
+from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.objects import ObjectStore, open_object_store
+from kiln.storage.queues import DrainRequest
 from kiln.storage.settings import StorageSettings
 from kiln.storage.status import JobStore
+from kiln.tasks.contract.inputs import InputViolation, first_input_violation
 from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, RequestShape
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.node.metrics import NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
+from kiln.tasks.queue.quotas import RunningCaps
 from kiln.tasks.queue.submit import Publish, Submitter, celery_publisher
 
 log = logging.getLogger(__name__)
 
 
 class JobStopReason(StrEnum):
-    """Why the node takes a leased job off its group at the next step; decides what the record
-    becomes. Not gpu_worker's `StopReason`, which says how the coordinator stopped a request (its
-    `should_stop` answered yes, or its deadline passed): every reason here reaches the coordinator
-    as `should_stop` answering yes."""
+    """Why the node takes a leased job off its group at the next step.
+
+    It decides what the record becomes. Not gpu_worker's `StopReason`, which says how the
+    coordinator stopped a request (its `should_stop` answered yes, or its deadline passed): every
+    reason here reaches the coordinator as `should_stop` answering yes.
+    """
 
     CANCELED = "canceled"  # a cancel was requested: running → canceled
     LEASE_LOST = "lease_lost"  # another node holds the job now: leave the record to it
@@ -51,9 +59,11 @@ class JobStopReason(StrEnum):
 class GroupCoordinator(Protocol):
     """What a node uses of its worker group (`gpu_worker.coordinator.Coordinator`)."""
 
-    def start(self) -> None: ...
+    def start(self) -> None:
+        """Start the group's ranks and load their pipelines."""
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stop the group and its ranks."""
 
     def submit(
         self,
@@ -61,11 +71,21 @@ class GroupCoordinator(Protocol):
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
-    ) -> Future[GenerationResult]: ...
+    ) -> Future[GenerationResult]:
+        """Queue a request; the future holds its result or the reason it failed or stopped."""
+        ...
 
-    def pipeline_limits(self) -> Mapping[str, DeclaredLimits]: ...
+    def pipeline_limits(self) -> Mapping[str, DeclaredLimits]:
+        """What each loaded pipeline declares it can take, by pipeline name."""
+        ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def pipeline_inputs(self) -> Mapping[str, InputSchema]:
+        """The input schema of each loaded pipeline that declares one, by pipeline name."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """The group's counters, for the node's heartbeat."""
+        ...
 
 
 @dataclass
@@ -79,6 +99,26 @@ class TrackedJob:
     last_stage: str = ""
 
 
+@dataclass
+class ControlState:
+    """The operator controls a node applies; tasks/node/controls.py keeps them current."""
+
+    paused: frozenset[str] = frozenset()  # every paused queue, this node's or not
+    drain: DrainRequest | None = None  # the operator's drain request for this node
+    consuming: tuple[str, ...] = ()  # the job queues its Celery worker consumes now
+    shutting_down: bool = False  # SIGTERM: the drain is for good, whatever the operator says
+
+    def health(self, pipelines: Iterable[str]) -> dict[str, object]:
+        """What the heartbeat says of them: paused queues of this node, drain, consumption."""
+        served = set(pipelines)
+        drain = self.drain
+        return {
+            "paused_queues": sorted(q for q in self.paused if q.partition(".")[2] in served),
+            "drain": None if drain is None else {"exit": drain.exit, "since": drain.requested_at},
+            "consuming": list(self.consuming),
+        }
+
+
 def default_node_id() -> str:
     """A node id unique per process: host name plus pid."""
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -87,8 +127,9 @@ def default_node_id() -> str:
 class Node:
     """Everything a node's task threads and background loops share.
 
-    `coordinator` defaults to gpu_worker's for `group`; `publish` (how `run_job` messages go out)
-    to the Celery app's. Tests pass their own of either.
+    `coordinator` defaults to gpu_worker's for `group` (replica groups of `group_size` ranks when
+    that is smaller than the group: `gpu_worker.replicas`); `publish` (how `run_job` messages go
+    out) to the Celery app's. Tests pass their own of either.
     """
 
     def __init__(
@@ -101,6 +142,7 @@ class Node:
         node_id: str | None = None,
         coordinator: GroupCoordinator | None = None,
         publish: Publish | None = None,
+        group_size: int | None = None,
     ) -> None:
         self.node_id = node_id or default_node_id()
         self.group_config = group
@@ -110,12 +152,19 @@ class Node:
         self.objects: ObjectStore = open_object_store(storage_settings)
         self.celery_app = celery_app
         self.submitter = Submitter(self.store, settings, publish or celery_publisher(celery_app))
-        self.coordinator: GroupCoordinator = coordinator or Coordinator(group)
+        self.group_size = group_size or len(group.world())
+        self.coordinator: GroupCoordinator = coordinator or node_coordinator(group, group_size)
         self.progress = ProgressWriter(self.store, settings.progress_interval_s)
         self.draining = threading.Event()
+        # operator controls: pauses and this node's drain request (tasks/node/controls.py)
+        self.controls = ControlState()
+        self.running_caps = RunningCaps(
+            ApiKeyStore(self.store.redis, storage_settings), settings.max_running_per_key
+        )
         self._jobs: dict[str, TrackedJob] = {}
         self._lock = threading.Lock()
         self.started_at = time.time()
+        self.metrics = NodeMetrics(self)  # served by `kiln worker` (tasks/node/metrics.py)
 
     def start(self) -> None:
         """Spawn and warm up the group, start the progress writer; raises if the group cannot."""
@@ -157,6 +206,14 @@ class Node:
             if tracked.stop_reason is None:
                 tracked.stop_reason = JobStopReason.HANDED_BACK
 
+    def holds_back(self, queue: str) -> str | None:
+        """Why a delivery from `queue` must not start here now (drain, pause); None if it may."""
+        if self.controls.drain is not None:
+            return "the node is draining"
+        if queue in self.controls.paused:
+            return f"queue {queue} is paused"
+        return None
+
     def pipeline_limits(self) -> dict[str, PipelineLimits]:
         """Per served pipeline, the limits its ranks declared (schema ranges where none)."""
         declared = self.coordinator.pipeline_limits()
@@ -170,6 +227,28 @@ class Node:
         limits = self.pipeline_limits().get(pipeline)
         return limits.violation(pipeline, request) if limits is not None else None
 
+    def pipeline_inputs(self) -> dict[str, InputSchema]:
+        """Per served pipeline that declares one, its input schema as its ranks loaded it."""
+        declared = self.coordinator.pipeline_inputs()
+        return {
+            name: dict(declared[name]) for name in self.group_config.pipelines if name in declared
+        }
+
+    def bad_inputs(self, pipeline: str, inputs: Mapping[str, Any]) -> InputViolation | None:
+        """Why this node's `pipeline` does not take these extra inputs; None when it does."""
+        schema = self.pipeline_inputs().get(pipeline)
+        return first_input_violation(pipeline, [schema] if schema else [], inputs)
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        on_progress: Callable[[StepProgress], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        max_run_seconds: float | None = None,
+    ) -> Future[GenerationResult]:
+        """Hand a request to the node's group (with replica groups: the least busy one)."""
+        return self.coordinator.submit(request, on_progress, should_stop, max_run_seconds)
+
     def health(self) -> dict[str, object]:
         """What the heartbeat publishes about this node."""
         jobs = self.tracked_jobs()
@@ -177,10 +256,13 @@ class Node:
             "node_id": self.node_id,
             "pipelines": sorted(self.group_config.pipelines),
             "limits": {name: limits.to_dict() for name, limits in self.pipeline_limits().items()},
+            "inputs": self.pipeline_inputs(),
             "devices": list(self.group_config.devices),
+            "group_size": self.group_size,
             "jobs_running": len(jobs),
             "last_progress_at": max((j.last_progress_at for j in jobs), default=None),
             "draining": self.draining.is_set(),
+            **self.controls.health(self.group_config.pipelines),
             "started_at": self.started_at,
             "coordinator": self.coordinator.stats(),
         }

@@ -17,6 +17,9 @@ import numpy as np
 from kiln.gpu_worker.outputs import EncodedOutput, OutputSpec, encode
 from kiln.storage.errors import ObjectStoreUnavailable, StorageError
 from kiln.storage.objects import ObjectStore, output_key
+from kiln.tasks.contract.backoff import doubling_delay
+
+MAX_STORAGE_PAUSE_S = 8.0
 
 
 class OutputVerificationFailed(ObjectStoreUnavailable):
@@ -53,16 +56,29 @@ def put_verified(
     return sha256
 
 
-def retry_storage(call: Callable[[], str], *, deadline: float, pause_s: float = 0.5) -> str:
-    """Retry a retryable storage call with backoff until `deadline` (monotonic)."""
+def retry_storage(
+    call: Callable[[], str],
+    *,
+    deadline: float,
+    pause_s: float = 0.5,
+    on_retry: Callable[[], None] | None = None,
+) -> str:
+    """Retry a retryable storage call with backoff until `deadline` (monotonic).
+
+    The pause before retry n is `doubling_delay(n, pause_s, MAX_STORAGE_PAUSE_S)`.
+    """
+    attempt = 0
     while True:
+        attempt += 1
         try:
             return call()
         except StorageError as exc:
-            if not exc.retryable or time.monotonic() + pause_s > deadline:
+            pause = doubling_delay(attempt, pause_s, MAX_STORAGE_PAUSE_S)
+            if not exc.retryable or time.monotonic() + pause > deadline:
                 raise
-            time.sleep(pause_s)
-            pause_s = min(pause_s * 2, 8.0)
+            if on_retry is not None:
+                on_retry()
+            time.sleep(pause)
 
 
 def encode_and_upload(
@@ -73,6 +89,7 @@ def encode_and_upload(
     *,
     retry_for_s: float,
     on_stage: Callable[[str, int, int], None],
+    on_retry: Callable[[], None] | None = None,
 ) -> UploadReport:
     """Encode every output, upload each to `{prefix}/{job_id}/{index}.{ext}`, verify each."""
     spec = output_spec(request)
@@ -92,7 +109,7 @@ def encode_and_upload(
         upload = functools.partial(
             put_verified, objects, key, encoded.data, encoded.content_type, metadata
         )
-        sha256 = retry_storage(upload, deadline=deadline)
+        sha256 = retry_storage(upload, deadline=deadline, on_retry=on_retry)
         upload_s += time.perf_counter() - started
         outputs.append(output_entry(key, encoded, sha256))
     return UploadReport(outputs, encode_s, upload_s)

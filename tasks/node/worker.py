@@ -12,14 +12,15 @@ import logging
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
-from celery.signals import worker_shutting_down
+from celery.signals import worker_ready, worker_shutting_down
 
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.node.worker_logs import start_worker_logging
 from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, node_queues
 
@@ -49,13 +50,14 @@ class WorkerOptions:
     webhooks: bool = False
     node_id: str | None = None
     loglevel: str = "INFO"
+    group_size: int | None = None  # ranks per replica group; None: one group over every device
 
     def __post_init__(self) -> None:
         if self.pipelines:  # a webhooks-only worker has no group, and must not import torch
-            check_group_options(self.devices, self.parallel)
+            check_group_options(self.devices, self.parallel, self.group_size)
 
 
-def check_group_options(devices: str, parallel: str) -> None:
+def check_group_options(devices: str, parallel: str, group_size: int | None = None) -> None:
     """Refuse, naming the flag, devices this machine lacks and a parallel mode that wastes them.
 
     Raised while the options are built, before Celery or any rank starts (ValueError: the CLI
@@ -68,8 +70,13 @@ def check_group_options(devices: str, parallel: str) -> None:
         world = check_devices(split_devices(devices))
     except ValueError as exc:
         raise ValueError(f"--devices {devices}: {exc}") from exc
-    try:
-        check_parallel(ParallelSpec(mode=parallel), len(world))  # type: ignore[arg-type]
+    if group_size is not None and (group_size < 1 or len(world) % group_size):
+        raise ValueError(
+            f"--group-size {group_size}: {len(world)} device(s) do not split into groups of that "
+            "many ranks"
+        )
+    try:  # the ranks of one group share its jobs
+        check_parallel(ParallelSpec(mode=parallel), group_size or len(world))  # type: ignore[arg-type]
     except ValueError as exc:
         raise ValueError(f"--parallel {parallel}: {exc}") from exc
 
@@ -113,12 +120,28 @@ def worker_queues(options: WorkerOptions) -> list[str]:
 def run_worker(options: WorkerOptions) -> None:
     """Start the node (if it serves pipelines), then the Celery worker; stop both at the end."""
     settings, storage_settings = KilnSettings(), StorageSettings()
+    if options.pipelines and options.node_id is None:
+        from kiln.tasks.node.node import default_node_id  # loads torch: nodes only
+
+        options = replace(options, node_id=default_node_id())  # one id for logs, ranks, metrics
+    capture = start_worker_logging(settings.log_format, options.loglevel, options.node_id)
+    try:
+        _run_worker(options, settings, storage_settings)
+    finally:
+        if capture is not None:
+            capture.stop()
+
+
+def _run_worker(
+    options: WorkerOptions, settings: KilnSettings, storage_settings: StorageSettings
+) -> None:
     app = make_celery_app(settings, storage_settings)
     if not options.pipelines:
         # Printed, not logged: Celery sets logging up only later, inside `worker_main`.
         print(WEBHOOKS_ONLY_NOTICE, file=sys.stderr, flush=True)
     node, maintenance = _start_node(app, options, settings, storage_settings)
-    concurrency = options.concurrency or (2 * options.max_batch if node else 8)
+    groups = len(node.group_config.world()) // node.group_size if node else 1
+    concurrency = options.concurrency or (2 * options.max_batch * groups if node else 8)
     argv = [
         "worker",
         "--pool=threads",
@@ -129,6 +152,11 @@ def run_worker(options: WorkerOptions) -> None:
         "--without-gossip",
         "--without-mingle",
     ]
+    if settings.log_format == "json":
+        argv.insert(0, "--quiet")  # `celery --quiet worker`: no text banner, only JSON lines
+    held = maintenance.controls.held_at_start if maintenance and maintenance.controls else []
+    if held:  # paused queues (all, while draining): never consumed until the operator says so
+        argv.append(f"--exclude-queues={','.join(held)}")
     try:
         app.worker_main(argv)
     finally:
@@ -136,19 +164,23 @@ def run_worker(options: WorkerOptions) -> None:
             maintenance.stop()
         if node is not None:
             node.shutdown()
+            node.metrics.stop()
 
 
 def _start_node(
     app: Celery, options: WorkerOptions, settings: KilnSettings, storage_settings: StorageSettings
 ) -> tuple[Node | None, Maintenance | None]:
-    """Build and warm up the node, bind `run_job` to it, start its loops; (None, None) without
-    a pipeline."""
+    """Build and warm up the node, bind `run_job` to it, start its loops.
+
+    (None, None) without a pipeline.
+    """
     if not options.pipelines:
         return None, None
     # Imported here: a webhooks-only worker never loads torch.
     from kiln.gpu_worker.config import GroupConfig
     from kiln.gpu_worker.parallel import ParallelSpec
     from kiln.gpu_worker.settings import GpuWorkerSettings
+    from kiln.tasks.node.controls import CeleryConsumers, NodeControls
     from kiln.tasks.node.jobs import register_run_job
     from kiln.tasks.node.maintenance import Maintenance
     from kiln.tasks.node.node import Node
@@ -157,24 +189,47 @@ def _start_node(
         GpuWorkerSettings(),
         devices=split_devices(options.devices),
         pipelines=options.pipelines,
-        parallel=ParallelSpec(mode=options.parallel),  # type: ignore[arg-type]
+        # `none` is refused on several ranks; on replica groups of one rank `auto` is `none`.
+        parallel=ParallelSpec(mode=_whole_node_parallel(options)),  # type: ignore[arg-type]
         max_batch=options.max_batch,
         batch_window_s=options.batch_window_ms / 1000.0,
         deadline_grace_s=settings.deadline_grace_s,
         node_name=options.node_id or "node",
+        log_format=settings.log_format,
+        log_level=options.loglevel,
     )
-    node = Node(group, settings, storage_settings, celery_app=app, node_id=options.node_id)
+    node = Node(
+        group,
+        settings,
+        storage_settings,
+        celery_app=app,
+        node_id=options.node_id,
+        group_size=options.group_size,
+    )
     register_run_job(app, node)  # run_job gets this node; consumed only once worker_main runs
+    node.metrics.serve(settings.metrics_port)  # scrapeable while the group warms up
     node.start()
-    maintenance = Maintenance(node)
+    consumers = CeleryConsumers(app)
+    controls = NodeControls(node, node_queues(options.lanes, list(options.pipelines)), consumers)
+    controls.start_queues()  # pauses and drain as they are now, before anything is consumed
+    worker_ready.connect(lambda sender, **_: consumers.ready(str(sender.hostname)), weak=False)
+    maintenance = Maintenance(node, controls)
     maintenance.start()
     _hand_back_after_grace_on_shutdown(node, settings.drain_grace_s)
     log.info("node %s serving %s on %s", node.node_id, sorted(options.pipelines), options.devices)
     return node, maintenance
 
 
+def _whole_node_parallel(options: WorkerOptions) -> str:
+    """The parallel mode of the node's config over all its devices (split into groups later)."""
+    if options.parallel == "none" and options.group_size == 1:
+        return "auto"  # each one-rank group then runs `none`, as asked
+    return options.parallel
+
+
 def _hand_back_after_grace_on_shutdown(node: Node, grace_s: float) -> None:
     def on_shutting_down(**_: Any) -> None:
+        node.controls.shutting_down = True  # an operator's undrain cannot undo this one
         node.draining.set()
         timer = threading.Timer(grace_s, node.hand_back_all)
         timer.daemon = True

@@ -39,6 +39,9 @@ def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -
     LanePriorityCycle.bulk_every = settings.bulk_share_every
     app.conf.update(
         task_acks_late=True,
+        # A task that raises (a failed job ends FAILURE: tasks/node/outcomes.py) is acknowledged
+        # like one that returns; only a lost worker's messages are delivered again.
+        task_acks_on_failure=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         task_ignore_result=True,
@@ -51,7 +54,10 @@ def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -
         task_default_queue=WEBHOOKS_QUEUE,
         task_queues=[Queue(WEBHOOKS_QUEUE)],
         task_create_missing_queues=True,
-        worker_send_task_events=False,
+        # Task events for Flower (KILN_TASK_EVENTS): workers send received/started/succeeded/
+        # failed/retried/revoked, producers task-sent.
+        worker_send_task_events=settings.task_events,
+        task_send_sent_event=settings.task_events,
         # Kiln's time limits are its own (the threads pool enforces none).
         task_time_limit=None,
         task_soft_time_limit=None,

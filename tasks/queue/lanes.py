@@ -40,8 +40,12 @@ class LanePriorityCycle:
         self.interactive_in_a_row = 0
 
     def update(self, items: Iterable[str]) -> None:
-        """Replace the consumed queues (kombu calls this when queues are added or removed)."""
-        self.items[:] = items
+        """Replace the consumed queues (kombu calls this when queues are added or removed).
+
+        kombu lists a queue added back (`add_consumer` after a pause) last; the lanes' order is
+        restored here, so a resumed interactive queue still goes before bulk.
+        """
+        self.items[:] = sorted(items, key=_lane_rank)
 
     def consume(self, n: int) -> list[str]:
         """The BRPOP order for the next fetch."""
@@ -58,6 +62,11 @@ class LanePriorityCycle:
         else:
             self.interactive_in_a_row = 0
         return last_used
+
+
+def _lane_rank(queue: str) -> int:
+    lane = queue.partition(".")[0]
+    return LANES.index(lane) if lane in LANES else len(LANES)
 
 
 def _is_interactive(queue: str) -> bool:

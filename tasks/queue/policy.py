@@ -11,7 +11,7 @@ from kiln.tasks.contract.settings import KilnSettings
 def retry_delay(attempt: int, settings: KilnSettings) -> float:
     """Delay before re-publishing a job after failed attempt n: from [d/2, d] (docs §5).
 
-    d = min(KILN_RETRY_BACKOFF_S · 2^(n−1), KILN_RETRY_BACKOFF_MAX_S).
+    d = min(KILN_RETRY_BACKOFF_S · 2^(n-1), KILN_RETRY_BACKOFF_MAX_S).
     """
     ceiling = doubling_delay(attempt, settings.retry_backoff_s, settings.retry_backoff_max_s)
     return equal_jitter(ceiling)

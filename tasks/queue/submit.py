@@ -17,6 +17,12 @@ from typing import Any, Protocol
 
 from kiln.storage.errors import StorageError
 from kiln.storage.status import JobRecord, JobStore, NewJob, request_fingerprint
+from kiln.tasks.contract.inputs import (
+    InputSchema,
+    InputViolation,
+    announced_inputs,
+    first_input_violation,
+)
 from kiln.tasks.contract.limits import (
     BUILTIN_LIMITS,
     LimitViolation,
@@ -37,7 +43,8 @@ KNOWN_PIPELINES_CACHE_S = 2.0
 class Publish(Protocol):
     """Publishes `run_job(job_id)` on a queue, optionally delayed."""
 
-    def __call__(self, job_id: str, queue: str, countdown: float = 0.0) -> None: ...
+    def __call__(self, job_id: str, queue: str, countdown: float = 0.0) -> None:
+        """Publish `run_job(job_id)` on `queue`, `countdown` seconds from now."""
 
 
 class UnknownPipeline(ValueError):
@@ -55,6 +62,7 @@ class Served:
 
     names: list[str] = field(default_factory=list)
     limits: dict[str, list[PipelineLimits]] = field(default_factory=dict)
+    inputs: dict[str, list[InputSchema]] = field(default_factory=dict)  # per name, as announced
 
 
 def celery_publisher(app: Any) -> Publish:
@@ -108,17 +116,30 @@ class Submitter:
         """Why no live node (nor the static limits) takes `request`; None when one does."""
         return first_violation(request.pipeline, self.limits_for(request.pipeline), request)
 
+    def inputs_for(self, pipeline: str) -> list[InputSchema]:
+        """The input schema of each live node announcing one for `pipeline`."""
+        return self._served_now().inputs.get(pipeline, [])
+
+    def bad_inputs(self, request: JobRequest) -> InputViolation | None:
+        """Why no live node's schema takes the request's `inputs`; None when one does."""
+        return first_input_violation(
+            request.pipeline, self.inputs_for(request.pipeline), request.inputs
+        )
+
     def _served_now(self) -> Served:
         fetched_at, served = self._served
         if time.monotonic() - fetched_at < KNOWN_PIPELINES_CACHE_S:
             return served
         names = set(self.settings.pipelines)
         limits: dict[str, list[PipelineLimits]] = {}
+        inputs: dict[str, list[InputSchema]] = {}
         for node in self.store.live_nodes():
             names.update(str(p) for p in node.get("pipelines", []))
             for name, announced in announced_limits(node).items():
                 limits.setdefault(name, []).append(announced)
-        served = Served(sorted(names), limits)
+            for name, schema in announced_inputs(node).items():
+                inputs.setdefault(name, []).append(schema)
+        served = Served(sorted(names), limits, inputs)
         self._served = (time.monotonic(), served)
         return served
 
@@ -129,16 +150,28 @@ class Submitter:
         owner: str | None = None,
         idempotency_key: str | None = None,
         batch_id: str | None = None,
+        max_queued: int | None = None,
     ) -> tuple[JobRecord, bool]:
-        """Accept one job; returns its record and whether it was created (vs an idempotent hit)."""
+        """Accept one job; returns its record and whether it was created (vs an idempotent hit).
+
+        `max_queued`: QuotaExceeded (nothing written) while `owner` has that many queued jobs.
+        """
         # Refusals: UnknownPipeline, or a pydantic ValidationError naming the pipeline limit the
-        # request is over (what JobRequest's callers already handle as an invalid request).
+        # request is over or the input the pipeline refuses (what JobRequest's callers already
+        # handle as an invalid request).
         self._check_pipeline(request.pipeline)
         self._check_limits(request)
         new = self._new_job(
             request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id
         )
-        record, created = self.store.create_job(new)
+        record, created = self.store.create_job(new, max_queued=max_queued)
+        if created:
+            log.info(
+                "job %s accepted on %s",
+                record.id,
+                job_queue(record),
+                extra={"job_id": record.id},
+            )
         if created or not record.published:
             self.publish(record)
         return record, created
@@ -181,6 +214,9 @@ class Submitter:
         violation = self.over_limits(request)
         if violation is not None:
             raise violation.error(loc)
+        bad = self.bad_inputs(request)
+        if bad is not None:
+            raise bad.error(loc)
 
     def _new_job(
         self,
@@ -203,4 +239,5 @@ class Submitter:
             # of the request as sent (defaults filled, no drawn seed): a replay must match it
             fingerprint=request_fingerprint(request.to_record()) if idempotency_key else None,
             lane=str(request.priority),
+            queue=queue_name(str(request.priority), request.pipeline),
         )

@@ -1,2 +1,5 @@
-"""Webhooks: which job events become signed callbacks (enqueue), what a message says (message),
-one delivery attempt (delivery), and the SSRF guard every attempt passes (ssrf)."""
+"""Webhooks: job events as signed callbacks.
+
+Which job events become callbacks (enqueue), what a message says (message), one delivery attempt
+(delivery), and the SSRF guard every attempt passes (ssrf).
+"""

@@ -195,6 +195,7 @@ class PinnedBackend(httpcore.NetworkBackend):
         self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
     ) -> httpcore.NetworkStream:
         """Refused: a webhook never goes to a local socket."""
+        del path, timeout, socket_options  # httpcore's NetworkBackend signature
         raise httpcore.ConnectError("unix sockets are not allowed")
 
 

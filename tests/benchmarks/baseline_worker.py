@@ -73,7 +73,7 @@ class BaselineProcess:
 
     process: subprocess.Popen[bytes]
     app: Celery
-    redis: redis.Redis
+    redis: redis.Redis[str]
     namespace: str
     queue: str
     log_path: Path
@@ -173,7 +173,7 @@ def load(worker: Worker, specs: dict[str, str], redis_url: str, endpoint: str) -
     for name, spec in specs.items():
         pipeline = load_pipeline(spec, torch.device("cpu"))
         warm = GenerationRequest("warmup", name, "warm-up", 64, 64, 2, seed=0, guidance_scale=5.0)
-        pipeline.run([warm], lambda step, total: None)
+        pipeline.run([warm], lambda _step, _total: None)
         worker.pipelines[name] = pipeline
     worker.s3 = boto3.client(
         "s3",
@@ -204,7 +204,7 @@ def run_job(worker: Worker, job_id: str, request: dict[str, Any]) -> None:
         guidance_scale=float(request["guidance_scale"]),
     )
     started = time.perf_counter()
-    frames = worker.pipelines[generation.pipeline].run([generation], lambda step, total: None)
+    frames = worker.pipelines[generation.pipeline].run([generation], lambda _step, _total: None)
     ran = time.perf_counter()
     data = iio.imwrite("<bytes>", frames[0][0][0], extension=".png")
     encoded = time.perf_counter()

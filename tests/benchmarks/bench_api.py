@@ -88,7 +88,7 @@ def start_api(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
     return process
 
 
-def submitter_rate(store: JobStore, storage: StorageSettings, jobs: int) -> None:
+def submitter_rate(store: JobStore, jobs: int) -> None:
     """In-process Submitter.submit: record + Celery publish + mark_published, no HTTP."""
     from kiln.tasks.contract.settings import KilnSettings
     from kiln.tasks.queue.submit import Submitter
@@ -160,7 +160,7 @@ def main() -> None:
             args.jobs,
             lambda: spread(args.jobs, args.concurrency, client_submitter(url, key)),
         )
-        submitter_rate(store, storage, args.jobs)
+        submitter_rate(store, args.jobs)
         storage_ceiling(store, args.jobs)
     finally:
         api.terminate()

@@ -1,6 +1,7 @@
-"""CUDA path benchmark (run on a GPU machine): Kiln's group with nccl on one GPU driving an
-SD3-medium-sized DiT with random weights in bf16; steps/s and peak memory at batch 1/4/8, 512² and
-1024². Usage, from the repository root:
+"""CUDA path benchmark (run on a GPU machine).
+
+Kiln's group with nccl on one GPU driving an SD3-medium-sized DiT with random weights in bf16;
+steps/s and peak memory at batch 1/4/8, 512² and 1024². Usage, from the repository root:
 `python -m tests.benchmarks.bench_cuda [--steps 10] [--sizes 512,1024]`.
 
 steps/s is measured between the first and last denoising-step progress reports of a batch (so

@@ -32,7 +32,7 @@ def percentiles(samples_s: list[float]) -> str:
     """'p50 … ms  p95 … ms  mean … ms' of samples in seconds."""
     ordered = sorted(samples_s)
     p50 = statistics.median(ordered) * 1000
-    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))] * 1000
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))] * 1000
     mean = statistics.fmean(ordered) * 1000
     return f"p50 {p50:7.3f} ms   p95 {p95:7.3f} ms   mean {mean:7.3f} ms"
 
@@ -60,7 +60,7 @@ def bench_in_process(repeats: int, steps: int) -> list[float]:
     """The baseline: the no-op pipeline called directly, no group, no processes."""
     pipeline = noop.make(torch.device("cpu"))
     request = noop_request(0, steps)
-    return timed(lambda: pipeline.run([request], lambda step, total: None), repeats)
+    return timed(lambda: pipeline.run([request], lambda _step, _total: None), repeats)
 
 
 def bench_group(ranks: int, repeats: int, steps: int, window_s: float) -> list[float]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -199,7 +200,7 @@ class Services:
 
 @contextlib.contextmanager
 def services(args: argparse.Namespace, tmp: Path) -> Iterator[Services]:
-    """moto plus the Kiln nodes and baseline the chosen benchmarks need, started in parallel."""
+    """Moto plus the Kiln nodes and baseline the chosen benchmarks need, started in parallel."""
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
@@ -273,7 +274,9 @@ def wait_all(store: JobStore, job_ids: list[str], timeout_s: float) -> list[JobR
     return records
 
 
-def wait_baseline(baseline: BaselineProcess, job_ids: list[str], timeout_s: float) -> list[dict]:
+def wait_baseline(
+    baseline: BaselineProcess, job_ids: list[str], timeout_s: float
+) -> list[dict[str, str]]:
     """Poll the baseline's status hashes until every job has succeeded."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -314,12 +317,12 @@ class OverheadSample:
 
     @property
     def direct(self) -> float:
-        """run + encode + put in this process."""
+        """Run + encode + put in this process."""
         return self.direct_run + self.direct_encode + self.direct_put
 
     @property
     def latency(self) -> float:
-        """submit -> terminal event seen."""
+        """Submit -> terminal event seen."""
         return self.seen_at - self.submitted_at
 
     def metric(self, name: str) -> float:
@@ -339,7 +342,7 @@ class OverheadSample:
         encoding, uploading = self.stages["encoding"], self.stages["uploading"]
         points = [self.submitted_at, r.created_at, started, *self.forward, encoding, uploading]
         points += [finished, self.seen_at]
-        return [b - a for a, b in zip(points, points[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(points)]
 
 
 TIMELINE = [
@@ -354,14 +357,16 @@ TIMELINE = [
 ]
 
 
-def direct_once(pipeline: Pipeline, objects: ObjectStore, request: JobRequest, index: int):
+def direct_once(
+    pipeline: Pipeline, objects: ObjectStore, request: JobRequest, index: int
+) -> tuple[float, float, float]:
     """The same work without Kiln: run, encode, put; returns (run, encode, put) seconds."""
     generation = GenerationRequest(
         f"direct-{index}", "tiny", request.prompt, request.width, request.height, request.steps,
         seed=int(request.seed or 0), guidance_scale=request.guidance_scale,
     )  # fmt: skip
     started = time.perf_counter()
-    frames = pipeline.run([generation], lambda step, total: None)[0][0]
+    frames = pipeline.run([generation], lambda _step, _total: None)[0][0]
     ran = time.perf_counter()
     encoded = encode(frames, OutputSpec(format="png"))
     coded = time.perf_counter()
@@ -370,7 +375,9 @@ def direct_once(pipeline: Pipeline, objects: ObjectStore, request: JobRequest, i
     return ran - started, coded - ran, time.perf_counter() - coded
 
 
-def kiln_once(cluster: Cluster, request: JobRequest, direct: tuple[float, float, float]):
+def kiln_once(
+    cluster: Cluster, request: JobRequest, direct: tuple[float, float, float]
+) -> OverheadSample:
     """One Kiln job, submit to terminal event, with its event timeline."""
     submitted_at = time.time()
     record, _ = cluster.submitter.submit(request)
@@ -474,7 +481,8 @@ def run_kiln_stream(found: Services, max_batch: int, requests: list[JobRequest])
 def run_baseline_stream(found: Services, requests: list[JobRequest]) -> StreamResult:
     """Submit every request at once to the baseline worker; wait for all."""
     baseline = found.baseline
-    assert baseline is not None and found.baseline_forwards is not None
+    assert baseline is not None
+    assert found.baseline_forwards is not None
     job_ids = [secrets.token_hex(12) for _ in requests]
     started = time.time()
     for job_id, request in zip(job_ids, requests, strict=True):

@@ -39,7 +39,8 @@ def image_like(width: int, height: int, seed: int) -> np.ndarray:
     bottom = coarse[y0 + 1, x0] * (1 - fx) + coarse[y0 + 1, x0 + 1] * fx
     smooth = top * (1 - fy) + bottom * fy
     noisy = smooth + rng.normal(0, 3.0, size=smooth.shape)
-    return np.clip(noisy, 0, 255).astype(np.uint8)[None]
+    clipped: np.ndarray = np.clip(noisy, 0, 255)
+    return clipped.astype(np.uint8)[None]
 
 
 def record_forward(path: str | None, started: float, ended: float, count: int) -> None:

@@ -22,7 +22,7 @@ START, END = "<!-- settings-tables -->", "<!-- /settings-tables -->"
 SECTIONS: tuple[tuple[str, type[BaseSettings]], ...] = (
     ("Storage (`storage/settings.py`)", StorageSettings),
     ("GPU worker (`gpu_worker/settings.py`)", GpuWorkerSettings),
-    ("Tasks: Celery, node, API, webhooks (`tasks/settings.py`)", KilnSettings),
+    ("Tasks: Celery, node, API, webhooks (`tasks/contract/settings.py`)", KilnSettings),
 )
 
 

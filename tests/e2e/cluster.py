@@ -76,7 +76,7 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def rank_pids(self) -> dict[int, int]:
-        """rank → pid of the group's live rank processes (found by their process titles)."""
+        """Rank → pid of the group's live rank processes (found by their process titles)."""
         ranks = {}
         for pid in child_pids(self.process.pid):
             try:

@@ -31,6 +31,7 @@ FAST_RECOVERY_ENV = {
     "KILN_UPLOAD_RETRY_S": "120",
     "KILN_PROGRESS_INTERVAL_S": "0.05",
     "KILN_PIPELINES": '["default", "tiny", "tiny-video", "sleepy"]',
+    "KILN_METRICS_PORT": "0",  # several nodes per test: none serves metrics unless asked
 }
 
 

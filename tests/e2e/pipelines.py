@@ -22,6 +22,7 @@ from kiln.gpu_worker.protocol import GenerationRequest
 STEP_SECONDS_ENV = "KILN_TEST_STEP_SECONDS"
 COMPLETIONS_ENV = "KILN_TEST_COMPLETIONS"
 POISON_PROMPT = "poison"
+FAIL_PROMPT = "fail"  # the pipeline raises: the job fails for good (not retryable)
 MAX_STEPS = 300  # what the sleepy pipeline declares: enough for the long jobs of the cancel tests
 
 
@@ -65,6 +66,8 @@ class SleepyPipeline:
         for step in range(1, steps + 1):
             if any(r.prompt == POISON_PROMPT for r in requests):
                 os._exit(3)  # a job that kills its rank every time it runs
+            if any(r.prompt == FAIL_PROMPT for r in requests):
+                raise RuntimeError("the sleepy pipeline was asked to fail")
             time.sleep(self.step_seconds)
             on_step_end(step, steps)
         outputs = [[frames_for(r, i) for i in range(r.num_outputs)] for r in requests]

@@ -52,13 +52,16 @@ class FlakyProxy:
             threading.Thread(target=self._pipe_pair, args=(client,), daemon=True).start()
 
     def _pipe_pair(self, client: socket.socket) -> None:
-        try:
-            upstream = socket.create_connection(self.target, timeout=10)
-        except OSError:
-            client.close()
-            return
-        threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
-        _pump(client, upstream)
+        with client:
+            try:
+                upstream = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                return
+            with upstream:
+                back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+                back.start()
+                _pump(client, upstream)  # ends both ways: it shuts both sockets down
+                back.join(timeout=30)
 
 
 def _pump(source: socket.socket, sink: socket.socket) -> None:

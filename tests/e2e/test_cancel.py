@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def sleepy_cluster(module_cluster_factory):
+def sleepy_cluster(module_cluster_factory: Callable[..., Cluster]) -> Iterator[Cluster]:
     cluster = module_cluster_factory(KILN_PROGRESS_INTERVAL_S="0")
     yield cluster
     cluster.stop_all()

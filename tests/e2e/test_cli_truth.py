@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from kiln.tasks.cli.main import EXIT_NOT_SERVED, EXIT_USAGE, EXIT_WAIT_TIMEOUT
 from tests.e2e.cluster import Cluster
@@ -76,7 +75,7 @@ def test_a_bad_setting_is_one_line_naming_the_variable(
 
 
 def test_the_demo_stops_when_its_worker_dies_and_shows_why(
-    cluster_factory: Callable[..., Cluster], tmp_path: Path
+    cluster_factory: Callable[..., Cluster],
 ) -> None:
     # The worker (only it reads this setting) exits at start; the demo must not wait 180 s.
     cluster = cluster_factory(KILN_CPU_THREADS_PER_RANK="lots")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
-def tiny_cluster(module_cluster_factory):
+def tiny_cluster(module_cluster_factory: Callable[..., Cluster]) -> Iterator[Cluster]:
     cluster = module_cluster_factory()
     cluster.start_worker("default=tiny", "tiny-video", devices="cpu:2")
     yield cluster
@@ -43,8 +44,10 @@ def test_submit_through_tasks_submit_succeeds_with_verified_outputs(tiny_cluster
     seqs = [e.seq for e in events]
     assert seqs == list(range(1, len(seqs) + 1))
     types = [e.type for e in events]
-    assert types[0] == "queued" and types[-1] == "succeeded"
-    assert "running" in types and "progress" in types
+    assert types[0] == "queued"
+    assert types[-1] == "succeeded"
+    assert "running" in types
+    assert "progress" in types
     for metric in ("queue_s", "run_s", "encode_s", "upload_s", "peak_memory_mb"):
         assert metric in record.metrics
 
@@ -92,14 +95,16 @@ def test_submit_through_cli_waits_and_prints_outputs(tiny_cluster: Cluster) -> N
 def test_cli_user_mistake_is_one_line_and_exit_2(tiny_cluster: Cluster) -> None:
     result = tiny_cluster.run_cli("submit", "x", "--width", "65")
     assert result.returncode == 2
-    assert "width" in result.stderr and "Traceback" not in result.stderr
+    assert "width" in result.stderr
+    assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_cli_unknown_job_is_one_line(tiny_cluster: Cluster) -> None:
     result = tiny_cluster.run_cli("status", "nope")
     assert result.returncode != 0
-    assert "nope" in result.stderr and "Traceback" not in result.stderr
+    assert "nope" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_same_seed_gives_same_bytes(tiny_cluster: Cluster) -> None:

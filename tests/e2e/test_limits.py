@@ -1,9 +1,13 @@
-"""Pipeline limits on a real node: announced in its heartbeat, enforced at submit, and enforced
-again on the node before any rank runs a job that is over them."""
+"""Pipeline limits on a real node.
+
+Announced in its heartbeat, enforced at submit, and enforced again on the node before any rank
+runs a job that is over them.
+"""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 import pytest
 from pydantic import ValidationError
@@ -17,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_node_announces_limits_and_fails_a_job_over_them_without_running_it(
-    cluster_factory,
+    cluster_factory: Callable[..., Cluster],
 ) -> None:
     cluster: Cluster = cluster_factory()
     cluster.start_worker(f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
@@ -34,7 +38,8 @@ def test_node_announces_limits_and_fails_a_job_over_them_without_running_it(
     record, _ = cluster.store.create_job(NewJob(id=uuid.uuid4().hex, request=over.to_record()))
     cluster.submitter.publish(record)
     failed = cluster.wait_for(record.id)
-    assert str(failed.state) == "failed" and failed.attempts == 0  # never started
+    assert str(failed.state) == "failed"
+    assert failed.attempts == 0  # never started
     assert failed.error == {
         "type": "pipeline_limit",
         "message": f"steps: sleepy takes steps ≤ {MAX_STEPS}; got 400",

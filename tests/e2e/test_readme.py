@@ -84,7 +84,8 @@ def test_the_readme_walkthrough_runs_as_written(
     video = _json_after(output, '"pipeline": "tiny-video"')
     assert video["status"] == "succeeded"
     assert [o["content_type"] for o in video["outputs"]] == ["video/mp4"]
-    assert "kiln worker" in script and "kiln api" in script
+    assert "kiln worker" in script
+    assert "kiln api" in script
 
 
 def _json_after(output: str, marker: str) -> dict[str, Any]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 
 from tests.e2e.cluster import SLEEPY, Cluster
+from tests.e2e.services import FlakyProxy, PrivateRedis
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,7 +35,9 @@ def assert_one_output_set(cluster: Cluster, job_id: str, num_outputs: int) -> No
     assert cluster.completion_count(job_id) == 1
 
 
-def test_rank_killed_mid_job_is_retried_and_succeeds_once(cluster_factory) -> None:
+def test_rank_killed_mid_job_is_retried_and_succeeds_once(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
     cluster = cluster_factory()
     worker = cluster.start_worker(
         SLEEPY_PIPELINE, devices="cpu:2", extra_env={"KILN_TEST_STEP_SECONDS": "0.2"}
@@ -52,7 +56,9 @@ def test_rank_killed_mid_job_is_retried_and_succeeds_once(cluster_factory) -> No
     assert [e.payload["error"]["type"] for e in retries] == ["WorkerGroupDied"]
 
 
-def test_node_killed_mid_job_finishes_on_the_other_node(cluster_factory) -> None:
+def test_node_killed_mid_job_finishes_on_the_other_node(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
     cluster = cluster_factory()
     step_env = {"KILN_TEST_STEP_SECONDS": "0.2"}
     first = cluster.start_worker(SLEEPY_PIPELINE, extra_env=step_env)
@@ -79,7 +85,9 @@ def test_node_killed_mid_job_finishes_on_the_other_node(cluster_factory) -> None
     assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")], "ranks outlived their node"
 
 
-def test_sigterm_with_grace_finishes_the_running_job(cluster_factory) -> None:
+def test_sigterm_with_grace_finishes_the_running_job(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
     cluster = cluster_factory()
     worker = cluster.start_worker(
         SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.1", "KILN_DRAIN_GRACE_S": "60"}
@@ -92,7 +100,7 @@ def test_sigterm_with_grace_finishes_the_running_job(cluster_factory) -> None:
     assert_one_output_set(cluster, job_id, num_outputs=1)
 
 
-def test_sigterm_past_grace_hands_the_job_back(cluster_factory) -> None:
+def test_sigterm_past_grace_hands_the_job_back(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory()
     worker = cluster.start_worker(
         SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.2", "KILN_DRAIN_GRACE_S": "0.5"}
@@ -102,13 +110,16 @@ def test_sigterm_past_grace_hands_the_job_back(cluster_factory) -> None:
     worker.terminate(timeout_s=60)
     record = cluster.store.get(job_id)
     assert str(record.state) == "queued", "a job past the grace must go back to the queue"
-    assert record.error and record.error["type"] == "handed_back"
+    assert record.error
+    assert record.error["type"] == "handed_back"
     cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
     cluster.wait_for(job_id, timeout_s=60)
     assert_one_output_set(cluster, job_id, num_outputs=1)
 
 
-def test_job_longer_than_visibility_timeout_runs_once(cluster_factory) -> None:
+def test_job_longer_than_visibility_timeout_runs_once(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
     cluster = cluster_factory(KILN_VISIBILITY_TIMEOUT_S="2")
     worker = cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.5"})
     job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=24)
@@ -119,14 +130,17 @@ def test_job_longer_than_visibility_timeout_runs_once(cluster_factory) -> None:
     assert f"job {job_id} delivered again while leased" in worker.log()
 
 
-def test_poison_job_fails_after_max_attempts_without_looping(cluster_factory) -> None:
+def test_poison_job_fails_after_max_attempts_without_looping(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
     cluster = cluster_factory(KILN_MAX_ATTEMPTS="3", KILN_RETRY_BACKOFF_S="0.2")
     cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
     job_id = cluster.submit(pipeline="sleepy", prompt="poison", width=64, height=64, steps=4)
     record = cluster.wait_for(job_id, timeout_s=180)
     assert str(record.state) == "failed"
     assert record.attempts == 3
-    assert record.error is not None and record.error["retryable"] is False
+    assert record.error is not None
+    assert record.error["retryable"] is False
     events_then = len(cluster.store.events(job_id))
     time.sleep(3)
     assert len(cluster.store.events(job_id)) == events_then, "a failed job must not run again"
@@ -135,7 +149,7 @@ def test_poison_job_fails_after_max_attempts_without_looping(cluster_factory) ->
 
 
 def test_object_store_unreachable_during_upload_retries_then_succeeds(
-    cluster_factory, s3_proxy
+    cluster_factory: Callable[..., Cluster], s3_proxy: FlakyProxy
 ) -> None:
     cluster = cluster_factory()
     cluster.start_worker(
@@ -154,14 +168,17 @@ def test_object_store_unreachable_during_upload_retries_then_succeeds(
         time.sleep(0.05)
     time.sleep(4)
     record = cluster.store.get(job_id)
-    assert str(record.state) == "running" and record.outputs == []
+    assert str(record.state) == "running"
+    assert record.outputs == []
     assert s3_proxy.refused > 0
     s3_proxy.up()
     cluster.wait_for(job_id, timeout_s=120)
     assert_one_output_set(cluster, job_id, num_outputs=1)
 
 
-def test_redis_restart_mid_run_loses_no_job(cluster_factory, private_redis) -> None:
+def test_redis_restart_mid_run_loses_no_job(
+    cluster_factory: Callable[..., Cluster], private_redis: PrivateRedis
+) -> None:
     cluster = cluster_factory(KILN_REDIS_URL=private_redis.url)
     cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.1"})
     job_ids = [

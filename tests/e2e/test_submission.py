@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from kiln.tasks.cli.main import EXIT_WAIT_TIMEOUT
@@ -13,15 +15,19 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def failing_publish(job_id: str, queue: str, countdown: float = 0.0) -> None:
+    del job_id, queue, countdown  # the Publish signature
     raise ConnectionError("broker unreachable")
 
 
-def test_job_whose_publish_failed_is_accepted_and_swept_later(cluster_factory) -> None:
+def test_job_whose_publish_failed_is_accepted_and_swept_later(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
     cluster: Cluster = cluster_factory(KILN_SWEEPER_AGE_S="1")
     broken = Submitter(cluster.store, cluster.settings, failing_publish)
     request = JobRequest(pipeline="sleepy", prompt="x", width=64, height=64, steps=2)
     record, created = broken.submit(request)
-    assert created and not record.published  # accepted; the failure is the sweeper's to fix
+    assert created  # accepted; the failure is the sweeper's to fix
+    assert not record.published
     assert cluster.store.unpublished_jobs(0) == [record.id]
     cluster.start_worker(f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
     done = cluster.wait_for(record.id, timeout_s=60)
@@ -29,7 +35,9 @@ def test_job_whose_publish_failed_is_accepted_and_swept_later(cluster_factory) -
     assert cluster.completion_count(record.id) == 1
 
 
-def test_submit_many_writes_in_bulk_and_every_job_runs(cluster_factory) -> None:
+def test_submit_many_writes_in_bulk_and_every_job_runs(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
     cluster: Cluster = cluster_factory()
     requests = [
         JobRequest(
@@ -46,15 +54,18 @@ def test_submit_many_writes_in_bulk_and_every_job_runs(cluster_factory) -> None:
         assert cluster.completion_count(job_id) == 1
 
 
-def test_cli_wait_timeout_is_one_line(cluster_factory) -> None:
+def test_cli_wait_timeout_is_one_line(cluster_factory: Callable[..., Cluster]) -> None:
     cluster: Cluster = cluster_factory()
     job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=1)
     result = cluster.run_cli("wait", job_id, "--timeout", "0.5", "--wait-for-node")
     assert result.returncode == EXIT_WAIT_TIMEOUT
-    assert "not finished" in result.stderr and "Traceback" not in result.stderr
+    assert "not finished" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
-def test_interactive_jobs_start_first_and_bulk_still_gets_its_share(cluster_factory) -> None:
+def test_interactive_jobs_start_first_and_bulk_still_gets_its_share(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
     cluster: Cluster = cluster_factory(KILN_BULK_SHARE_EVERY="4")
     bulk = [
         cluster.submit(

@@ -57,7 +57,7 @@ def request(
 
 
 def cpu_ticks(pid: int) -> int:
-    """utime + stime of a process, in clock ticks (from /proc/<pid>/stat)."""
+    """`utime` + `stime` of a process, in clock ticks (from /proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
 

@@ -1,5 +1,6 @@
-"""The coordinator on 1 and 2 CPU ranks with the tiny pipeline: outputs, seeds, parallelism,
-batching, progress and stopping.
+"""The coordinator on 1 and 2 CPU ranks with the tiny pipeline.
+
+Outputs, seeds, parallelism, batching, progress and stopping.
 
 "tiny" here is the tiny SD-style pipeline loaded through `load_pipeline("tiny")`, wrapped by the
 counting fixture so that each rank logs what its denoiser computed.
@@ -47,6 +48,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def one_rank(logs: Path) -> Iterator[Coordinator]:
     """One CPU rank, no parallelism; also serves the tiny text-to-video pipeline."""
+    del logs  # requested so the log paths are in the environment before the ranks spawn
     pipelines = {**PIPELINES, "video": "tiny-video"}
     coordinator = start_coordinator("cpu:1", pipelines, node_name="one")
     yield coordinator
@@ -56,6 +58,7 @@ def one_rank(logs: Path) -> Iterator[Coordinator]:
 @pytest.fixture(scope="module")
 def two_ranks(logs: Path) -> Iterator[Coordinator]:
     """Two CPU ranks splitting each batch between them."""
+    del logs  # requested so the log paths are in the environment before the ranks spawn
     coordinator = start_coordinator(
         "cpu:2", PIPELINES, parallel=ParallelSpec(mode="batch"), node_name="two"
     )
@@ -139,7 +142,8 @@ def test_four_compatible_requests_share_one_forward_and_match_separate_runs(
     busy.result(GENEROUS_S)
     batched = [future.result(GENEROUS_S) for future in futures]
     for alone, together in zip(separate, batched, strict=True):
-        assert together.metrics is not None and together.metrics.batch_size == 4
+        assert together.metrics is not None
+        assert together.metrics.batch_size == 4
         assert max_difference(alone, together) <= PIXEL_TOLERANCE
 
 
@@ -180,7 +184,8 @@ def test_a_request_stopped_at_step_k_runs_at_most_k_plus_one_steps(
 
 def test_stats_describe_the_group(coordinator: Coordinator) -> None:
     stats = coordinator.stats()
-    assert stats["group_alive"] and stats["jobs_running"] == 0
+    assert stats["group_alive"]
+    assert stats["jobs_running"] == 0
     assert {"base", "tiny"} <= set(stats["pipelines"])
     assert len(stats["pids"]) == stats["world_size"]
     assert stats["last_progress_at"] is not None

@@ -43,6 +43,7 @@ def count_log(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def one_rank(count_log: Path) -> Iterator[Coordinator]:
     """One CPU rank, default options."""
+    del count_log  # requested so the log path is in the environment before the ranks spawn
     coordinator = start_coordinator("cpu:1", PIPELINES, node_name="auto-one")
     yield coordinator
     coordinator.shutdown()
@@ -51,6 +52,7 @@ def one_rank(count_log: Path) -> Iterator[Coordinator]:
 @pytest.fixture(scope="module")
 def two_ranks(count_log: Path) -> Iterator[Coordinator]:
     """Two CPU ranks, default options."""
+    del count_log  # requested so the log path is in the environment before the ranks spawn
     coordinator = start_coordinator("cpu:2", PIPELINES, node_name="auto-two")
     yield coordinator
     coordinator.shutdown()

@@ -1,5 +1,7 @@
-"""Failure modes on a 2-rank group of fixture pipelines: every one ends in the right error type,
-and the same coordinator serves the next request (rebuilding the group where it must).
+"""Failure modes on a 2-rank group of fixture pipelines.
+
+Every one ends in the right error type, and the same coordinator serves the next request
+(rebuilding the group where it must).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def step_log(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def coordinator(step_log: Path) -> Iterator[Coordinator]:
     """Shared by the tests below; the ones that break the group leave it rebuilt."""
+    del step_log  # requested so the log path is in the environment before the ranks spawn
     coordinator = start_coordinator(
         "cpu:2",
         FIXTURE_PIPELINES,
@@ -89,7 +92,8 @@ def test_pipeline_exception_fails_the_job_and_the_group_keeps_serving(
     before = rebuilds(coordinator)
     with pytest.raises(JobFailed) as failure:
         run(coordinator, request("raise-1", "raises", "please raise"))
-    assert type(failure.value) is JobFailed and not failure.value.retryable
+    assert type(failure.value) is JobFailed
+    assert not failure.value.retryable
     assert raises.MESSAGE in str(failure.value)
     still_serves(coordinator, "raises")
     assert rebuilds(coordinator) == before
@@ -128,7 +132,8 @@ def test_a_rank_that_exits_mid_run_fails_in_flight_work_as_retryable(
     with pytest.raises(WorkerGroupDied) as failure:
         run(coordinator, request("exit-1", "exits", "exit now"))
     assert failure.value.retryable
-    assert "rank 1" in str(failure.value) and "exit code 3" in str(failure.value)
+    assert "rank 1" in str(failure.value)
+    assert "exit code 3" in str(failure.value)
     still_serves(coordinator, "exits")
     assert rebuilds(coordinator) == before + 1
 
@@ -208,7 +213,8 @@ def test_stopping_one_request_of_a_batch_lets_its_batch_mates_finish(
     with pytest.raises(JobStopped):
         stopped.result(GENEROUS_S)
     result = finished.result(GENEROUS_S)
-    assert result.metrics is not None and result.metrics.batch_size == 2
+    assert result.metrics is not None
+    assert result.metrics.batch_size == 2
     assert [o.shape for o in result.outputs] == [(1, 16, 16, 3)]
 
 

@@ -64,7 +64,8 @@ def test_shutdown_asks_first_and_leaves_no_process() -> None:
     group = WorkerGroup(config(2))
     group.start()
     pids = group.pids
-    assert len(pids) == 2 and not any(process_gone(pid) for pid in pids)
+    assert len(pids) == 2
+    assert not any(process_gone(pid) for pid in pids)
     group.shutdown()
     assert all(process_gone(pid) for pid in pids)
     # Asked nicely, every rank exits by itself with 0 (no SIGTERM, no SIGKILL needed).
@@ -103,19 +104,19 @@ def test_a_killed_rank_is_reported_once_and_the_rest_are_stopped() -> None:
 
 @pytest.mark.slow
 def test_ranks_die_with_their_parent_even_when_it_is_sigkilled() -> None:
-    parent = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-m", "tests.gpu_worker.fixtures.orphan_parent", "2"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert parent.stdout is not None
-        pids = json.loads(parent.stdout.readline())["pids"]
-        assert len(pids) == 2 and not any(process_gone(pid) for pid in pids)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(30)
-        assert wait_until(lambda: all(process_gone(pid) for pid in pids)), pids
-    finally:
-        parent.kill()
-        parent.wait()
+    ) as parent:  # closes the pipe and reaps the parent on the way out
+        try:
+            assert parent.stdout is not None
+            pids = json.loads(parent.stdout.readline())["pids"]
+            assert len(pids) == 2
+            assert not any(process_gone(pid) for pid in pids)
+            parent.send_signal(signal.SIGKILL)
+            parent.wait(30)
+            assert wait_until(lambda: all(process_gone(pid) for pid in pids)), pids
+        finally:
+            parent.kill()

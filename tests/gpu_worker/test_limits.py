@@ -1,6 +1,9 @@
-"""What pipelines declare they take: the tiny pipelines' own limits, limits derived from a diffusers
-model, the announced frame rule against what `validate` enforces, and the coordinator getting the
-limits from its ranks and keeping each batch within the declared memory budget."""
+"""What pipelines declare they take.
+
+The tiny pipelines' own limits, limits derived from a diffusers model, the announced frame rule
+against what `validate` enforces, and the coordinator getting the limits from its ranks and
+keeping each batch within the declared memory budget.
+"""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ def test_cpu_peak_follows_an_allocation_and_resets() -> None:
     peak = PeakMemory(torch.device("cpu"))
     peak.reset()
     baseline = peak.measure()
-    assert baseline.cuda_max_allocated_mb is None and baseline.cuda_max_reserved_mb is None
+    assert baseline.cuda_max_allocated_mb is None
+    assert baseline.cuda_max_reserved_mb is None
     block = np.ones(64 * 1024 * 1024, dtype=np.uint8)  # 64 MiB, touched
     del block
     grown = peak.measure()

@@ -1,5 +1,8 @@
-"""A rank the kernel kills for memory: the request fails as OutOfMemory (not retryable) instead of
-WorkerGroupDied, which would run it again and kill the rebuilt group each time."""
+"""A rank the kernel kills for memory.
+
+The request fails as OutOfMemory (not retryable) instead of WorkerGroupDied, which would run it
+again and kill the rebuilt group each time.
+"""
 
 from __future__ import annotations
 
@@ -55,4 +58,5 @@ def test_a_rank_killed_by_the_oom_killer_fails_its_request_as_out_of_memory(
     assert not failure.value.retryable
     assert "out-of-memory killer" in str(failure.value)
     after = coordinator.submit(request("after", "hangs")).result(GENEROUS_S)
-    assert after.outputs and coordinator.stats()["rebuilds"] == 1
+    assert after.outputs
+    assert coordinator.stats()["rebuilds"] == 1

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import imageio_ffmpeg
 import numpy as np
@@ -25,14 +28,37 @@ def gradient_frames(count: int, height: int, width: int) -> np.ndarray:
     return frames
 
 
-def decode_video(encoded: EncodedOutput, tmp_path: Path) -> tuple[dict, list[np.ndarray]]:
+def decode_video(
+    encoded: EncodedOutput, tmp_path: Path
+) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The video stream's codec, size and fps as ffmpeg reads them, and its frames as RGB.
+
+    Not `imageio_ffmpeg.read_frames`: when ffmpeg exits before the generator ends, it leaves
+    ffmpeg's pipes open (a ResourceWarning).
+    """
     path = tmp_path / f"video.{encoded.extension}"
     path.write_bytes(encoded.data)
-    reader = imageio_ffmpeg.read_frames(str(path))
-    meta = next(reader)
-    width, height = meta["size"]
-    frames = [np.frombuffer(raw, np.uint8).reshape(height, width, 3) for raw in reader]
-    return meta, frames
+    ffmpeg = imageio_ffmpeg.get_ffmpeg_exe()
+    # With no output named, ffmpeg prints the input's header and exits non-zero.
+    header = subprocess.run(
+        [ffmpeg, "-hide_banner", "-i", str(path)], capture_output=True, text=True, check=False
+    ).stderr
+    stream = next(line for line in header.splitlines() if " Video: " in line)
+    size = re.search(r", (\d+)x(\d+)", stream)
+    assert size is not None, stream
+    fps = re.search(r", ([\d.]+) fps", stream)
+    width, height = int(size[1]), int(size[2])
+    meta = {
+        "codec": stream.split(" Video: ", 1)[1].split()[0],
+        "size": (width, height),
+        "fps": float(fps[1]) if fps else None,
+    }
+    raw = subprocess.run(
+        [ffmpeg, "-v", "error", "-i", str(path), "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    return meta, list(np.frombuffer(raw, np.uint8).reshape(-1, height, width, 3))
 
 
 @pytest.mark.parametrize(
@@ -122,12 +148,12 @@ def test_gif_keeps_every_frame() -> None:
 
 @pytest.mark.parametrize("fmt", ["mp4", "webm", "gif"])
 def test_a_video_format_needs_frames(fmt: str) -> None:
-    with pytest.raises(UnsupportedRequest, match="^output_format: .*2 or more frames"):
+    with pytest.raises(UnsupportedRequest, match=r"^output_format: .*2 or more frames"):
         encode(gradient_frames(1, 16, 16), OutputSpec(fmt))
 
 
 def test_an_image_format_holds_one_frame() -> None:
-    with pytest.raises(UnsupportedRequest, match="^output_format: png holds one image"):
+    with pytest.raises(UnsupportedRequest, match=r"^output_format: png holds one image"):
         encode(gradient_frames(3, 16, 16), OutputSpec("png"))
 
 
@@ -139,7 +165,7 @@ def test_an_image_format_holds_one_frame() -> None:
         ({"format": "jpeg", "quality": 101}, "quality"),
     ],
 )
-def test_bad_specs_name_the_field(spec: dict, field: str) -> None:
+def test_bad_specs_name_the_field(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(UnsupportedRequest, match=f"^{field}:"):
         OutputSpec(**spec)
 

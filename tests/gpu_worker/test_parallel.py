@@ -288,7 +288,7 @@ def test_parallel_needs_a_denoiser() -> None:
 
 
 def test_parallel_spec_rejects_unknown_modes() -> None:
-    with pytest.raises(ValueError, match="none|batch|context"):
+    with pytest.raises(ValueError, match=r"none\|batch\|context"):
         ParallelSpec("tensor")  # type: ignore[arg-type]
 
 

@@ -8,6 +8,7 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 
@@ -76,12 +77,12 @@ def tiny_video(settings: GpuWorkerSettings) -> Pipeline:
     return load_pipeline("tiny-video", CPU, settings)
 
 
-@pytest.fixture()
-def counters(tiny: Pipeline) -> Iterator[DenoiserCounters]:
+@pytest.fixture
+def counters(tiny: Pipeline) -> DenoiserCounters:
     found = denoiser_counters(tiny)
     assert found is not None
     found.reset()
-    yield found
+    return found
 
 
 # --- spec grammar -------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def test_stop_at_step_k_runs_no_more_than_k_steps(
     before = tiny.run([image_request(seed=31)], no_progress)[0][0]
     counters.reset()
 
-    def stop_at_two(step: int, total: int) -> None:
+    def stop_at_two(step: int, _total: int) -> None:
         if step == 2:
             raise StopDenoising
 
@@ -209,7 +210,9 @@ def test_mixed_batch_is_refused(tiny: Pipeline) -> None:
         ({"num_outputs": 0}, "num_outputs"),
     ],
 )
-def test_unsupported_field_is_named(tiny: Pipeline, overrides: dict, field: str) -> None:
+def test_unsupported_field_is_named(
+    tiny: Pipeline, overrides: dict[str, Any], field: str
+) -> None:
     with pytest.raises(UnsupportedRequest, match=f"^{field}:"):
         tiny.validate(image_request(**overrides))
 
@@ -236,11 +239,11 @@ def test_tiny_video_frames_and_seed(tiny_video: Pipeline) -> None:
 
 def test_tiny_video_validates_frames_and_size(tiny_video: Pipeline) -> None:
     tiny_video.validate(video_request())
-    with pytest.raises(UnsupportedRequest, match="^num_frames:"):
+    with pytest.raises(UnsupportedRequest, match=r"^num_frames:"):
         tiny_video.validate(video_request(num_frames=8))
-    with pytest.raises(UnsupportedRequest, match="^width:"):
+    with pytest.raises(UnsupportedRequest, match=r"^width:"):
         tiny_video.validate(video_request(width=72))  # 8x VAE x 2x2 patches: multiples of 16
-    with pytest.raises(UnsupportedRequest, match="^num_frames:"):
+    with pytest.raises(UnsupportedRequest, match=r"^num_frames:"):
         tiny_video.run([video_request(num_frames=8)], no_progress)  # run checks too: no rounding
 
 

@@ -21,7 +21,9 @@ def api_keys(storage_settings: StorageSettings) -> Iterator[ApiKeyStore]:
 def test_create_lookup_list_revoke(api_keys: ApiKeyStore) -> None:
     admin = api_keys.create("hash-admin", "ops", admin=True)
     user = api_keys.create("hash-user", "team-a", admin=False)
-    assert admin.admin and not user.admin and admin.id != user.id
+    assert admin.admin
+    assert not user.admin
+    assert admin.id != user.id
     assert api_keys.lookup("hash-user") == user
     assert api_keys.lookup("unknown") is None
     assert [k.id for k in api_keys.list()] == [admin.id, user.id]
@@ -34,5 +36,5 @@ def test_create_lookup_list_revoke(api_keys: ApiKeyStore) -> None:
 
 def test_duplicate_hash_refused(api_keys: ApiKeyStore) -> None:
     api_keys.create("same", "a")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="exists already"):
         api_keys.create("same", "b")

@@ -17,18 +17,23 @@ def test_create_writes_a_queued_record(job_store: JobStore) -> None:
     assert created
     assert (record.id, record.state, record.request) == (new.id, JobState.QUEUED, new.request)
     assert (record.owner, record.metadata, record.lane) == ("alice", {"team": "a"}, "bulk")
-    assert record.attempts == 0 and record.started_at is None and record.outputs == []
+    assert record.attempts == 0
+    assert record.started_at is None
+    assert record.outputs == []
     assert job_store.get(new.id) == record
     assert job_store.queue_depth() == 1
     again, created = job_store.create_job(new)
-    assert not created and again == record
+    assert not created
+    assert again == record
     assert job_store.queue_depth() == 1
 
 
 def test_idempotency_same_body_same_job(job_store: JobStore) -> None:
     first, created = job_store.create_job(new_job(idempotency_key="k1"))
     second, created_again = job_store.create_job(new_job(idempotency_key="k1"))
-    assert created and not created_again and second.id == first.id
+    assert created
+    assert not created_again
+    assert second.id == first.id
     with pytest.raises(IdempotencyConflict):
         job_store.create_job(new_job(idempotency_key="k1", request={"prompt": "a dog"}))
     with pytest.raises(IdempotencyConflict):
@@ -43,7 +48,7 @@ def test_unknown_or_impossible_ids(job_store: JobStore) -> None:
         job_store.get("../etc:passwd")
     with pytest.raises(JobNotFound):
         job_store.start("missing", 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="invalid job id"):
         NewJob(id="a:b", request={})
     with pytest.raises(BatchNotFound):
         job_store.create_job(new_job(batch_id="nobatch"))
@@ -58,9 +63,11 @@ def test_bulk_create_in_chunks(job_store: JobStore) -> None:
     job_store.create_jobs(news[:100], chunk_size=64)  # a re-run creates nothing twice
     assert job_store.queue_depth() == 250
     batch = job_store.get_batch("bulk1")
-    assert batch.counts[JobState.QUEUED] == 250 and batch.metadata == {"file": "prompts.jsonl"}
+    assert batch.counts[JobState.QUEUED] == 250
+    assert batch.metadata == {"file": "prompts.jsonl"}
     records = job_store.get_many([n.id for n in news] + ["missing"])
-    assert [r.id for r in records if r] == [n.id for n in news] and records[-1] is None
+    assert [r.id for r in records if r] == [n.id for n in news]
+    assert records[-1] is None
 
 
 def test_bulk_conflicts_reported_after_the_rest(job_store: JobStore) -> None:
@@ -68,7 +75,8 @@ def test_bulk_conflicts_reported_after_the_rest(job_store: JobStore) -> None:
     news = [new_job(), new_job(idempotency_key="taken", request={"other": 1}), new_job()]
     with pytest.raises(IdempotencyConflict, match="taken"):
         job_store.create_jobs(news)
-    assert job_store.get(news[0].id) and job_store.get(news[2].id)
+    assert job_store.get(news[0].id)
+    assert job_store.get(news[2].id)
     with pytest.raises(JobNotFound):
         job_store.get(news[1].id)
 
@@ -87,7 +95,8 @@ def test_list_jobs_pages_newest_first(job_store: JobStore) -> None:
         pages += 1
         if cursor is None:
             break
-    assert seen == ids[::-1] and pages <= 4
+    assert seen == ids[::-1]
+    assert pages <= 4
 
 
 def test_list_jobs_filters_combine(job_store: JobStore) -> None:
@@ -110,7 +119,8 @@ def test_list_jobs_skips_expired_records(job_store: JobStore) -> None:
     ids = [job_store.create_job(new_job())[0].id for _ in range(5)]
     job_store.redis.delete(job_store.keys.job(ids[2]))  # as retention would
     page, cursor = job_store.list_jobs(limit=10)
-    assert [r.id for r in page] == [ids[4], ids[3], ids[1], ids[0]] and cursor is None
+    assert [r.id for r in page] == [ids[4], ids[3], ids[1], ids[0]]
+    assert cursor is None
     assert job_store.redis.zscore(job_store.keys.all_index, ids[2]) is None
 
 

@@ -52,8 +52,8 @@ def test_job_store_on_closed_port_is_unavailable(tmp_path: Path) -> None:
 
 
 def test_bytes_client_refused(storage_settings: StorageSettings) -> None:
+    bytes_client: Any = redis.Redis.from_url(storage_settings.redis_url)
     with pytest.raises(ValueError, match="decode_responses"):
-        bytes_client: Any = redis.Redis.from_url(storage_settings.redis_url)
         JobStore(bytes_client, storage_settings)
 
 

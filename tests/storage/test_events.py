@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -28,7 +29,7 @@ def test_lifecycle_events_in_order(job_store: JobStore) -> None:
     events = job_store.events(job_id)
     assert [e.payload.get("step") for e in events if e.type == "progress"] == [1, 2, 3]
     assert events[-1].payload["outputs"] == [{"key": "x"}]
-    assert all(a.time <= b.time for a, b in zip(events, events[1:], strict=False))
+    assert all(a.time <= b.time for a, b in itertools.pairwise(events))
     assert job_store.get(job_id).progress == {"stage": "denoising", "step": 3, "total": 3}
 
 

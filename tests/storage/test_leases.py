@@ -36,7 +36,8 @@ def test_tokens_strictly_increase(job_store: JobStore) -> None:
     tokens.append(job_store.acquire_lease(job_id, WORKER))
     job_store.release_lease(job_id, tokens[-1])
     tokens.append(job_store.acquire_lease(job_id, "worker-b"))
-    assert tokens == sorted(set(tokens)) and tokens[0] >= 1
+    assert tokens == sorted(set(tokens))
+    assert tokens[0] >= 1
 
 
 def test_live_lease_of_another_owner_refused(job_store: JobStore) -> None:
@@ -65,7 +66,8 @@ def test_lease_expires_then_reaped(short_lease_store: JobStore) -> None:
     store.release_lease(job_id, new)
     assert store.reap(job_id) is True
     record = store.get(job_id)
-    assert record.state == JobState.QUEUED and not record.published
+    assert record.state == JobState.QUEUED
+    assert not record.published
     assert job_id not in store.expired_leases()
     assert job_id in store.unpublished_jobs(0)
     assert event_types(store, job_id) == ["queued", "running", "queued"]

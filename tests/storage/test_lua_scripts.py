@@ -47,9 +47,9 @@ def test_header_declares_keys_and_names_arguments(name: str) -> None:
     declared = header(name)  # raises on gaps, or on a list entry that is not the last
     assert declared.keys.fixed >= 1, f"{name}.lua declares no KEYS"
     block, rest = naming_block(name)
-    assert block and all(line.startswith(("local ", "  ")) for line in block), (
-        f"{name}.lua: the header must be followed by `local` lines naming KEYS and ARGV"
-    )
+    missing = f"{name}.lua: the header must be followed by `local` lines naming KEYS and ARGV"
+    assert block, missing
+    assert all(line.startswith(("local ", "  ")) for line in block), missing
     rest_code = "\n".join(line.split("--", 1)[0] for line in rest)
     assert not re.search(r"\b(KEYS|ARGV)\b", rest_code), (
         f"{name}.lua reads KEYS or ARGV after its naming block"

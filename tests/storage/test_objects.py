@@ -71,7 +71,7 @@ def test_refuses_keys_outside_prefix(store: ObjectStore) -> None:
 def test_metadata_must_be_ascii_tokens(store: ObjectStore) -> None:
     key = output_key(store.prefix, "job-3", 0, "png")
     for metadata in [{"Bad Key": "x"}, {"ok": "caf\u00e9"}, {"sha256": "reserved"}]:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="metadata"):
             store.put(key, b"x", "image/png", metadata)
 
 
@@ -87,8 +87,10 @@ def test_s3_multipart_above_threshold(s3_settings: StorageSettings) -> None:
     answer = store.client.head_object(Bucket=store.bucket, Key=key)
     assert answer["ETag"].strip('"').endswith("-3")  # 8 MiB parts: went multipart
     head = store.head(key)
-    assert head is not None and head.sha256 == stored.sha256 == hashlib.sha256(data).hexdigest()
-    assert head.content_type == "video/mp4" and head.metadata == {"frames": "16"}
+    assert head is not None
+    assert head.sha256 == stored.sha256 == hashlib.sha256(data).hexdigest()
+    assert head.content_type == "video/mp4"
+    assert head.metadata == {"frames": "16"}
     assert hashlib.sha256(store.get(key)).hexdigest() == stored.sha256
 
 
@@ -97,7 +99,8 @@ def test_s3_single_part_carries_a_sha256_checksum(s3_settings: StorageSettings) 
     key = output_key(store.prefix, "job-small", 0, "png")
     store.put(key, b"pixels", "image/png")
     answer = store.client.head_object(Bucket=store.bucket, Key=key, ChecksumMode="ENABLED")
-    assert "-" not in answer["ETag"] and answer.get("ChecksumSHA256")
+    assert "-" not in answer["ETag"]
+    assert answer.get("ChecksumSHA256")
     assert "X-Amz-Expires=120" in store.url(key, expires_s=120)
     assert f"X-Amz-Expires={s3_settings.presign_expiry_s}" in store.url(key)
 
@@ -127,8 +130,10 @@ def test_open_object_store_by_url(
     storage_settings: StorageSettings, s3_settings: StorageSettings
 ) -> None:
     local = open_object_store(storage_settings)
-    assert isinstance(local, LocalObjectStore) and local.prefix == ""
+    assert isinstance(local, LocalObjectStore)
+    assert local.prefix == ""
     s3 = open_object_store(s3_settings)
-    assert isinstance(s3, S3ObjectStore) and s3.prefix == "outputs"
+    assert isinstance(s3, S3ObjectStore)
+    assert s3.prefix == "outputs"
     relative = StorageSettings(storage_url="file://./somewhere")
     assert relative.storage_url == "file://" + str(Path("somewhere").resolve())

@@ -47,14 +47,18 @@ def test_transition_matrix(job_store: JobStore, source: JobState, target: JobSta
 def test_start_counts_attempts_and_sets_times(job_store: JobStore) -> None:
     job_id, token = job_in_state(job_store, JobState.RUNNING)
     record = job_store.requeue(job_id, token, {"type": "Flaky", "message": "x", "retryable": True})
-    assert record.state == JobState.QUEUED and record.attempts == 1
+    assert record.state == JobState.QUEUED
+    assert record.attempts == 1
     assert record.error == {"type": "Flaky", "message": "x", "retryable": True}
     token = job_store.acquire_lease(job_id, WORKER)
     record = job_store.start(job_id, token)
-    assert record.attempts == 2 and record.started_at is not None
+    assert record.attempts == 2
+    assert record.started_at is not None
     done = job_store.succeed(job_id, token, [{"key": "a/0.png"}], {"run_s": 2.0})
-    assert done.finished_at is not None and done.finished_at >= record.created_at
-    assert done.outputs == [{"key": "a/0.png"}] and done.metrics == {"run_s": 2.0}
+    assert done.finished_at is not None
+    assert done.finished_at >= record.created_at
+    assert done.outputs == [{"key": "a/0.png"}]
+    assert done.metrics == {"run_s": 2.0}
     assert done.error is None
 
 
@@ -99,7 +103,8 @@ def test_cancel_queued_running_terminal(job_store: JobStore) -> None:
     running, token = job_in_state(job_store, JobState.RUNNING)
     assert not job_store.cancel_requested(running)
     record = job_store.cancel(running)
-    assert record.state == JobState.RUNNING and job_store.cancel_requested(running)
+    assert record.state == JobState.RUNNING
+    assert job_store.cancel_requested(running)
     assert job_store.finish_canceled(running, token).state == JobState.CANCELED
     assert not job_store.cancel_requested(running)
     done, _ = job_in_state(job_store, JobState.SUCCEEDED)
@@ -143,7 +148,8 @@ def test_concurrent_terminal_transitions_one_wins(job_store: JobStore) -> None:
     assert len(winners) == 1
     assert all(isinstance(r, IllegalTransition | StaleLease) for r in results if r not in winners)
     types = event_types(job_store, job_id)
-    assert types[:2] == ["queued", "running"] and len(types) == 3
+    assert types[:2] == ["queued", "running"]
+    assert len(types) == 3
 
 
 def test_concurrent_unfenced_transitions_one_wins(job_store: JobStore) -> None:

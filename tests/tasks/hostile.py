@@ -113,7 +113,8 @@ def assert_names_a_field(body: bytes) -> None:
     errors = strict_json(body)["detail"]
     assert errors, body
     for error in errors:
-        assert error["loc"][0] == "body" and isinstance(error["msg"], str), error
+        assert error["loc"][0] == "body", error
+        assert isinstance(error["msg"], str), error
 
 
 header_values = st.binary(min_size=1, max_size=64).map(

@@ -29,7 +29,8 @@ def sse_events(text: str) -> list[dict[str, Any]]:
         fields = dict(line.split(": ", 1) for line in frame.splitlines() if ": " in line)
         if "data" in fields:
             data = json.loads(fields["data"])
-            assert int(fields["id"]) == data["seq"] and fields["event"] == data["type"]
+            assert int(fields["id"]) == data["seq"]
+            assert fields["event"] == data["type"]
             events.append(data)
     return events
 
@@ -38,14 +39,17 @@ def test_submit_get_and_the_whole_view(api: Api) -> None:
     created = post_job(api, {**SMALL, "metadata": {"ticket": "42"}})
     assert created.status_code == 201
     view = created.json()
-    assert view["status"] == "queued" and view["attempts"] == 0
+    assert view["status"] == "queued"
+    assert view["attempts"] == 0
     assert view["parameters"]["seed"] is not None  # drawn at submit and recorded
     assert view["metadata"] == {"ticket": "42"}
     drive_to_success(api.store, view["id"])
     got = httpx.get(f"{api.url}/v1/jobs/{view['id']}", headers=api.auth()).json()
-    assert got["status"] == "succeeded" and got["attempts"] == 1
+    assert got["status"] == "succeeded"
+    assert got["attempts"] == 1
     assert got["progress"] == {"stage": "denoising", "step": 3, "total": 3}
-    assert got["outputs"][0]["url"] and got["outputs"][0]["bytes"] == 3
+    assert got["outputs"][0]["url"]
+    assert got["outputs"][0]["bytes"] == 3
     assert got["metrics"]["run_s"] == 0.2
     assert got["parameters"]["seed"] == view["parameters"]["seed"]
     missing = httpx.get(f"{api.url}/v1/jobs/nope", headers=api.auth())
@@ -60,10 +64,12 @@ def test_idempotency_key(api: Api) -> None:
     assert first.json()["id"] == again.json()["id"]
     other_body = {**SMALL, "prompt": "something else"}
     conflict = post_job(api, other_body, key="k-1")
-    assert conflict.status_code == 409 and "Idempotency-Key" in conflict.json()["detail"]
+    assert conflict.status_code == 409
+    assert "Idempotency-Key" in conflict.json()["detail"]
     # Keys are per API key: bob's k-1 is a job of his own.
     bob = post_job(api, who="bob", key="k-1")
-    assert bob.status_code == 201 and bob.json()["id"] != first.json()["id"]
+    assert bob.status_code == 201
+    assert bob.json()["id"] != first.json()["id"]
 
 
 @pytest.mark.parametrize(
@@ -120,7 +126,8 @@ def test_queue_depth_limit_is_429_with_retry_after(make_api: ApiFactory) -> None
     api = make_api(max_queue_depth=2, queue_full_retry_after_s=7)
     assert [post_job(api).status_code for _ in range(2)] == [201, 201]
     full = post_job(api)
-    assert full.status_code == 429 and full.headers["Retry-After"] == "7"
+    assert full.status_code == 429
+    assert full.headers["Retry-After"] == "7"
 
 
 def test_auth_401_403_admin_and_revocation(api: Api) -> None:
@@ -149,12 +156,14 @@ def test_auth_switched_off(make_api: ApiFactory) -> None:
 def test_cancel_says_whether_it_took_effect(api: Api) -> None:
     queued = post_job(api).json()["id"]
     result = httpx.post(f"{api.url}/v1/jobs/{queued}/cancel", headers=api.auth()).json()
-    assert result["effect"] == "canceled" and result["job"]["status"] == "canceled"
+    assert result["effect"] == "canceled"
+    assert result["job"]["status"] == "canceled"
     running = post_job(api).json()["id"]
     token = api.store.acquire_lease(running, "node")
     api.store.start(running, token)
     result = httpx.post(f"{api.url}/v1/jobs/{running}/cancel", headers=api.auth()).json()
-    assert result["effect"] == "cancel_requested" and result["job"]["status"] == "running"
+    assert result["effect"] == "cancel_requested"
+    assert result["job"]["status"] == "running"
     assert api.store.cancel_requested(running)
     again = httpx.post(f"{api.url}/v1/jobs/{queued}/cancel", headers=api.auth()).json()
     assert again["effect"] == "already_finished"
@@ -189,7 +198,8 @@ def test_events_stream_ends_after_terminal_and_resumes(api: Api) -> None:
     by_query = httpx.get(f"{api.url}/v1/jobs/{job_id}/events?after=5", headers=api.auth())
     assert [e["type"] for e in sse_events(by_query.text)] == ["succeeded"]
     past_end = httpx.get(f"{api.url}/v1/jobs/{job_id}/events?after=6", headers=api.auth())
-    assert past_end.status_code == 200 and sse_events(past_end.text) == []
+    assert past_end.status_code == 200
+    assert sse_events(past_end.text) == []
 
 
 def test_list_filters_and_cursor_paging(api: Api) -> None:
@@ -220,11 +230,12 @@ def test_list_filters_and_cursor_paging(api: Api) -> None:
     bad_cursor = httpx.get(f"{api.url}/v1/jobs?cursor=abc", headers=api.auth())
     assert bad_cursor.status_code == 422
     typo = httpx.get(f"{api.url}/v1/jobs?stauts=failed", headers=api.auth())
-    assert typo.status_code == 422 and typo.json()["detail"][0]["loc"] == ["query", "stauts"]
+    assert typo.status_code == 422
+    assert typo.json()["detail"][0]["loc"] == ["query", "stauts"]
 
 
 def test_outputs_are_presigned_at_read_time(
-    make_api: ApiFactory, s3_settings: StorageSettings, storage_settings: StorageSettings
+    s3_settings: StorageSettings, storage_settings: StorageSettings
 ) -> None:
     # Same Redis namespace, outputs in (moto) S3: each read signs a fresh URL.
     settings = s3_settings.model_copy(
@@ -242,7 +253,8 @@ def test_outputs_are_presigned_at_read_time(
         drive_to_success(ctx.store, job_id)
         assert "url" not in ctx.store.get(job_id).outputs[0]  # never stored
         url = httpx.get(f"{server.url}/v1/jobs/{job_id}").json()["outputs"][0]["url"]
-    assert "Signature=" in url and "Expires=" in url
+    assert "Signature=" in url
+    assert "Expires=" in url
 
 
 def test_webhook_url_checked_at_submit(make_api: ApiFactory) -> None:
@@ -259,13 +271,15 @@ def test_webhook_url_checked_at_submit(make_api: ApiFactory) -> None:
     assert accepted.status_code == 201
     unsigned = make_api(webhook_secret=None)
     refused = post_job(unsigned, {**SMALL, "webhook": {"url": "http://127.0.0.1:9/h"}})
-    assert refused.status_code == 422 and "KILN_WEBHOOK_SECRET" in refused.text
+    assert refused.status_code == 422
+    assert "KILN_WEBHOOK_SECRET" in refused.text
 
 
 def test_health_readiness_nodes_pipelines(api: Api) -> None:
     assert httpx.get(f"{api.url}/healthz").json() == {"status": "ok"}
     not_ready = httpx.get(f"{api.url}/readyz")
-    assert not_ready.status_code == 503 and not_ready.json()["redis"] is True
+    assert not_ready.status_code == 503
+    assert not_ready.json()["redis"] is True
     api.store.publish_node("node-1", {"pipelines": ["tiny"], "devices": ["cpu:0"]}, ttl_s=30)
     assert httpx.get(f"{api.url}/readyz").status_code == 200
     assert httpx.get(f"{api.url}/readyz?pipeline=tiny").json()["ready"] is True
@@ -301,7 +315,8 @@ def test_openapi_documents_every_route(api: Api) -> None:
     assert {"200", "201", "401", "409", "413", "422", "429"} <= set(post["responses"])
     assert "Retry-After" in post["responses"]["429"]["headers"]
     request = doc["components"]["schemas"]["JobRequest"]["properties"]
-    assert request["width"]["multipleOf"] == 8 and request["steps"]["maximum"] == 500
+    assert request["width"]["multipleOf"] == 8
+    assert request["steps"]["maximum"] == 500
 
 
 def test_keys_cli_create_list_revoke(api: Api) -> None:
@@ -317,7 +332,9 @@ def test_keys_cli_create_list_revoke(api: Api) -> None:
 
     code, printed = kiln_keys("create", "ci-bot")
     created = json.loads(printed)
-    assert code == 0 and created["key"].startswith("kiln_") and created["admin"] is False
+    assert code == 0
+    assert created["key"].startswith("kiln_")
+    assert created["admin"] is False
     headers = {"Authorization": f"Bearer {created['key']}"}
     assert httpx.get(f"{api.url}/v1/jobs", headers=headers).status_code == 200
     listed = json.loads(kiln_keys("list")[1])

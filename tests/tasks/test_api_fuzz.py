@@ -14,6 +14,7 @@ connection must then serve a valid request.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from collections import Counter
@@ -91,15 +92,25 @@ def _report(base: Path, total: int, hostile_total: int, errors: int) -> None:
     )
 
 
+@schemathesis.serializer("application/x-ndjson")
+def ndjson_lines(ctx: Any, value: Any) -> bytes:
+    """A batch body (POST /v1/batches): each generated item one JSON line."""
+    del ctx  # schemathesis's serializer signature
+    items = value if isinstance(value, list) else [value]
+    return b"".join(json.dumps(item).encode() + b"\n" for item in items)
+
+
 def use_key(schema: Any, key: str) -> None:
     """Authenticate generated cases, except those that test missing credentials on purpose."""
 
     @schema.auth()
     class BearerKey:
         def get(self, case: Any, context: Any) -> str:
+            del case, context  # schemathesis's AuthProvider signature
             return key
 
         def set(self, case: Any, data: str, context: Any) -> None:
+            del context
             case.headers = {**(case.headers or {}), "Authorization": f"Bearer {data}"}
 
 

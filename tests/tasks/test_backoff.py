@@ -29,13 +29,14 @@ def test_doubling_delay_survives_any_number_of_attempts() -> None:
 def test_equal_jitter_stays_in_the_upper_half() -> None:
     rng = random.Random(5)
     samples = [equal_jitter(8.0, rng) for _ in range(200)]
-    assert all(4.0 <= s <= 8.0 for s in samples) and len(set(samples)) > 100
+    assert all(4.0 <= s <= 8.0 for s in samples)
+    assert len(set(samples)) > 100
 
 
 def test_client_wait_polls_on_the_doubling_curve(monkeypatch: pytest.MonkeyPatch) -> None:
     statuses = iter(["queued"] * 6 + ["succeeded"])
 
-    def answer(request: httpx.Request) -> httpx.Response:
+    def answer(_request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json=job_body(next(statuses)))
 
     slept: list[float] = []

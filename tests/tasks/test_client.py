@@ -32,11 +32,13 @@ def client_for(api: Api, who: str = "alice") -> KilnClient:
 def test_submit_get_cancel_typed(api: Api) -> None:
     with client_for(api) as client:
         job = client.submit(REQUEST, idempotency_key="c-1")
-        assert isinstance(job, JobView) and job.status == "queued"
+        assert isinstance(job, JobView)
+        assert job.status == "queued"
         assert client.submit(REQUEST, idempotency_key="c-1").id == job.id
         assert client.get(job.id).parameters.prompt == "a kiln"
         result = client.cancel(job.id)
-        assert result.effect == "canceled" and result.job.status == "canceled"
+        assert result.effect == "canceled"
+        assert result.job.status == "canceled"
         page = client.list(status="canceled")
         assert [j.id for j in page.jobs] == [job.id]
         assert client.webhooks(job.id).attempts == []
@@ -47,11 +49,12 @@ def test_wait_and_events(api: Api) -> None:
         job = client.submit(REQUEST)
         threading.Timer(0.3, drive_to_success, args=(api.store, job.id)).start()
         done = client.wait(job.id, timeout=60, poll_s=0.1)
-        assert done.status == "succeeded" and done.outputs[0].url
+        assert done.status == "succeeded"
+        assert done.outputs[0].url
         events = list(client.events(job.id))
         assert [e.type for e in events][-1] == "succeeded"
         assert [e.seq for e in events] == list(range(1, len(events) + 1))
-        assert [e.seq for e in client.events(job.id, after=2)][0] == 3
+        assert next(e.seq for e in client.events(job.id, after=2)) == 3
 
 
 def test_wait_timeout_keeps_the_last_view(api: Api) -> None:
@@ -60,7 +63,8 @@ def test_wait_timeout_keeps_the_last_view(api: Api) -> None:
         started = time.monotonic()
         with pytest.raises(WaitTimeout) as caught:
             client.wait(job.id, timeout=0.3, poll_s=0.1)
-        assert caught.value.job is not None and caught.value.job.status == "queued"
+        assert caught.value.job is not None
+        assert caught.value.job.status == "queued"
         assert time.monotonic() - started < 30
 
 

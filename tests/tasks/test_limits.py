@@ -138,7 +138,8 @@ def test_submitter_refuses_for_python_callers(job_store: JobStore) -> None:
     with pytest.raises(ValidationError) as in_bulk:
         submitter.submit_many([good, bad])
     assert in_bulk.value.errors()[0]["loc"] == (1, "steps")  # which request of the batch
-    assert published == [] and job_store.queue_depth() == 0
+    assert published == []
+    assert job_store.queue_depth() == 0
 
 
 def test_cli_refuses_the_readme_video_example(

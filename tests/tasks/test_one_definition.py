@@ -1,5 +1,8 @@
-"""Each fact of the contract is stated once. Where a second copy must exist (gpu_worker and storage
-cannot import tasks), a test here keeps the two equal, so they cannot drift apart unnoticed."""
+"""Each fact of the contract is stated once.
+
+Where a second copy must exist (gpu_worker and storage cannot import tasks), a test here keeps
+the two equal, so they cannot drift apart unnoticed.
+"""
 
 from __future__ import annotations
 
@@ -152,7 +155,9 @@ def test_idempotency_binds_the_request_as_sent_not_the_drawn_seed(job_store: Job
     first, created = submitter.submit(JobRequest(prompt="p"), idempotency_key="k")
     spelled_out = JobRequest.model_validate({"prompt": "p", "width": 512, "steps": 25})
     again, created_again = submitter.submit(spelled_out, idempotency_key="k")
-    assert created and not created_again and again.id == first.id
+    assert created
+    assert not created_again
+    assert again.id == first.id
 
 
 def job_body(status: str) -> dict[str, object]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from kiln.storage.status import JobStore, NewJob
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
@@ -83,18 +85,10 @@ def test_worker_options_parse_and_refuse_mistakes() -> None:
     }
     assert parse_lanes("interactive,bulk") == ("interactive", "bulk")
     for bad in ("=tiny", "x="):
-        try:
+        with pytest.raises(ValueError, match="--pipeline"):
             parse_pipelines([bad])
-        except ValueError as exc:
-            assert "--pipeline" in str(exc)
-        else:
-            raise AssertionError(f"{bad!r} accepted")
-    try:
+    with pytest.raises(ValueError, match="urgent"):
         parse_lanes("interactive,urgent")
-    except ValueError as exc:
-        assert "urgent" in str(exc)
-    else:
-        raise AssertionError("unknown lane accepted")
 
 
 def test_progress_writer_write_now_supersedes_pending(job_store: JobStore) -> None:

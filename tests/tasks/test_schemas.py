@@ -54,7 +54,8 @@ def error_fields(body: dict[str, Any]) -> set[str]:
 )
 def test_out_of_range_fields_are_named(field: str, value: Any) -> None:
     named = error_fields({"prompt": "p", field: value})
-    assert named and all(name.split(".")[0] == field for name in named)
+    assert named
+    assert all(name.split(".")[0] == field for name in named)
 
 
 def test_formats_follow_frames() -> None:
@@ -64,7 +65,8 @@ def test_formats_follow_frames() -> None:
         assert JobRequest(prompt="p", output_format=image_format).output_format == image_format
     for video_format in ("mp4", "webm", "gif"):
         request = JobRequest(prompt="p", num_frames=2, output_format=video_format)
-        assert request.output_format == video_format and request.is_video
+        assert request.output_format == video_format
+        assert request.is_video
     assert error_fields({"prompt": "p", "num_frames": 4, "output_format": "png"}) == {
         "output_format"
     }
@@ -100,6 +102,7 @@ def test_job_view_from_record_presigns_outputs() -> None:
         prefix = ""
 
         def url(self, key: str, expires_s: int | None = None) -> str:
+            del expires_s  # the ObjectStore signature
             return f"https://signed.example/{key}?sig=now"
 
     request = JobRequest(prompt="p", seed=7, metadata={"a": "b"}).to_record()
@@ -115,6 +118,7 @@ def test_job_view_from_record_presigns_outputs() -> None:
     view = job_view(record, Urls())  # type: ignore[arg-type]
     assert isinstance(view, JobView)
     assert view.outputs[0].url == "https://signed.example/out/j1/0.png?sig=now"
-    assert view.parameters.seed == 7 and view.metadata == {"a": "b"}
+    assert view.parameters.seed == 7
+    assert view.metadata == {"a": "b"}
     assert view.metrics.run_s == 1.5
     assert view.model_dump()["metrics"]["batch_size"] == 2

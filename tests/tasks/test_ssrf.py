@@ -72,7 +72,8 @@ def test_refused(url: str) -> None:
 def test_public_addresses_pass_and_every_address_is_kept() -> None:
     checked = check_url("https://public.example:8443/h", STRICT, DNS)
     assert checked.addresses == ("93.184.216.34", "2606:2800:220:1::1")
-    assert checked.port == 8443 and checked.host == "public.example"
+    assert checked.port == 8443
+    assert checked.host == "public.example"
     assert check_url("https://1.1.1.1/h", STRICT, DNS).addresses == ("1.1.1.1",)
 
 
@@ -153,7 +154,7 @@ def tls_receiver(tmp_path: Path) -> Iterator[tuple[Receiver, Path]]:
 
 
 def test_tls_uses_the_url_host_for_sni_and_certificate(
-    tls_receiver: tuple[Receiver, Path], tmp_path: Path
+    tls_receiver: tuple[Receiver, Path],
 ) -> None:
     receiver, cert = tls_receiver
     trust = ssl.create_default_context(cafile=str(cert))

@@ -6,6 +6,7 @@ Signatures are verified with the `standardwebhooks` library, not Kiln's own code
 from __future__ import annotations
 
 import email.utils
+import itertools
 import json
 import os
 import secrets
@@ -90,13 +91,16 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after("120", now) == 120.0
     http_date = email.utils.formatdate(now + 30, usegmt=True)
     parsed = parse_retry_after(http_date, now)
-    assert parsed is not None and 28 <= parsed <= 31
-    assert parse_retry_after("soon", now) is None and parse_retry_after(None, now) is None
+    assert parsed is not None
+    assert 28 <= parsed <= 31
+    assert parse_retry_after("soon", now) is None
+    assert parse_retry_after(None, now) is None
 
 
 def test_default_schedule_spans_hours() -> None:
     schedule = KilnSettings().webhook_retry_schedule_s
-    assert sum(schedule) > 6 * 3600 and schedule == sorted(schedule)
+    assert sum(schedule) > 6 * 3600
+    assert schedule == sorted(schedule)
 
 
 # --- one attempt at a time --------------------------------------------------------------------
@@ -113,14 +117,19 @@ def test_delivered_signed_and_recorded(deps: WebhookDeps, receiver: Receiver) ->
     delivery = Delivery(job_id, "completed", f"msg_{job_id}_completed")
     assert deliver_once(deps, delivery) is None
     payload = verify(receiver.hits[0])
-    assert payload["type"] == "job.completed" and payload["data"]["id"] == job_id
+    assert payload["type"] == "job.completed"
+    assert payload["data"]["id"] == job_id
     succeeded = event_of(deps.store, job_id, "succeeded")
-    assert payload["seq"] == succeeded.seq and payload["timestamp"] == iso(succeeded.time)
-    assert payload["data"]["status"] == "succeeded" and payload["data"]["outputs"][0]["url"]
+    assert payload["seq"] == succeeded.seq
+    assert payload["timestamp"] == iso(succeeded.time)
+    assert payload["data"]["status"] == "succeeded"
+    assert payload["data"]["outputs"][0]["url"]
     assert receiver.hits[0].headers["webhook-id"] == f"msg_{job_id}_completed"
     (attempt,) = deps.store.webhook_attempts(job_id)
-    assert attempt["outcome"] == "delivered" and attempt["status_code"] == 200
-    assert attempt["latency_ms"] > 0 and attempt["error"] is None
+    assert attempt["outcome"] == "delivered"
+    assert attempt["status_code"] == 200
+    assert attempt["latency_ms"] > 0
+    assert attempt["error"] is None
 
 
 def test_failure_schedules_a_retry_honouring_retry_after(
@@ -130,11 +139,16 @@ def test_failure_schedules_a_retry_honouring_retry_after(
     job_id = finished_webhook_job(deps.store, receiver.url)
     before = time.time()
     following = deliver_once(deps, Delivery(job_id, "completed", "msg_x"))
-    assert following is not None and following.attempt == 2 and following.webhook_id == "msg_x"
-    assert following.body is not None and following.body.encode() == receiver.hits[0].body
-    assert following.not_before is not None and following.not_before >= before + 3
+    assert following is not None
+    assert following.attempt == 2
+    assert following.webhook_id == "msg_x"
+    assert following.body is not None
+    assert following.body.encode() == receiver.hits[0].body
+    assert following.not_before is not None
+    assert following.not_before >= before + 3
     (attempt,) = deps.store.webhook_attempts(job_id)
-    assert attempt["outcome"] == "retrying" and attempt["status_code"] == 503
+    assert attempt["outcome"] == "retrying"
+    assert attempt["status_code"] == 503
     assert attempt["next_attempt_at"] == following.not_before
 
 
@@ -160,7 +174,8 @@ def test_redirects_are_not_followed(deps: WebhookDeps, receiver: Receiver) -> No
         receiver.script = [(307, {"Location": elsewhere.url})]
         job_id = finished_webhook_job(deps.store, receiver.url)
         assert deliver_once(deps, Delivery(job_id, "completed", "msg_x")) is not None
-        assert elsewhere.hits == [] and deps.store.webhook_attempts(job_id)[0]["status_code"] == 307
+        assert elsewhere.hits == []
+        assert deps.store.webhook_attempts(job_id)[0]["status_code"] == 307
     finally:
         elsewhere.close()
 
@@ -211,7 +226,8 @@ def test_enqueue_filters_by_subscription_and_throttles_progress(job_store: JobSt
     first = enqueue_webhook_events(job_store, job_id, "progress", app=send, progress_interval_s=60)
     job_store.set_progress(job_id, token, {"stage": "denoising", "step": 2, "total": 2})
     again = enqueue_webhook_events(job_store, job_id, "progress", app=send, progress_interval_s=60)
-    assert first is not None and again is None
+    assert first is not None
+    assert again is None
     # a running job has no terminal event to report yet
     assert enqueue_webhook_events(job_store, job_id, "completed", app=send) is None
     finish_with_success(job_store, job_id, token, steps=0)
@@ -239,12 +255,17 @@ def test_a_late_first_attempt_reports_its_event_not_the_job_now(
         assert deliver_once(deps, delivery) is None
     started, progress, completed = (verify(hit) for hit in receiver.hits)
     running = event_of(store, job_id, "running")
-    assert started["data"]["status"] == "running" and started["data"]["outputs"] == []
-    assert started["data"]["started_at"] == running.time and started["data"]["attempts"] == 1
-    assert started["timestamp"] == iso(running.time) and started["seq"] == running.seq
-    assert progress["data"]["status"] == "running" and progress["data"]["finished_at"] is None
+    assert started["data"]["status"] == "running"
+    assert started["data"]["outputs"] == []
+    assert started["data"]["started_at"] == running.time
+    assert started["data"]["attempts"] == 1
+    assert started["timestamp"] == iso(running.time)
+    assert started["seq"] == running.seq
+    assert progress["data"]["status"] == "running"
+    assert progress["data"]["finished_at"] is None
     assert progress["data"]["progress"] == {"stage": "decoding", "step": 1, "total": 1}
-    assert completed["data"]["status"] == "succeeded" and completed["data"]["outputs"][0]["url"]
+    assert completed["data"]["status"] == "succeeded"
+    assert completed["data"]["outputs"][0]["url"]
     assert store.get(job_id).state == JobState.SUCCEEDED
 
 
@@ -390,7 +411,7 @@ def test_every_webhook_carries_its_event_seq(world: WebhookWorld) -> None:
         seq_of = {h.headers["webhook-id"]: verify(h)["seq"] for h in hits}
         seqs = [seq_of[webhook_id] for webhook_id in ids if webhook_id is not None]
         assert seqs == [e.seq for e in store.events(job_id) if e.type != "queued"]
-        assert all(a < b for a, b in zip(seqs, seqs[1:], strict=False))
+        assert all(a < b for a, b in itertools.pairwise(seqs))
     finally:
         receiver.close()
 
@@ -415,7 +436,8 @@ def test_progress_webhook_ids_are_distinct_across_stages(world: WebhookWorld) ->
             ids.append(
                 enqueue_webhook_events(store, job_id, "progress", app=app, progress_interval_s=0)
             )
-        assert None not in ids and len(set(ids)) == len(stages)
+        assert None not in ids
+        assert len(set(ids)) == len(stages)
         hits = receiver.wait_for(len(stages), timeout=120)
         by_id = {h.headers["webhook-id"]: verify(h) for h in hits}
         assert len(by_id) == len(stages)

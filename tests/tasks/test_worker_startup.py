@@ -1,5 +1,6 @@
-"""`kiln worker` start-up through the real console script: refusals are one line, and a worker
-without a pipeline says that it only delivers webhooks.
+"""`kiln worker` start-up through the real console script.
+
+Refusals are one line, and a worker without a pipeline says that it only delivers webhooks.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""A node on real Redis and a real local object store, with a fake worker group and a recording
-publish: what `JobRunner` needs, without ranks."""
+"""What `JobRunner` needs, without ranks.
+
+A node on real Redis and a real local object store, with a fake worker group and a recording
+publish.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +34,10 @@ STEPS = 4
 
 
 class FakeCoordinator:
-    """Stands in for gpu_worker's Coordinator with what `JobRunner` calls on it (`submit`, and
-    `pipeline_limits` through the node), plus the node's no-op lifecycle.
+    """Stands in for gpu_worker's Coordinator.
+
+    It has what `JobRunner` calls on it (`submit`, and `pipeline_limits` through the node), plus
+    the node's no-op lifecycle.
 
     `submit` runs the request at once on the caller's thread, step by step like the group: it
     reports progress, calls `on_step(step)` (the test's hook), then honours `should_stop` by
@@ -41,8 +46,9 @@ class FakeCoordinator:
 
     def __init__(self, limits: Mapping[str, DeclaredLimits] | None = None) -> None:
         self.limits = dict(limits or {})
+        self.inputs: dict[str, dict[str, Any]] = {}  # input schemas the fake's pipelines declare
         self.requests: list[GenerationRequest] = []
-        self.on_step: Callable[[int], None] = lambda step: None
+        self.on_step: Callable[[int], None] = lambda _step: None
         self.fail_with: BaseException | None = None
 
     def submit(
@@ -52,6 +58,7 @@ class FakeCoordinator:
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
     ) -> Future[GenerationResult]:
+        del max_run_seconds  # the fake runs at once; no deadline can pass
         self.requests.append(request)
         future: Future[GenerationResult] = Future()
         try:
@@ -79,6 +86,9 @@ class FakeCoordinator:
 
     def pipeline_limits(self) -> dict[str, DeclaredLimits]:
         return dict(self.limits)
+
+    def pipeline_inputs(self) -> dict[str, dict[str, Any]]:
+        return dict(self.inputs)
 
     def start(self) -> None:
         pass

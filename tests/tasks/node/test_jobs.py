@@ -1,6 +1,8 @@
-"""`JobRunner`: every way one delivery of `run_job` can go, on real Redis and a real local object
-store, with a fake worker group. Each test checks the record (state, attempts, error), its events,
-what the group ran and what was published."""
+"""`JobRunner`: every way one delivery of `run_job` can go.
+
+On real Redis and a real local object store, with a fake worker group. Each test checks the
+record (state, attempts, error), its events, what the group ran and what was published.
+"""
 
 from __future__ import annotations
 
@@ -204,7 +206,8 @@ def test_a_delivery_during_the_drain_is_handed_back_at_once(harness: NodeHarness
     harness.deliver(job_id)
     record = harness.store.get(job_id)
     assert (record.state, record.attempts) == (JobState.QUEUED, 1)
-    assert record.error is not None and record.error["type"] == "handed_back"
+    assert record.error is not None
+    assert record.error["type"] == "handed_back"
     assert harness.event_types(job_id) == ["queued", "running", "queued"]
     assert harness.published == [(job_id, QUEUE, 0.0)]
 
@@ -290,7 +293,7 @@ def test_a_webhook_enqueue_that_raises_never_changes_the_outcome(
 ) -> None:
     attempted: list[str] = []
 
-    def broken_enqueue(store: JobStore, job_id: str, event: str, **_: Any) -> None:
+    def broken_enqueue(_store: JobStore, _job_id: str, event: str, **_: Any) -> None:
         attempted.append(event)
         raise RuntimeError("webhook queue down")
 
@@ -306,7 +309,8 @@ def test_a_webhook_enqueue_that_raises_never_changes_the_outcome(
     if path == "succeeds":
         assert (record.state, record.attempts) == (JobState.SUCCEEDED, 1)
         assert harness.event_types(job_id) == RAN
-        assert attempted[0] == "started" and attempted[-1] == "completed"
+        assert attempted[0] == "started"
+        assert attempted[-1] == "completed"
     else:
         assert (record.state, record.attempts) == (JobState.EXPIRED, 0)
         assert harness.event_types(job_id) == ["queued", "expired"]

@@ -1,0 +1,42 @@
+-- batch_fed: move a batch's cursor past lines the feeder has handled (fenced by its lease): the
+-- jobs it created (or found) join the open set, lines ended without a job are counted under the
+-- reason they ended and their result part is listed. Refused unless the cursor is still where the
+-- feeder read it. Once the cursor reaches the last item a running batch is finalizing.
+-- Returns 1 if applied, 0 if the lease or the cursor moved on (nothing written).
+-- KEYS[1] = batch record (hash)
+-- KEYS[2] = feeder lease (string `<token>|<owner>`)
+-- KEYS[3] = open items (zset: job id -> line)
+-- KEYS[4] = result parts (list of object keys)
+-- ARGV[1] = lease token
+-- ARGV[2] = owner
+-- ARGV[3] = cursor as read (items handled before)
+-- ARGV[4] = new cursor
+-- ARGV[5] = new byte offset of the next item in the input
+-- ARGV[6] = lines ended without a job
+-- ARGV[7] = the reason they ended (canceled or expired; '' when none)
+-- ARGV[8] = result part of those lines ('' when none)
+-- ARGV[9..] = open items: line, job id, line, job id, ...
+local batch_key, lease_key, open_key, parts_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local token, owner, cursor, new_cursor, offset = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local ended, reason, part = ARGV[6], ARGV[7], ARGV[8]
+local open = {unpack(ARGV, 9)}
+
+if redis.call('GET', lease_key) ~= token .. '|' .. owner then return 0 end
+if redis.call('HGET', batch_key, 'fed') ~= cursor then return 0 end
+for i = 1, #open, 1000 do
+  redis.call('ZADD', open_key, unpack(open, i, math.min(i + 999, #open)))
+end
+redis.call('HSET', batch_key, 'fed', new_cursor, 'offset', offset)
+if #open > 0 and not redis.call('HGET', batch_key, 'started_at') then
+  redis.call('HSET', batch_key, 'started_at', (clock()))
+end
+if tonumber(ended) > 0 then redis.call('HINCRBY', batch_key, 'u_' .. reason, ended) end
+if part ~= '' then
+  redis.call('RPUSH', parts_key, part)
+  redis.call('HINCRBY', batch_key, 'reported', ended)
+end
+local items = tonumber(redis.call('HGET', batch_key, 'items') or '0')
+if tonumber(new_cursor) >= items and redis.call('HGET', batch_key, 'status') == 'running' then
+  redis.call('HSET', batch_key, 'status', 'finalizing')
+end
+return 1

@@ -1,0 +1,171 @@
+"""Queues as operators and producers see them: order, recent completions, pauses, drain requests.
+
+A queue is named `<lane>.<pipeline>` by tasks; here it is an opaque name. The state machine keeps a
+queue index per queue (the queued jobs in queue order) and a completion window per queue (its runs
+that ended lately); pauses and drain requests are flags an operator writes and nodes poll.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.storage.base import StoreBase, dumps
+from kiln.storage.boundary import redis_boundary
+from kiln.storage.keys import valid_queue
+from kiln.storage.transitions import COMPLETION_WINDOW_S
+
+MAX_NODE_ID = 256
+
+
+@dataclass(frozen=True)
+class QueueSnapshot:
+    """Where a queued job stands, and its queues' recent completions, read at one instant."""
+
+    rank: int | None  # queued jobs ahead of it in its queue; None: not queued there
+    other_size: int  # jobs queued in the other queue asked about
+    paused: bool  # its queue is paused
+    other_paused: bool
+    finished: int  # runs finished within the window, in the queues asked about
+    earliest_start: float | None  # earliest start (s) of those runs
+    now: float  # the Redis clock (s)
+
+    def completion_rate(self) -> float | None:
+        """Runs finished per second lately; None before any finished within the window.
+
+        Counted from the start of the earliest run that finished, so one run that just ended
+        after a minute is a rate of one a minute, not one a moment.
+        """
+        if not self.finished:
+            return None
+        since = self.earliest_start if self.earliest_start else self.now - COMPLETION_WINDOW_S
+        return self.finished / max(self.now - since, 1.0)
+
+
+@dataclass(frozen=True)
+class DrainRequest:
+    """An operator's request that a node finish its jobs and take no more."""
+
+    node_id: str
+    exit: bool  # exit once idle; else stay up, idle, until the request is withdrawn
+    requested_at: float
+    by: str = ""
+
+
+def _check_queue(queue: str) -> None:
+    if not valid_queue(queue):
+        raise ValueError(f"invalid queue name {queue!r}")
+
+
+class QueueOps(StoreBase):
+    """Queue order and completion rates; queue pauses and node drain requests."""
+
+    @redis_boundary
+    def queued_ids(self, queue: str, limit: int = 1000) -> list[str]:
+        """The first `limit` jobs queued in `queue`, in queue order."""
+        _check_queue(queue)
+        ids: list[str] = self.redis.zrange(self.keys.queue_index(queue), 0, limit - 1)
+        return ids
+
+    @redis_boundary
+    def queued_counts(self, queues: Sequence[str]) -> dict[str, int]:
+        """How many jobs each queue holds (one pipelined read)."""
+        for queue in queues:
+            _check_queue(queue)
+        pipe = self.redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.zcard(self.keys.queue_index(queue))
+        return {queue: int(n) for queue, n in zip(queues, pipe.execute(), strict=True)}
+
+    @redis_boundary
+    def queue_snapshot(
+        self, job_id: str, queue: str, other: str | None, rate_queues: Sequence[str]
+    ) -> QueueSnapshot:
+        """The job's rank in `queue`, the size of `other`, pauses, `rate_queues`' completions."""
+        for name in (queue, other or "", *rate_queues):
+            if name:
+                _check_queue(name)
+        self._require_id(job_id)
+        k = self.keys
+        keys = [
+            k.paused_queues,
+            k.queue_index(queue),
+            k.queue_index(other) if other else "",
+            *(k.completions(q) for q in rate_queues),
+        ]
+        args = [job_id, queue, other or "", COMPLETION_WINDOW_S]
+        reply = self._run("queue_snapshot", keys, args)
+        rank, other_size, paused, other_paused, finished, earliest, now_ms = map(int, reply)
+        return QueueSnapshot(
+            rank=rank if rank >= 0 else None,
+            other_size=other_size,
+            paused=bool(paused),
+            other_paused=bool(other_paused),
+            finished=finished,
+            earliest_start=earliest / 1000.0 if earliest else None,
+            now=now_ms / 1000.0,
+        )
+
+    # --- pauses ----------------------------------------------------------------------------------
+    @redis_boundary
+    def pause_queue(self, queue: str, by: str = "") -> bool:
+        """Pause `queue` for every node; True if it was not paused before."""
+        _check_queue(queue)
+        seconds, micros = self.redis.time()
+        record = dumps({"paused_at": seconds + micros / 1e6, "by": by})
+        return bool(self.redis.hsetnx(self.keys.paused_queues, queue, record))
+
+    @redis_boundary
+    def resume_queue(self, queue: str) -> bool:
+        """Resume `queue`; True if it was paused."""
+        _check_queue(queue)
+        return bool(self.redis.hdel(self.keys.paused_queues, queue))
+
+    @redis_boundary
+    def paused_queues(self) -> dict[str, dict[str, Any]]:
+        """Every paused queue with when (`paused_at`, s) and by whom (`by`) it was paused."""
+        return {q: json.loads(v) for q, v in self.redis.hgetall(self.keys.paused_queues).items()}
+
+    # --- drain requests --------------------------------------------------------------------------
+    @redis_boundary
+    def request_drain(self, node_id: str, exit: bool, by: str = "") -> DrainRequest:
+        """Ask `node_id` to drain (it applies it at its next poll); replaces an earlier request."""
+        if not node_id or len(node_id) > MAX_NODE_ID:
+            raise ValueError(f"invalid node id {node_id!r}")
+        seconds, micros = self.redis.time()
+        request = DrainRequest(node_id, exit, seconds + micros / 1e6, by)
+        payload = {"exit": request.exit, "requested_at": request.requested_at, "by": by}
+        self.redis.hset(self.keys.drain_requests, node_id, dumps(payload))
+        return request
+
+    @redis_boundary
+    def withdraw_drain(self, node_id: str) -> bool:
+        """Withdraw the drain request of `node_id`; True if there was one."""
+        return bool(self.redis.hdel(self.keys.drain_requests, node_id))
+
+    @redis_boundary
+    def drain_requests(self) -> dict[str, DrainRequest]:
+        """Every pending drain request, by node id."""
+        raw = self.redis.hgetall(self.keys.drain_requests)
+        return {node: _drain(node, value) for node, value in raw.items()}
+
+    @redis_boundary
+    def node_controls(self, node_id: str) -> tuple[set[str], DrainRequest | None]:
+        """What a node polls: the paused queues and its own drain request (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hkeys(self.keys.paused_queues)
+        pipe.hget(self.keys.drain_requests, node_id)
+        paused, drain = pipe.execute()
+        return set(paused), _drain(node_id, drain) if drain else None
+
+
+def _drain(node_id: str, value: str) -> DrainRequest:
+    data = json.loads(value)
+    return DrainRequest(
+        node_id=node_id,
+        exit=bool(data.get("exit")),
+        requested_at=float(data.get("requested_at", 0.0)),
+        by=str(data.get("by", "")),
+    )

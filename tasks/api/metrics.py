@@ -1,0 +1,154 @@
+"""The API's Prometheus metrics, served on its own port at `GET /metrics` (no API key: scrapers).
+
+- `kiln_api_requests_total{route,status}`: every HTTP request, by route template (`/v1/jobs/
+  {job_id}`, never the raw path; `unmatched` for a path no route serves) and status code.
+- `kiln_api_submit_duration_seconds`: how long `POST /v1/jobs` took, answer sent.
+- `kiln_queue_depth{queue}` and `kiln_jobs{state}`: read from Redis when scraped (two pipelined
+  round trips): messages waiting in each Celery queue (`lane.pipeline` for every known pipeline,
+  and `webhooks`), and job records per state. A scrape while Redis is down leaves them out.
+
+Each app has its own registry (several apps may live in one test process).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.storage.errors import StorageError
+from kiln.storage.gauges import job_counts, list_lengths
+from kiln.tasks.api.context import ApiContext
+from kiln.tasks.queue.app import transport_options
+from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, queue_name
+
+log = logging.getLogger(__name__)
+
+METRICS_PATH = "/metrics"
+SUBMIT_ROUTE = ("POST", "/v1/jobs")
+SUBMIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class ApiMetrics:
+    """The registry of one API app and the metrics its requests count."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kiln_api_requests",
+            "HTTP requests answered, by route template and status code.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.submit_seconds = Histogram(
+            "kiln_api_submit_duration_seconds",
+            "Time to answer POST /v1/jobs.",
+            buckets=SUBMIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(QueueCollector(ctx))
+        ProcessCollector(registry=self.registry)
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one answered request."""
+        self.requests.labels(route, str(status)).inc()
+        if (method, route) == SUBMIT_ROUTE:
+            self.submit_seconds.observe(seconds)
+
+    def exposition(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return generate_latest(self.registry)
+
+
+class QueueCollector(Collector):
+    """`kiln_queue_depth` and `kiln_jobs`, read from Redis at scrape time."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self._ctx = ctx
+        self._prefix = str(
+            transport_options(ctx.settings, ctx.store.settings.redis_namespace)["global_keyprefix"]
+        )
+
+    def collect(self) -> Iterable[Metric]:
+        """Both families, or neither while Redis does not answer."""
+        try:
+            queues = self.queues()
+            lengths = list_lengths(self._ctx.store, [self._prefix + q for q in queues])
+            counts = job_counts(self._ctx.store)
+        except StorageError as exc:
+            log.warning("metrics: queue depth and job counts left out: %s", exc)
+            return
+        depth = GaugeMetricFamily(
+            "kiln_queue_depth", "Messages waiting in each Celery queue.", labels=["queue"]
+        )
+        for queue, length in zip(queues, lengths, strict=True):
+            depth.add_metric([queue], length)
+        yield depth
+        jobs = GaugeMetricFamily(
+            "kiln_jobs",
+            "Job records per state (retained finished ones included).",
+            labels=["state"],
+        )
+        for state, count in counts.items():
+            jobs.add_metric([str(state)], count)
+        yield jobs
+
+    def queues(self) -> list[str]:
+        """Every lane of every known pipeline, then the webhooks queue."""
+        pipelines = self._ctx.submitter.known_pipelines()
+        return [queue_name(lane, p) for lane in LANES for p in pipelines] + [WEBHOOKS_QUEUE]
+
+
+class RequestMetrics:
+    """ASGI middleware counting every request once it is answered (or failed)."""
+
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on; count it by the route the router matched."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # what the client gets when the app raises before answering
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            elapsed = time.perf_counter() - started
+            self.metrics.observe(scope["method"], route, status, elapsed)
+
+
+def install_metrics(app: FastAPI, ctx: ApiContext) -> ApiMetrics:
+    """Add `GET /metrics` and the request counting to `app` (call after other middleware)."""
+    metrics = ApiMetrics(ctx)
+
+    def serve_metrics(_: Request) -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_route(METRICS_PATH, serve_metrics, methods=["GET"], include_in_schema=False)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    app.state.metrics = metrics
+    return metrics

@@ -1,0 +1,7 @@
+"""Batches: a JSONL file of job requests accepted at once, fed to the queue as capacity frees up.
+
+`intake` validates a file line by line while it streams to the object store; `feeder` (run by
+every node's maintenance loops, one feeder per batch at a time under a lease) creates and publishes
+the jobs of each batch within its window and writes their results in parts; `service` is what the
+API and the CLI call. Above `webhooks` and `queue`, below `api`, `node` and `cli`.
+"""

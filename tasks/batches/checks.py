@@ -1,0 +1,73 @@
+"""The checks of POST /v1/jobs beyond the request schema, applied to each line of a batch.
+
+A known pipeline, the pipeline's limits (as live nodes announce them, else the built-in ones) and,
+for a line with a webhook, a configured secret and a URL that passes the SSRF rules. Errors come
+in FastAPI's shape with `loc` relative to the line, exactly as `api.job_routes` reports them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.submit import Submitter
+from kiln.tasks.webhooks.ssrf import Resolver, UnsafeUrl, UrlPolicy, check_url, system_resolver
+
+Error = dict[str, Any]
+# distinct webhook URLs whose SSRF verdict one batch keeps (each check resolves the host)
+_URL_CACHE_MAX = 1024
+
+
+class LineChecks:
+    """Pipeline, limit and webhook checks of one batch's lines (URL verdicts cached per batch)."""
+
+    def __init__(
+        self,
+        submitter: Submitter,
+        settings: KilnSettings,
+        policy: UrlPolicy,
+        resolve: Resolver = system_resolver,
+    ) -> None:
+        self.submitter = submitter
+        self.settings = settings
+        self.policy = policy
+        self.resolve = resolve
+        self._urls: dict[str, str | None] = {}
+
+    def errors(self, request: JobRequest) -> list[Error]:
+        """Why the request would be refused by POST /v1/jobs; [] when it would be accepted."""
+        known = self.submitter.known_pipelines()
+        if request.pipeline not in known:
+            msg = f"unknown pipeline {request.pipeline!r}; served: {', '.join(known) or 'none'}"
+            return [_error(("pipeline",), msg, "unknown_pipeline")]
+        violation = self.submitter.over_limits(request)
+        if violation is not None:
+            loc = (violation.field,) if violation.field else ()
+            return [_error(loc, violation.message, LIMIT_ERROR)]
+        if request.webhook is not None:
+            problem = self._webhook_problem(request.webhook.url)
+            if problem is not None:
+                kind, msg = problem
+                return [_error(("webhook", "url"), msg, kind)]
+        return []
+
+    def _webhook_problem(self, url: str) -> tuple[str, str] | None:
+        secret = self.settings.webhook_secret
+        if secret is None or not secret.get_secret_value():
+            return "webhooks_disabled", "webhooks are not configured on this server"
+        if url not in self._urls:
+            if len(self._urls) >= _URL_CACHE_MAX:
+                self._urls.clear()
+            try:
+                check_url(url, self.policy, self.resolve)
+                self._urls[url] = None
+            except UnsafeUrl as exc:
+                self._urls[url] = f"refused: {exc}"
+        refusal = self._urls[url]
+        return ("unsafe_url", refusal) if refusal is not None else None
+
+
+def _error(loc: tuple[str | int | None, ...], msg: str, kind: str) -> Error:
+    return {"type": kind, "loc": [part for part in loc if part is not None], "msg": msg}

@@ -1,0 +1,46 @@
+"""The stored form of a batch: one item line per valid input line, and the jobs' ids.
+
+The API writes the input back normalized: each valid line becomes `{"n": line, "c": custom_id,
+"r": request}` with the request's defaults filled in and its seed drawn, so the feeder never
+validates again and a line fed twice makes the same job. A job's id is derived from the batch and
+the line's custom_id, `<batch id>-<custom_id>`: creating it again is a no-op, and its outputs lie
+under keys named by batch and custom_id.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.storage.base import dumps
+
+
+@dataclass(frozen=True)
+class Item:
+    """One valid line of a batch, as stored."""
+
+    line: int
+    custom_id: str
+    request: dict[str, Any]
+
+
+def item_line(line: int, custom_id: str, request: dict[str, Any]) -> bytes:
+    """The stored line of one valid input line (newline included)."""
+    return (dumps({"n": line, "c": custom_id, "r": request}) + "\n").encode()
+
+
+def parse_item(raw: bytes) -> Item:
+    """An item from its stored line."""
+    data = json.loads(raw)
+    return Item(line=int(data["n"]), custom_id=str(data["c"]), request=dict(data["r"]))
+
+
+def batch_job_id(batch_id: str, custom_id: str) -> str:
+    """The id of the job of one line: `<batch id>-<custom_id>` (a valid job id)."""
+    return f"{batch_id}-{custom_id}"
+
+
+def custom_id_of(batch_id: str, job_id: str) -> str:
+    """The custom_id a batch job's id carries."""
+    return job_id[len(batch_id) + 1 :]

@@ -1,0 +1,161 @@
+"""What the API and the CLI do with batches: accept a file, read, list, cancel, stream results."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.storage.batch_store import BatchStore, FedBatch, NewFedBatch
+from kiln.storage.object_streams import batch_object_key, open_writer
+from kiln.storage.objects import ObjectStore
+from kiln.storage.status import JobStore
+from kiln.tasks.batches.checks import LineChecks
+from kiln.tasks.batches.intake import BatchIntake, IntakeReport, JsonCheck, LineDefaults
+from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, stream_results
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.submit import Submitter
+from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
+
+INPUT_CONTENT_TYPE = "application/x-ndjson"
+
+
+def new_batch_id() -> str:
+    """A fresh batch id: random hex (a valid id; its jobs' ids append `-<custom_id>`)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """What applies to a whole batch: its lines' defaults, its window, how invalid lines count."""
+
+    defaults: LineDefaults = field(default_factory=LineDefaults)
+    window_s: int = 24 * 3600
+    skip_invalid: bool = False
+    owner: str | None = None
+
+
+class BatchService:
+    """Batches over one job store and object store."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        objects: ObjectStore,
+        submitter: Submitter,
+        settings: KilnSettings,
+        json_errors: JsonCheck,
+        *,
+        policy: UrlPolicy | None = None,
+        resolve: Resolver = system_resolver,
+    ) -> None:
+        self.store = store
+        self.batches = BatchStore(store.redis, store.settings)
+        self.objects = objects
+        self.submitter = submitter
+        self.settings = settings
+        self.json_errors = json_errors
+        allow = (settings.webhook_allow_http, settings.webhook_allow_hosts)
+        self.policy = policy or policy_from(*allow)
+        self.resolve = resolve
+
+    def new_intake(self, batch_id: str, options: BatchOptions) -> BatchIntake:
+        """An intake writing the batch's input (and, with skip_invalid, its invalid results)."""
+        prefix = self.objects.prefix
+        items = open_writer(
+            self.objects, batch_object_key(prefix, batch_id, "input.jsonl"), INPUT_CONTENT_TYPE
+        )
+        invalid = None
+        if options.skip_invalid:
+            key = batch_object_key(prefix, batch_id, "results", "invalid.jsonl")
+            invalid = open_writer(self.objects, key, RESULTS_CONTENT_TYPE)
+        checks = LineChecks(self.submitter, self.settings, self.policy, self.resolve)
+        return BatchIntake(
+            checks=checks,
+            json_errors=self.json_errors,
+            items=items,
+            invalid=invalid,
+            defaults=options.defaults,
+        )
+
+    def accept(self, batch_id: str, report: IntakeReport, options: BatchOptions) -> FedBatch:
+        """Record a batch whose intake was not refused; the feeders take it from there."""
+        if report.refused or report.items_object is None:
+            raise ValueError("a refused intake cannot be accepted")
+        defaults = options.defaults
+        new = NewFedBatch(
+            id=batch_id,
+            input_key=report.items_object.key,
+            items=report.items,
+            lines=report.lines,
+            invalid=report.invalid,
+            window_s=options.window_s,
+            owner=options.owner,
+            pipeline=defaults.pipeline,
+            priority=defaults.priority,
+            metadata=dict(defaults.metadata),
+            webhook=defaults.webhook,
+            invalid_part=report.invalid_object.key if report.invalid_object else None,
+        )
+        return self.batches.submit_fed_batch(new)
+
+    def submit_lines(
+        self, chunks: Iterator[bytes], options: BatchOptions, batch_id: str | None = None
+    ) -> tuple[FedBatch | None, IntakeReport]:
+        """Validate and accept a whole file from `chunks` (the CLI without an API)."""
+        batch_id = batch_id or new_batch_id()
+        intake = self.new_intake(batch_id, options)
+        try:
+            for chunk in chunks:
+                intake.feed(chunk)
+            report = intake.finish()
+        except BaseException:
+            intake.abort()
+            raise
+        if report.refused:
+            intake.abort()
+            return None, report
+        return self.accept(batch_id, report, options), report
+
+    def get(self, batch_id: str) -> FedBatch:
+        """The batch (BatchNotFound if there is none)."""
+        return self.batches.get_fed(batch_id)
+
+    def list(
+        self, owner: str | None, cursor: str | None, limit: int
+    ) -> tuple[list[FedBatch], str | None]:
+        """A page of batches, newest first (an owner's, or every one)."""
+        return self.batches.list_fed(owner, cursor, limit)
+
+    def cancel(self, batch_id: str) -> FedBatch:
+        """Stop feeding; the feeder cancels queued and running jobs and ends the unfed lines."""
+        return self.batches.stop_batch(batch_id, "canceled")
+
+    def results(self, batch_id: str) -> Iterator[bytes]:
+        """Every result line so far (URLs presigned now), read as consumed."""
+        self.batches.get_fed(batch_id)  # BatchNotFound before the first byte
+        return stream_results(self.batches, self.objects, batch_id)
+
+
+def refusal_body(report: IntakeReport) -> dict[str, Any]:
+    """The 422 body of a refused file: the first errors (line, field, reason) and the counts.
+
+    `detail` opens with one entry (type `batch_invalid`, line 0) that states the counts, so a
+    client that reads only FastAPI's error list still learns how many lines were refused.
+    """
+    if report.lines == 0:
+        return {"detail": report.errors, "invalid_lines": 0, "lines": 0}
+    summary = {
+        "type": "batch_invalid",
+        "loc": ["body"],
+        "msg": f"{report.invalid} of {report.lines} lines are invalid; the first ones' errors "
+        "follow",
+        "line": 0,
+        "ctx": {"invalid_lines": report.invalid, "lines": report.lines},
+    }
+    return {
+        "detail": [summary, *report.errors],
+        "invalid_lines": report.invalid,
+        "lines": report.lines,
+    }

@@ -1,0 +1,150 @@
+"""Batches (docs/contract.md §9): the rules of a batch file and what Kiln shows of a batch.
+
+A batch is a JSONL file, one job request per line plus a `custom_id` (unique in the file, safe in
+keys and paths). Kiln keeps the file in the object store and feeds its lines as capacity frees up;
+each finished line becomes one result line (`BatchResult`), and a finished batch's results end
+with one `BatchSummary`.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from kiln.tasks.contract.schemas import Lane, WebhookSpec
+from kiln.tasks.contract.views import ErrorView, OutputView
+
+BATCHES_PATH = "/v1/batches"
+CUSTOM_ID_MAX = 64
+# letters, digits, `_` and `-`, starting with a letter or digit: safe in Redis keys and object keys
+CUSTOM_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$"
+_CUSTOM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,63}")
+DEFAULT_COMPLETION_WINDOW = "24h"
+MIN_COMPLETION_WINDOW_S = 60
+MAX_COMPLETION_WINDOW_S = 30 * 24 * 3600
+_WINDOW = re.compile(r"([0-9]{1,9})([smhd]?)")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# the status of a result line whose input line was refused (skip_invalid)
+INVALID = "invalid"
+BATCH_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "text/plain")
+
+
+def valid_custom_id(value: object) -> bool:
+    """Whether `value` may be a custom_id."""
+    return isinstance(value, str) and bool(_CUSTOM_ID.fullmatch(value))
+
+
+def parse_completion_window(text: str) -> int:
+    """Seconds of a completion window such as `24h`, `90m`, `3600s`, `2d` or `3600`."""
+    match = _WINDOW.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"completion_window {text!r} is not <number>[s|m|h|d]")
+    seconds = int(match[1]) * _UNIT_S[match[2]]
+    if not MIN_COMPLETION_WINDOW_S <= seconds <= MAX_COMPLETION_WINDOW_S:
+        raise ValueError(
+            f"completion_window must lie between {MIN_COMPLETION_WINDOW_S} s and "
+            f"{MAX_COMPLETION_WINDOW_S // 86400} days; got {text!r}"
+        )
+    return seconds
+
+
+class BatchStatus(StrEnum):
+    """Where a batch is: validating → running → finalizing → completed | canceled | expired."""
+
+    validating = "validating"
+    running = "running"
+    finalizing = "finalizing"
+    completed = "completed"
+    canceled = "canceled"
+    expired = "expired"
+
+
+FINAL_BATCH_STATUSES = frozenset({BatchStatus.completed, BatchStatus.canceled, BatchStatus.expired})
+# how a finished batch went: every line succeeded, some did, or none did
+BatchOutcome = Literal["succeeded", "partial", "failed"]
+
+
+def is_final_batch(status: str) -> bool:
+    """Whether a batch status is final."""
+    return status in FINAL_BATCH_STATUSES
+
+
+class BatchCounts(BaseModel):
+    """Lines of a batch by where they are; they add up to `total`."""
+
+    total: int = Field(description="Lines of the file (blank lines not counted).")
+    pending: int = Field(description="Valid lines not fed yet.")
+    queued: int
+    running: int
+    succeeded: int
+    failed: int
+    canceled: int
+    expired: int
+    invalid: int = Field(description="Lines refused at submit (only with skip_invalid).")
+
+
+class BatchView(BaseModel):
+    """A batch as the API shows it (`GET /v1/batches/{id}`)."""
+
+    id: str
+    status: BatchStatus
+    outcome: BatchOutcome | None = Field(
+        default=None,
+        description="Once finished: succeeded (every line), partial, or failed (no line "
+        "succeeded: a batch whose every item failed is `completed` with outcome `failed`).",
+    )
+    counts: BatchCounts
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    expires_at: float = Field(description="End of the completion window.")
+    completion_window_s: int
+    cancel_requested: bool = False
+    throughput_per_s: float | None = Field(
+        default=None, description="Lines finished per second since the batch started."
+    )
+    eta_s: float | None = Field(default=None, description="Seconds left at that throughput.")
+    results_written: int = Field(description="Result lines written so far (invalid included).")
+    pipeline: str | None = Field(default=None, description="Default pipeline of the lines.")
+    priority: Lane = Lane.bulk
+    metadata: dict[str, str] = Field(default_factory=dict)
+    webhook: WebhookSpec | None = None
+
+
+class BatchList(BaseModel):
+    """One page of batches, newest first; pass `next_cursor` as `cursor` for the next page."""
+
+    batches: list[BatchView]
+    next_cursor: str | None = None
+
+
+class BatchResult(BaseModel):
+    """One line of a batch's results: what became of one input line."""
+
+    type: Literal["result"] = "result"
+    line: int = Field(description="The input line (1-based).")
+    custom_id: str | None = None
+    job_id: str | None = None
+    status: str = Field(description="succeeded, failed, canceled, expired or invalid.")
+    outputs: list[OutputView] = Field(default_factory=list)
+    error: ErrorView | None = None
+    metrics: dict[str, Any] = Field(default_factory=dict)
+
+
+class BatchSummary(BaseModel):
+    """The last line of a finished batch's results."""
+
+    type: Literal["summary"] = "summary"
+    batch: BatchView
+
+
+class BatchLineError(BaseModel):
+    """Why one line of a batch file was refused (in a 422's `detail`, or an invalid result)."""
+
+    type: str
+    loc: list[str | int]
+    msg: str
+    line: int

@@ -1,0 +1,310 @@
+"""A request's `inputs`: the pipeline's own arguments, checked against the schema it announces.
+
+Each pipeline may declare an input schema on its ranks (`gpu_worker.inputs`): a JSON Schema
+object whose properties are its inputs under its own names. Nodes announce the schemas in their
+heartbeat under `inputs`, keyed by pipeline name. Torch-free and gpu_worker-free: the API process
+imports this module, so the JSON keys are the contract.
+
+Two kinds of names may appear in a request's `inputs`:
+
+- request fields under a pipeline's name (`num_inference_steps` is `steps`; `INPUT_ALIASES`):
+  `JobRequest` lifts them into their top-level fields when it is built, and refuses one whose
+  field is also given at the top level (`input_conflict`). Other request fields (`fps`,
+  `priority`, ...) belong at the top level only (`request_field`).
+- extra inputs (`scheduler`, `strength`, `eta`, ...): validated here against the schema a live
+  node announces for the pipeline (`pipeline_input`, or `unknown_input` for a name it does not
+  declare). A request is accepted when any live node's schema takes it. While no live node
+  announces a schema for the pipeline, a request with extra inputs is refused: nothing is known
+  that could check them.
+
+The validator implements the subset of JSON Schema the pipelines use, for the scalar values
+`inputs` holds: `type` (a name or a list), `enum`, `const`, `minimum`, `maximum`,
+`exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, `minLength`, `maxLength`, `pattern`; and on
+the object, `properties`, `required` and `additionalProperties: false` (always applied). Other
+keywords are annotations. `x-kiln-field` marks a request field, `x-kiln-image` an image reference
+(not accepted yet).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+InputValue = bool | int | float | str | None
+InputSchema = dict[str, Any]
+
+ERROR_TYPE = "pipeline_input"
+UNKNOWN_TYPE = "unknown_input"
+CONFLICT_TYPE = "input_conflict"
+REQUEST_FIELD_TYPE = "request_field"
+FIELD_KEY = "x-kiln-field"
+IMAGE_KEY = "x-kiln-image"
+
+# Pipeline argument names (and the fields' own names) that are request fields: `inputs` may give
+# them instead of the top-level field. gpu_worker.inputs.REQUEST_FIELDS is the same table (it
+# cannot be imported here; a test keeps the two equal).
+INPUT_ALIASES: dict[str, str] = {
+    "prompt": "prompt",
+    "negative_prompt": "negative_prompt",
+    "width": "width",
+    "height": "height",
+    "num_inference_steps": "steps",
+    "steps": "steps",
+    "guidance_scale": "guidance_scale",
+    "num_frames": "num_frames",
+    "num_images_per_prompt": "num_outputs",
+    "num_videos_per_prompt": "num_outputs",
+    "num_outputs": "num_outputs",
+    "seed": "seed",
+}
+
+_JSON_TYPES = {
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    str: "string",
+    type(None): "null",
+}
+
+
+@dataclass(frozen=True)
+class InputViolation:
+    """Why a pipeline refuses a request's inputs: the input at fault, the rule, a message."""
+
+    pipeline: str
+    name: str | None  # None: the inputs as a whole (a required input is missing)
+    rule: str  # the schema keyword broken (`maximum`, `enum`, ...), `unknown`, `image`, ...
+    message: str
+    value: Any
+    known: tuple[str, ...] = ()  # for an unknown name: the inputs the pipeline takes
+
+    @property
+    def kind(self) -> str:
+        """The error type: `unknown_input` for a name not declared, else `pipeline_input`."""
+        return UNKNOWN_TYPE if self.rule in ("unknown", "undeclared") else ERROR_TYPE
+
+    def loc(self, prefix: tuple[str | int, ...] = ()) -> tuple[str | int, ...]:
+        """Where the error points, after `prefix` (("body",) for the API)."""
+        return (*prefix, "inputs", self.name) if self.name else (*prefix, "inputs")
+
+    def describe(self) -> str:
+        """One line for a job's error: the input, then the message."""
+        return f"inputs.{self.name}: {self.message}" if self.name else f"inputs: {self.message}"
+
+    def context(self) -> dict[str, Any]:
+        """The error's `ctx`: which rule of which pipeline (and the known inputs, if unknown)."""
+        ctx: dict[str, Any] = {"pipeline": self.pipeline, "rule": self.rule}
+        if self.known or self.kind == UNKNOWN_TYPE:
+            ctx["known"] = list(self.known)
+        return ctx
+
+    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
+        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
+        return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
+
+
+def input_error(
+    loc: tuple[str | int, ...], kind: str, message: str, value: Any, ctx: Mapping[str, Any]
+) -> ValidationError:
+    """A one-line pydantic ValidationError of a custom type, naming `loc`."""
+    # The message goes in as context: a literal template would treat braces as placeholders.
+    error = PydanticCustomError(kind, "{message}", {"message": message, **ctx})
+    line = InitErrorDetails(type=error, loc=loc, input=value)
+    return ValidationError.from_exception_data("JobRequest", [line])
+
+
+def lift_request_fields(data: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
+    """Move request fields given in `inputs` to the top level (a new dict); raise if both.
+
+    `fields` are the request model's field names; an input named like one that is not an alias
+    (`fps`, `priority`) is refused: it is not a pipeline input.
+    """
+    inputs = data.get("inputs")
+    if not isinstance(inputs, Mapping) or not any(
+        name in INPUT_ALIASES or name in fields for name in inputs
+    ):
+        return data
+    lifted = dict(data)
+    extra: dict[str, Any] = {}
+    for name, value in inputs.items():
+        target = INPUT_ALIASES.get(name)
+        if target is None and name in fields:
+            message = f"{name!r} is a request field, not a pipeline input; give it at the top level"
+            raise input_error(("inputs", name), REQUEST_FIELD_TYPE, message, value, {})
+        if target is None:
+            extra[name] = value
+            continue
+        if target in lifted:
+            given = "the top-level field" if target in data else "another input"
+            message = f"{name!r} is the request field {target!r}, also given as {given}"
+            raise input_error(("inputs", name), CONFLICT_TYPE, message, value, {"field": target})
+        lifted[target] = value
+    lifted["inputs"] = extra
+    return lifted
+
+
+def announced_inputs(node: Mapping[str, Any]) -> dict[str, InputSchema]:
+    """Per pipeline a node serves, the input schema its heartbeat announces (if any)."""
+    announced = node.get("inputs")
+    if not isinstance(announced, Mapping):
+        return {}
+    served = {str(name) for name in node.get("pipelines", [])}
+    return {
+        str(name): dict(schema)
+        for name, schema in announced.items()
+        if str(name) in served
+        and isinstance(schema, Mapping)
+        and isinstance(schema.get("properties"), Mapping)
+    }
+
+
+def first_input_violation(
+    pipeline: str, schemas: list[InputSchema], inputs: Mapping[str, Any]
+) -> InputViolation | None:
+    """None when some schema (one per live node) takes `inputs`, else the first refusal."""
+    if not inputs:
+        return None
+    if not schemas:
+        name = next(iter(inputs))
+        message = (
+            f"no live node announces the inputs of {pipeline}; submit without `inputs`, or once "
+            "a node serving it is up"
+        )
+        return InputViolation(pipeline, name, "undeclared", message, inputs[name])
+    violations = [input_violation(pipeline, schema, inputs) for schema in schemas]
+    if any(v is None for v in violations):
+        return None
+    return violations[0]
+
+
+def input_violation(
+    pipeline: str, schema: Mapping[str, Any], inputs: Mapping[str, Any]
+) -> InputViolation | None:
+    """The first input `schema` refuses, or None when it takes them all."""
+    properties: Mapping[str, Any] = schema.get("properties") or {}
+    extras = tuple(
+        sorted(
+            name
+            for name, prop in properties.items()
+            if isinstance(prop, Mapping) and FIELD_KEY not in prop
+        )
+    )
+    for name, value in inputs.items():
+        prop = properties.get(name)
+        if not isinstance(prop, Mapping) or FIELD_KEY in prop:
+            message = f"{pipeline} takes no input {name!r}; its inputs: {', '.join(extras)}"
+            return InputViolation(pipeline, name, "unknown", message, value, extras)
+        if prop.get(IMAGE_KEY) is True:
+            message = f"{pipeline}'s {name} is an image input; image inputs are not accepted yet"
+            return InputViolation(pipeline, name, "image", message, value)
+        broken = value_violation(value, prop)
+        if broken is not None:
+            rule, rule_text = broken
+            message = f"{pipeline} takes {name} {rule_text}; got {value!r}"
+            return InputViolation(pipeline, name, rule, message, value)
+    for name in schema.get("required") or []:
+        if name in extras and name not in inputs:
+            message = f"{pipeline} needs the input {name!r}"
+            return InputViolation(pipeline, None, "required", message, None)
+    return None
+
+
+def value_violation(value: Any, prop: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(rule, what it asks) for the first keyword of `prop` that `value` breaks, else None."""
+    for check in (_type, _enum, _const, _number, _string):
+        broken = check(value, prop)
+        if broken is not None:
+            return broken
+    return None
+
+
+def json_type(value: Any) -> str:
+    """The JSON type name of a scalar (`integer` for ints, never for bools)."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _type(value: Any, prop: Mapping[str, Any]) -> tuple[str, str] | None:
+    wanted = prop.get("type")
+    if wanted is None:
+        return None
+    names = [wanted] if isinstance(wanted, str) else list(wanted)
+    actual = json_type(value)
+    if actual in names or (actual == "integer" and "number" in names):
+        return None
+    if actual == "number" and "integer" in names and float(value).is_integer():
+        return None  # 2.0 is an integer in JSON Schema
+    return "type", f"as {' or '.join(names)}"
+
+
+def _same(left: Any, right: Any) -> bool:
+    # JSON equality: True is not 1, but 1 is 1.0.
+    if isinstance(left, bool) or isinstance(right, bool):
+        return type(left) is type(right) and left == right
+    return bool(left == right) and (
+        type(left) is type(right)
+        or (isinstance(left, (int, float)) and isinstance(right, (int, float)))
+    )
+
+
+def _enum(value: Any, prop: Mapping[str, Any]) -> tuple[str, str] | None:
+    options = prop.get("enum")
+    if options is None or any(_same(value, option) for option in options):
+        return None
+    shown = ", ".join(map(str, options[:20])) + (", …" if len(options) > 20 else "")
+    return "enum", f"as one of {shown}"
+
+
+def _const(value: Any, prop: Mapping[str, Any]) -> tuple[str, str] | None:
+    if "const" not in prop or _same(value, prop["const"]):
+        return None
+    return "const", f"= {prop['const']!r}"
+
+
+def _number(value: Any, prop: Mapping[str, Any]) -> tuple[str, str] | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    for keyword, sign in _BOUNDS:
+        limit = prop.get(keyword)
+        if isinstance(limit, (int, float)) and not _within(value, sign, limit):
+            return keyword, f"{sign} {_number_text(limit)}"
+    multiple = prop.get("multipleOf")
+    if isinstance(multiple, (int, float)) and multiple > 0:
+        quotient = value / multiple
+        if not math.isclose(quotient, round(quotient), rel_tol=0, abs_tol=1e-9):
+            return "multipleOf", f"as a multiple of {_number_text(multiple)}"
+    return None
+
+
+_BOUNDS = (("minimum", "≥"), ("maximum", "≤"), ("exclusiveMinimum", ">"), ("exclusiveMaximum", "<"))
+
+
+def _within(value: float, sign: str, limit: float) -> bool:
+    if sign == "≥":
+        return value >= limit
+    if sign == "≤":
+        return value <= limit
+    return value > limit if sign == ">" else value < limit
+
+
+def _number_text(number: float) -> str:
+    # 1.0 reads as 1; a big integer stays exact
+    return str(number) if isinstance(number, int) else f"{number:g}"
+
+
+def _string(value: Any, prop: Mapping[str, Any]) -> tuple[str, str] | None:
+    if not isinstance(value, str):
+        return None
+    shortest, longest = prop.get("minLength"), prop.get("maxLength")
+    if isinstance(shortest, int) and len(value) < shortest:
+        return "minLength", f"of at least {shortest} characters"
+    if isinstance(longest, int) and len(value) > longest:
+        return "maxLength", f"of at most {longest} characters"
+    pattern = prop.get("pattern")
+    if isinstance(pattern, str) and re.search(pattern, value) is None:
+        return "pattern", f"matching {pattern}"
+    return None

@@ -1,0 +1,212 @@
+"""A node's Prometheus metrics, served by `kiln worker` on `KILN_METRICS_PORT` (0: not served).
+
+Every series carries the node's `node_id` label (deploy/prometheus.yml scrapes each node as its own
+target and adds no label of its own; deploy/grafana/kiln-dashboard.json groups by `node_id`).
+
+- Read at scrape time from the node itself (a custom collector, no work on the job path):
+  `kiln_node_jobs_running`; from the coordinator's counters (`gpu_worker.counters`):
+  `kiln_node_denoise_steps_total{pipeline}` (denoising steps x outputs of each forward),
+  `kiln_node_group_busy_seconds_total` (time a batch was on the group: its rate is the busy
+  ratio), `kiln_node_batch_size` (outputs per forward), `kiln_node_peak_memory_bytes{device}` (the
+  last forward's peak, the max over the group's ranks; `device` is the group's devices) and
+  `kiln_node_group_rebuilds_total{reason}` (rank_died, killed, start_failed).
+- Counted where they happen: `kiln_node_stage_duration_seconds{stage}` (queue, load, denoise,
+  decode, encode, upload: see `JobRunner`), `kiln_node_ooms_total{pipeline}` (job attempts that
+  failed out of memory, device or host), `kiln_node_lease_renewal_failures_total` (a renewal
+  refused or failed against Redis), `kiln_node_upload_retries_total` (object-store calls retried).
+
+Each node has its own registry (never the process-wide default), with the process's own metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kiln.gpu_worker.counters import GroupCounters
+
+if TYPE_CHECKING:
+    from kiln.tasks.node.node import Node
+
+log = logging.getLogger(__name__)
+
+MB = 1024 * 1024
+STAGES = ("queue", "load", "denoise", "decode", "encode", "upload")
+STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class NodeMetrics:
+    """The node's registry and the metrics its job path, heartbeat and uploads count."""
+
+    def __init__(self, node: Node) -> None:
+        self.node_id = node.node_id
+        self.registry = CollectorRegistry()
+        labels = ["node_id"]
+        self.stage_seconds = Histogram(
+            "kiln_node_stage_duration_seconds",
+            "Time a job spent in each stage of one attempt on this node.",
+            [*labels, "stage"],
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+        self.ooms = Counter(
+            "kiln_node_ooms",
+            "Job attempts that failed out of memory (device or host).",
+            [*labels, "pipeline"],
+            registry=self.registry,
+        )
+        self.lease_renewal_failures = Counter(
+            "kiln_node_lease_renewal_failures",
+            "Lease renewals refused (token superseded) or failed (Redis error).",
+            labels,
+            registry=self.registry,
+        )
+        self.upload_retries = Counter(
+            "kiln_node_upload_retries",
+            "Object-store calls of an upload retried after a retryable error.",
+            labels,
+            registry=self.registry,
+        )
+        # Present (at 0) from the first scrape, so rate() and increase() have a start.
+        self.lease_renewal_failures.labels(self.node_id)
+        self.upload_retries.labels(self.node_id)
+        for pipeline in node.group_config.pipelines:
+            self.ooms.labels(self.node_id, pipeline)
+        self.registry.register(GroupCollector(node))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self._server: WSGIServer | None = None
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        """One job attempt spent `seconds` in `stage` (one of STAGES)."""
+        self.stage_seconds.labels(self.node_id, stage).observe(max(0.0, seconds))
+
+    def count_oom(self, pipeline: str) -> None:
+        """A job attempt on `pipeline` failed out of memory."""
+        self.ooms.labels(self.node_id, pipeline).inc()
+
+    def count_lease_renewal_failure(self) -> None:
+        """A lease renewal was refused or failed."""
+        self.lease_renewal_failures.labels(self.node_id).inc()
+
+    def count_upload_retry(self) -> None:
+        """An object-store call of an upload is being retried."""
+        self.upload_retries.labels(self.node_id).inc()
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> bool:
+        """Serve /metrics on `port` (0: not served); a port in use is logged, never fatal."""
+        if port == 0:
+            return False
+        try:
+            self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            log.error("node metrics: cannot listen on port %d (%s); not served", port, exc)
+            return False
+        log.info("node metrics on http://%s:%d/metrics", addr, port)
+        return True
+
+    def stop(self) -> None:
+        """Stop serving (idempotent)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+class GroupCollector(Collector):
+    """The series read from the node and its coordinator at scrape time."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    def collect(self) -> Iterable[Metric]:
+        """Jobs running now, then the coordinator's cumulative counters."""
+        node_id = self._node.node_id
+        running = GaugeMetricFamily(
+            "kiln_node_jobs_running", "Jobs this node holds the lease of.", labels=["node_id"]
+        )
+        running.add_metric([node_id], len(self._node.tracked_jobs()))
+        yield running
+        counters = _counters(self._node.coordinator)
+        if counters is None:
+            return
+        yield from group_families(node_id, ",".join(self._node.group_config.devices), counters)
+
+
+def _counters(coordinator: Any) -> GroupCounters | None:
+    # A test's fake coordinator may have no counters: those series are then left out.
+    read = getattr(coordinator, "counters", None)
+    if read is None:
+        return None
+    counters = read()
+    return counters if isinstance(counters, GroupCounters) else None
+
+
+def group_families(node_id: str, devices: str, counters: GroupCounters) -> Iterable[Metric]:
+    """The coordinator's counters as metric families (node_id label on each)."""
+    steps = CounterMetricFamily(
+        "kiln_node_denoise_steps",
+        "Denoising steps run, each output of a batched forward counted.",
+        labels=["node_id", "pipeline"],
+    )
+    for pipeline, count in sorted(counters.steps.items()):
+        steps.add_metric([node_id, pipeline], count)
+    yield steps
+    busy = CounterMetricFamily(
+        "kiln_node_group_busy_seconds",
+        "Wall time the worker group spent on a batch.",
+        labels=["node_id"],
+    )
+    busy.add_metric([node_id], counters.busy_s)
+    yield busy
+    yield _batch_sizes(node_id, counters.batch_sizes)
+    if counters.peak_memory_mb is not None:
+        peak = GaugeMetricFamily(
+            "kiln_node_peak_memory_bytes",
+            "Peak memory of the last forward (max over the group's ranks).",
+            labels=["node_id", "device"],
+        )
+        peak.add_metric([node_id, devices], counters.peak_memory_mb * MB)
+        yield peak
+    rebuilds = CounterMetricFamily(
+        "kiln_node_group_rebuilds",
+        "Worker groups replaced, by reason (rank_died, killed, start_failed).",
+        labels=["node_id", "reason"],
+    )
+    for reason, count in sorted(counters.rebuilds.items()):
+        rebuilds.add_metric([node_id, reason], count)
+    yield rebuilds
+
+
+def _batch_sizes(node_id: str, sizes: dict[int, int]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "kiln_node_batch_size", "Outputs per forward of the worker group.", labels=["node_id"]
+    )
+    buckets: list[tuple[str, float]] = []
+    for bound in BATCH_SIZE_BUCKETS:
+        buckets.append((str(bound), float(sum(n for size, n in sizes.items() if size <= bound))))
+    buckets.append(("+Inf", float(sum(sizes.values()))))
+    total = float(sum(size * n for size, n in sizes.items()))
+    family.add_metric([node_id], buckets, sum_value=total)
+    return family

@@ -1,0 +1,60 @@
+"""A queued job's place in line and its expected start (docs/contract.md §3).
+
+The state machine keeps each queue's queued jobs in order (storage: one sorted set per queue), so
+the rank of a job is one ZRANK. Its position counts the lane policy of tasks.queue.lanes: a node
+takes interactive jobs first but lets one bulk job through after `bulk_share_every` interactive
+ones in a row. So a bulk job at rank b waits for the b bulk jobs ahead of it and for at most
+`bulk_share_every` interactive jobs before each of those and before itself; an interactive job at
+rank r waits for the r interactive jobs ahead and the bulk jobs let through between them. A paused
+other lane lets nothing through (unless the job's own queue is paused as well: its position is
+then the one it will have once they resume). The expected start is (position + 1) / rate, where
+the rate is the runs of the job's pipeline (both lanes) finished per second over the last ten
+minutes: each run that ends frees a slot for the next job in line. No rate (nothing finished
+lately) or a paused queue: no estimate.
+"""
+
+from __future__ import annotations
+
+from kiln.storage.status import JobRecord, JobState, JobStore
+from kiln.tasks.contract.schemas import Lane
+from kiln.tasks.contract.views import QueueEstimate
+from kiln.tasks.queue.lanes import LANES, queue_name
+
+
+def jobs_ahead(lane: str, rank: int, other_lane_size: int, bulk_share_every: int) -> int:
+    """Jobs that start before one at `rank` in its lane's queue, given the other lane's size."""
+    if lane == Lane.bulk:
+        if bulk_share_every <= 0:
+            return rank  # bulk always goes first
+        return rank + min(other_lane_size, (rank + 1) * bulk_share_every)
+    if bulk_share_every <= 0:
+        return rank + other_lane_size
+    return rank + min(other_lane_size, rank // bulk_share_every)
+
+
+def queue_estimate(
+    store: JobStore, record: JobRecord, bulk_share_every: int
+) -> QueueEstimate | None:
+    """The queued job's position and expected start; None if it is not queued (or predates them)."""
+    if record.state != JobState.QUEUED or not record.queue:
+        return None
+    lane = record.lane
+    pipeline = record.queue.partition(".")[2]
+    other = next((q for q in LANES if q != lane), None)
+    snapshot = store.queue_snapshot(
+        record.id,
+        record.queue,
+        queue_name(other, pipeline) if other else None,
+        [queue_name(each, pipeline) for each in LANES],
+    )
+    if snapshot.rank is None:
+        return None
+    # a paused other lane lets nothing through; while the job's own queue is paused too, the
+    # position is the one it will have once they resume
+    other_runs = not snapshot.other_paused or snapshot.paused
+    waiting_other = snapshot.other_size if other_runs else 0
+    position = jobs_ahead(lane, snapshot.rank, waiting_other, bulk_share_every)
+    rate = snapshot.completion_rate()
+    if snapshot.paused or rate is None:
+        return QueueEstimate(position=position)
+    return QueueEstimate(position=position, estimated_start_s=round((position + 1) / rate, 1))
