@@ -125,7 +125,7 @@ def get_job(ctx: Ctx, caller: Caller, job_id: JobId) -> JobView:
 
 def _full_view(ctx: ApiContext, record: JobRecord) -> JobView:
     estimate = queue_estimate(ctx.store, record, ctx.settings.bulk_share_every)
-    return job_view(record, ctx.objects, ctx.store.served_pipelines(), estimate)
+    return job_view(record, ctx.objects, ctx.submitter.live_pipelines(), estimate)
 
 
 @router.post(

@@ -43,7 +43,7 @@ class DirectBackend:
     def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
         """Accept a job; an idempotent repeat returns the existing one."""
         record, _ = self.submitter.submit(request, idempotency_key=idempotency_key)
-        return job_view(record, self.objects, self.store.served_pipelines())
+        return job_view(record, self.objects, self.submitter.live_pipelines())
 
     def get(self, job_id: str) -> JobView:
         """The job's current view; a queued job's position and expected start."""
@@ -51,7 +51,7 @@ class DirectBackend:
 
         record = self.store.get(job_id)
         estimate = queue_estimate(self.store, record, self.submitter.settings.bulk_share_every)
-        return job_view(record, self.objects, self.store.served_pipelines(), estimate)
+        return job_view(record, self.objects, self.submitter.live_pipelines(), estimate)
 
     def cancel(self, job_id: str) -> JobView:
         """Cancel (queued: at once; running: at its next step)."""

@@ -61,6 +61,7 @@ class Served:
     """What submission may name: pipeline names, and per name the limits live nodes announce."""
 
     names: list[str] = field(default_factory=list)
+    live: frozenset[str] = frozenset()  # names that some live node serves (heartbeats only)
     limits: dict[str, list[PipelineLimits]] = field(default_factory=dict)
     inputs: dict[str, list[InputSchema]] = field(default_factory=dict)  # per name, as announced
 
@@ -104,6 +105,10 @@ class Submitter:
         """Configured pipelines plus those announced by live nodes (cached for a moment)."""
         return self._served_now().names
 
+    def live_pipelines(self) -> frozenset[str]:
+        """Pipelines some live node serves now (from the same cached read of the heartbeats)."""
+        return self._served_now().live
+
     def limits_for(self, pipeline: str) -> list[PipelineLimits]:
         """Limits of each live node announcing `pipeline`, else a built-in name's static ones."""
         announced = self._served_now().limits.get(pipeline)
@@ -130,16 +135,17 @@ class Submitter:
         fetched_at, served = self._served
         if time.monotonic() - fetched_at < KNOWN_PIPELINES_CACHE_S:
             return served
-        names = set(self.settings.pipelines)
+        live: set[str] = set()
         limits: dict[str, list[PipelineLimits]] = {}
         inputs: dict[str, list[InputSchema]] = {}
         for node in self.store.live_nodes():
-            names.update(str(p) for p in node.get("pipelines", []))
+            live.update(str(p) for p in node.get("pipelines", []))
             for name, announced in announced_limits(node).items():
                 limits.setdefault(name, []).append(announced)
             for name, schema in announced_inputs(node).items():
                 inputs.setdefault(name, []).append(schema)
-        served = Served(sorted(names), limits, inputs)
+        names = live | set(self.settings.pipelines)
+        served = Served(sorted(names), frozenset(live), limits, inputs)
         self._served = (time.monotonic(), served)
         return served
 
