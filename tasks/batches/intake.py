@@ -84,7 +84,7 @@ class IntakeReport:
 
     @property
     def refused(self) -> bool:
-        """Whether the file as a whole is refused (errors without skip_invalid, or no lines)."""
+        """Whether the file is refused (errors without skip_invalid, no lines, or no valid line)."""
         return bool(self.errors)
 
 
@@ -145,6 +145,10 @@ class BatchIntake:
             report.errors.append(
                 {"type": "batch_empty", "loc": ["body"], "msg": "the batch has no lines", "line": 0}
             )
+        elif report.items == 0:  # skip_invalid, every line invalid: nothing would ever run
+            msg = f"no valid line: all {report.invalid} lines are invalid"
+            report.errors.append({"type": "batch_no_valid_lines", "loc": ["body"], "msg": msg,
+                                  "line": 0})
         if report.refused:
             return report
         report.items_object = self.items.commit()

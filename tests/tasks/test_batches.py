@@ -198,6 +198,16 @@ def test_skip_invalid_runs_the_valid_lines_and_reports_the_rest(api: Api) -> Non
     assert lines[-1]["batch"]["outcome"] == "partial"
 
 
+def test_skip_invalid_still_refuses_a_file_with_no_valid_line(api: Api) -> None:
+    refused = post_batch(api, jsonl(["299", {**LINE, "custom_id": "wide", "width": 4000}]),
+                         skip_invalid="true")
+    assert refused.status_code == 422
+    answer = refused.json()
+    assert answer["invalid_lines"] == 2
+    assert [e["type"] for e in answer["detail"]] == ["batch_invalid", "batch_no_valid_lines"]
+    assert BatchStore(api.store.redis, api.store.settings).active_batch_ids() == []
+
+
 def test_the_window_bounds_a_batchs_queued_and_running_jobs(api: Api) -> None:
     batch_id = post_batch(api, jsonl(lines_of(10))).json()["id"]
     feed, published = feeder(api, batch_window=3)
