@@ -70,12 +70,15 @@ ARG FLOWER_VERSION=2.2.0
 USER 0:0
 RUN pip install "flower==${FLOWER_VERSION}"
 USER 10001:10001
+# Flower reads its options from FLOWER_* variables; the healthcheck reads the same port.
+ENV FLOWER_PORT=5555
 EXPOSE 5555
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthcheck' % os.environ.get('FLOWER_PORT', '5555'), timeout=4)"]
 # `kiln.tasks.queue.celery_app` builds Kiln's Celery app from the KILN_* settings at import.
 ENTRYPOINT ["celery", "-A", "kiln.tasks.queue.celery_app", "flower"]
-CMD ["--port=5555"]
+# No arguments: slim's CMD (`api`) is not Flower's.
+CMD []
 
 # ---- worker: a GPU node --------------------------------------------------------------------
 FROM runtime AS worker

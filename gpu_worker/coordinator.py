@@ -42,10 +42,13 @@ from kiln.gpu_worker.protocol import (
     CoordinatorCommand,
     GenerationRequest,
     GenerationResult,
+    GroupAsleep,
     RunBatch,
     StepProgress,
     StopVerdict,
 )
+from kiln.gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.sleep import IdleSleep
 from kiln.gpu_worker.tickets import Ticket
 
 logger = logging.getLogger(__name__)
@@ -63,6 +66,9 @@ class Coordinator:
         self._waiting = WaitingRequests(config.max_batch, config.batch_window_s)
         self._inflight = InflightRequests(config, self._cond, self._send)
         self._slot = GroupSlot(config, self._cond)
+        settings = config.settings or GpuWorkerSettings()
+        self._idle = IdleSleep(settings.idle_sleep_s, settings.sleep_mode)  # gpu_worker/sleep.py
+        self._warming = False
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -137,6 +143,9 @@ class Coordinator:
                 "world_size": len(self.config.world()),
                 "pids": group.pids if group is not None else [],
                 "pipelines": self.pipelines(),
+                "adapters": self._inflight.adapter_stats(),
+                "warming": self._warming,
+                **self._idle.stats(),
             }
 
     def counters(self) -> GroupCounters:
@@ -186,9 +195,13 @@ class Coordinator:
                 wake_at, verdict = self._police(now)
             else:
                 batch, wake_at = self._waiting.take_batch(now, self._slot.limits)
-            if not batch and verdict is None and self._slot.kill_reason is None:
+            idle = not batch and self._inflight.batch is None and not self._waiting
+            sleep, wake_at = self._idle.due(now, idle and self._slot.group is not None, wake_at)
+            if not batch and verdict is None and sleep is None and self._slot.kill_reason is None:
                 self._cond.wait(None if wake_at is None else max(0.0, wake_at - now))
                 return True
+        if sleep is not None:
+            self._send(sleep)
         if verdict is not None:
             self._send(verdict)
         if batch:
@@ -209,6 +222,7 @@ class Coordinator:
         with self._cond:
             inflight = self._inflight.open(batch)
             group = self._slot.group
+            self._idle.note_dispatch()  # the ranks wake for this batch if they slept
         self._send(RunBatch(inflight.batch_id, tuple(t.request for t in batch)), group)
 
     def _send(self, command: CoordinatorCommand, group: WorkerGroup | None = None) -> None:
@@ -253,7 +267,14 @@ class Coordinator:
             self._inflight.counters.add_rebuild(why)
 
     def _build_group(self) -> None:
-        self._slot.build(self._on_group_message, self._on_group_death)
+        with self._cond:
+            self._warming = True  # heartbeat: starting, loading, warming up
+        try:
+            self._slot.build(self._on_group_message, self._on_group_death)
+        finally:
+            with self._cond:
+                self._warming = False
+                self._idle.note_new_group()
 
     def _fail_queued(self, error: BaseException) -> None:
         with self._cond:
@@ -278,6 +299,10 @@ class Coordinator:
     def _on_group_message(self, generation: int, message: GroupMessage) -> None:
         with self._cond:
             stale = not self._slot.is_current(generation)
+            if isinstance(message, GroupAsleep):
+                if not stale:
+                    self._idle.on_report(message)
+                return
         if stale:
             if isinstance(message, BatchDone):
                 discard_outputs(message.outputs)

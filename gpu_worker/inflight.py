@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -24,6 +24,7 @@ from kiln.gpu_worker.errors import JobFailed, UnsupportedRequest
 from kiln.gpu_worker.failures import failure_error
 from kiln.gpu_worker.group import GroupMessage
 from kiln.gpu_worker.protocol import (
+    AdapterState,
     BatchDone,
     BatchFailed,
     CoordinatorCommand,
@@ -88,6 +89,11 @@ class InflightRequests:
         self.batches_run = 0
         self.last_progress_at: float | None = None
         self.counters = GroupCounters()  # for the node's metrics (`Coordinator.counters`)
+        self.adapters: dict[str, AdapterState] = {}  # per pipeline, as rank 0 last reported
+
+    def adapter_stats(self) -> dict[str, dict[str, object]]:
+        """Per pipeline, its adapters loaded and fused on the ranks (for the heartbeat)."""
+        return {name: asdict(state) for name, state in self.adapters.items()}
 
     # --- the dispatcher thread, under the lock ---------------------------------------------------
 
@@ -109,6 +115,7 @@ class InflightRequests:
     def detach(self) -> InflightBatch | None:
         """Give up the running batch (its group died or is replaced); the caller fails it."""
         batch, self.batch = self.batch, None
+        self.adapters.clear()  # the next group's ranks start with no adapter loaded
         if batch is not None:
             self.counters.busy_s += time.monotonic() - batch.started_at
         return batch
@@ -200,6 +207,8 @@ class InflightRequests:
             self.counters.add_forward(
                 pipeline, metrics.steps_run, metrics.batch_size, metrics.peak_memory_mb
             )
+            if message.adapters is not None:
+                self.adapters[pipeline] = message.adapters
         frames = _read_outputs(message.outputs)
         for ticket in batch.open_tickets():
             request_id = ticket.request.request_id

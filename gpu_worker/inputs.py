@@ -6,7 +6,7 @@ inputs under its own names. A property with `x-kiln-field` is one of Kiln's requ
 the pipeline's name (`num_inference_steps` is the request's `steps`); every other property is an
 extra input, which a request carries in `inputs` and the node passes to the pipeline
 (`GenerationRequest.extra_inputs`). `x-kiln-image: true` marks an image reference (a URL or an
-uploaded object), which Kiln does not accept yet.
+uploaded object); the node fetches it and hands the ranks its bytes (`gpu_worker.images`).
 
 Rank 0 reports each pipeline's schema to the group's owner together with its limits, the node
 announces it in its heartbeat under `inputs`, and the API validates a request's `inputs` against
@@ -24,7 +24,7 @@ InputValue = bool | int | float | str | None
 InputSchema = dict[str, Any]
 
 FIELD_KEY = "x-kiln-field"  # the Kiln request field this property is
-IMAGE_KEY = "x-kiln-image"  # an image reference (not accepted yet)
+IMAGE_KEY = "x-kiln-image"  # an image reference (gpu_worker.images)
 
 # The pipeline argument names that are Kiln request fields (and the fields' own names, which a
 # request's `inputs` may use too). `tasks.contract.inputs.INPUT_ALIASES` is the same table; a test
@@ -99,10 +99,7 @@ def extra_inputs_refusal(
         name = next(iter(extra_inputs))
         return f"inputs.{name}: {pipeline} declares no inputs besides the request fields"
     allowed = extra_input_names(schema)
-    images = image_input_names(schema)
     for name in extra_inputs:
         if name not in allowed:
             return f"inputs.{name}: {pipeline} takes no such input; it takes {sorted(allowed)}"
-        if name in images:
-            return f"inputs.{name}: image inputs are not accepted yet"
     return None

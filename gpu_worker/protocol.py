@@ -13,9 +13,28 @@ from enum import StrEnum
 
 import numpy as np
 
+from kiln.gpu_worker.images import InputImage
 from kiln.gpu_worker.inputs import InputSchema, InputValue, inputs_key
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.shm import FrameDescriptor
+
+
+@dataclass(frozen=True, order=True)
+class AdapterRef:
+    """One LoRA adapter a request applies: its name under the node's adapters, and its scale."""
+
+    name: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """One pipeline's adapter cache on the ranks after a forward (alike on every rank)."""
+
+    pipeline: str
+    loaded: tuple[str, ...] = ()  # least recently used first
+    fused: tuple[str, ...] = ()  # folded into the weights now
+    loaded_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -38,8 +57,13 @@ class GenerationRequest:
     # The pipeline's own inputs beyond the fields above (`scheduler`, `strength`, ...), as JSON
     # values, validated against the pipeline's input schema before they get here.
     extra_inputs: Mapping[str, InputValue] = field(default_factory=dict, kw_only=True)
+    # LoRA adapters to apply, in order (gpu_worker/pipelines/lora.py); () = the base weights.
+    loras: tuple[AdapterRef, ...] = field(default=(), kw_only=True)
+    # Image inputs by name, fetched and checked by the node (gpu_worker/images.py); their
+    # `extra_inputs` entries hold `sha256:<hex>`, so the batch key tells images apart.
+    images: Mapping[str, InputImage] = field(default_factory=dict, kw_only=True)
 
-    def batch_key(self) -> tuple[str, int, int, int, int, float, str]:
+    def batch_key(self) -> tuple[str, int, int, int, int, float, str, tuple[AdapterRef, ...]]:
         """Requests with equal keys can share one forward pass (equal extra inputs included)."""
         return (
             self.pipeline,
@@ -49,6 +73,7 @@ class GenerationRequest:
             self.steps,
             self.guidance_scale,
             inputs_key(self.extra_inputs),
+            self.loras,  # one forward runs with one set of adapter weights
         )
 
 
@@ -73,6 +98,8 @@ class RunMetrics:
     peak_memory_mb: float
     steps_run: int
     batch_size: int
+    # Time rank 0 spent waking its pipelines before this forward (0.0: the group was awake).
+    wake_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +154,44 @@ class ShutdownGroup:
 
 
 @dataclass(frozen=True)
+class SleepGroup:
+    """Coordinator -> rank 0 -> all ranks: the group is idle; release the pipelines' memory.
+
+    `mode` is `offload` (modules to host memory) or `drop` (pipelines deleted, reloaded from disk).
+    There is no wake message: a rank wakes its pipelines when the next `RunBatch` reaches it.
+    """
+
+    mode: str
+
+
+@dataclass(frozen=True)
+class WakeGroup:
+    """Rank 0 -> the other ranks (relayed, never from the coordinator): a batch came; wake now.
+
+    Sent before rank 0 wakes itself, so every rank reloads at once rather than one after another.
+    """
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """One rank's memory at a moment: process RSS, and the torch allocator's on CUDA (else 0)."""
+
+    rss_mb: float
+    allocated_mb: float = 0.0
+    reserved_mb: float = 0.0
+
+
+@dataclass(frozen=True)
+class GroupAsleep:
+    """Rank 0 -> coordinator: every rank slept; rank 0's memory before and after, and the time."""
+
+    mode: str
+    before: MemoryReading
+    after: MemoryReading
+    sleep_s: float
+
+
+@dataclass(frozen=True)
 class StepDone:
     """Rank 0 -> coordinator: every rank finished denoising step `step` of `total`."""
 
@@ -160,6 +225,7 @@ class BatchDone:
     outputs: tuple[RequestOutputs, ...]
     stopped: frozenset[str]
     metrics: RunMetrics
+    adapters: AdapterState | None = None  # the batch's pipeline's adapter cache, if it has one
 
 
 @dataclass(frozen=True)
@@ -210,8 +276,9 @@ class RankOutcome:
     message: str
     steps_run: int
     peak_memory_mb: float
+    wake_s: float = 0.0  # time this rank spent waking its pipelines before the forward
 
 
-CoordinatorCommand = RunBatch | StopVerdict | ShutdownGroup
-LeaderMessage = StepDone | RequestRejected | BatchDone | BatchFailed
+CoordinatorCommand = RunBatch | StopVerdict | ShutdownGroup | SleepGroup
+LeaderMessage = StepDone | RequestRejected | BatchDone | BatchFailed | GroupAsleep
 StatusMessage = RankReady | RankFailed | RankFault

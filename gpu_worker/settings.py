@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 TorchDtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+SleepMode = Literal["offload", "drop"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
 class GpuWorkerSettings(BaseSettings):
@@ -36,8 +39,81 @@ class GpuWorkerSettings(BaseSettings):
         description="torch threads per CPU rank; None = the cores shared among the ranks.",
     )
 
-    @field_validator("model_cache")
+    # Sleep and wake (gpu_worker/sleep.py, gpu_worker/ranks/sleep.py).
+    idle_sleep_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds without work after which the ranks release their pipelines' "
+        "memory until the next job; unset = never.",
+    )
+    sleep_mode: SleepMode = Field(
+        default="offload",
+        description="offload: pipeline modules to host memory (frees device memory only); "
+        "drop: delete the pipelines and reload them from disk on wake.",
+    )
+    # torch.compile and warm-up (gpu_worker/pipelines/compile.py, gpu_worker/warmup.py).
+    compile: bool = Field(
+        default=False, description="Wrap each pipeline's denoiser in torch.compile."
+    )
+    compile_mode: CompileMode = Field(default="default", description="torch.compile's mode.")
+    compile_cache_dir: Path | None = Field(
+        default=None,
+        description="Inductor and torch.compiler caches kept across restarts; "
+        "unset = <KILN_MODEL_CACHE>/compile.",
+    )
+    warmup: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Shapes WxHxSTEPS[xFRAMES] each pipeline runs before the node takes jobs "
+        "(comma-separated); empty = one tiny request.",
+    )
+    # Per-request LoRA adapters (gpu_worker/pipelines/lora.py).
+    lora_dir: Path | None = Field(
+        default=None,
+        description="Adapters jobs may name: <dir>/<pipeline>/<name>/"
+        "pytorch_lora_weights.safetensors; unset = none (kiln worker --lora-dir).",
+    )
+    lora_cache_count: int = Field(
+        default=8, ge=1, description="Adapters each rank keeps loaded per pipeline, at most."
+    )
+    lora_cache_mb: float = Field(
+        default=2048.0,
+        gt=0,
+        description="Adapter file megabytes each rank keeps loaded per pipeline, at most; "
+        "the least recently used adapters are unloaded first.",
+    )
+    lora_fuse_after: int | None = Field(
+        default=None,
+        ge=1,
+        description="Fuse an adapter set into the weights once this many batches in a row used "
+        "it (no per-step adapter cost while it stays hot); unset = never fuse.",
+    )
+
+    @field_validator("model_cache", "compile_cache_dir", "lora_dir")
     @classmethod
-    def _expand_cache(cls, value: Path) -> Path:
+    def _expand_cache(cls, value: Path | None) -> Path | None:
         # `~` must be expanded here: the ranks get an absolute path and never see the shell.
-        return value.expanduser().resolve()
+        return None if value is None else value.expanduser().resolve()
+
+    @field_validator("warmup", mode="before")
+    @classmethod
+    def _split_shapes(cls, value: object) -> object:
+        # Env values are a comma list (KILN_WARMUP=512x512x25,64x64x2) or a JSON array.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("warmup")
+    @classmethod
+    def _check_shapes(cls, value: list[str]) -> list[str]:
+        from kiln.gpu_worker.warmup import parse_warmup_shape  # plain parsing, no torch
+
+        for text in value:
+            parse_warmup_shape(text)
+        return value
+
+    def compile_cache(self) -> Path:
+        """Where the compile caches live: the setting, else a folder of the model cache."""
+        return self.compile_cache_dir or self.model_cache / "compile"

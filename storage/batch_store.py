@@ -1,144 +1,60 @@
-"""Batches fed from the object store: their records, the feeder lease, the cursor and result parts.
+"""Batches fed from the object store: create, read, list and steer them (cancel, expire, pause).
 
-A fed batch is a batch record (`keys.batch`, whose per-state counters the job scripts move) with
-fields of its own: status, the feeder's cursor (`fed` items handled, `offset` of the next one in
-the input object), counts of lines ended without a job, and the number of result lines written.
-Beside it: the feeder lease (one feeder at a time, fenced by a growing token, like job leases),
-the open set (fed jobs whose result is not written yet: bounded by the feeding window) and the
-list of committed result parts (object keys). Every write of a feeder presents its lease token;
-a feeder that lost its lease changes nothing.
+What a fed batch is lies in `batch_records`; the feeder's own fenced writes (its lease, cursor,
+open set and result parts) in `batch_feeding`. Beside the record: the index of every batch and of
+each owner's, the active batches (being fed or finished) and the list of committed result parts.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from typing import Any
-
 from kiln.storage.base import StoreBase, dumps
+from kiln.storage.batch_records import (
+    FINAL_STATUSES,
+    PAUSED,
+    STOP_REASONS,
+    BatchConflict,
+    FedBatch,
+    NewFedBatch,
+    fed_batch_from_hash,
+)
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.errors import BatchNotFound
 from kiln.storage.keys import valid_id
 from kiln.storage.records import pairs_to_dict
+from kiln.storage.scripts import ScriptName
 from kiln.storage.states import JobState
 
-FINAL_STATUSES = frozenset({"completed", "canceled", "expired"})
-STOP_REASONS = frozenset({"canceled", "expired"})
+__all__ = [
+    "FINAL_STATUSES",
+    "PAUSED",
+    "STOP_REASONS",
+    "BatchConflict",
+    "BatchStore",
+    "FedBatch",
+    "NewFedBatch",
+]
 # the active batches one feeder pass looks at
 _ACTIVE_LIMIT = 10_000
 # list_fed reads this many index pages before it hands a cursor back with a short page
 _MAX_SCAN_ROUNDS = 8
-
-
-@dataclass(frozen=True)
-class NewFedBatch:
-    """A validated batch to record: its input object and what applies to all of its lines."""
-
-    id: str
-    input_key: str
-    items: int  # valid lines: one job each
-    lines: int  # non-blank input lines, invalid ones included
-    invalid: int
-    window_s: int
-    owner: str | None = None
-    pipeline: str | None = None
-    priority: str = "bulk"
-    metadata: dict[str, str] = field(default_factory=dict)
-    webhook: dict[str, Any] | None = None
-    invalid_part: str | None = None  # result part of the invalid lines (skip_invalid)
-
-    def __post_init__(self) -> None:
-        if not valid_id(self.id):
-            raise ValueError(f"invalid batch id {self.id!r}")
-
-
-@dataclass(frozen=True)
-class FedBatch:
-    """A fed batch as stored; `counts` are its jobs per state (lines ended unfed not included)."""
-
-    id: str
-    owner: str | None
-    status: str
-    stop: str | None
-    lines: int
-    items: int
-    invalid: int
-    fed: int
-    offset: int
-    input_key: str
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    deadline: float
-    window_s: int
-    pipeline: str | None
-    priority: str
-    metadata: dict[str, str]
-    webhook: dict[str, Any] | None
-    counts: dict[JobState, int]
-    ended_unfed: dict[str, int]
-    reported: int
-    parts: int
-    seq: int
-
-    @property
-    def final(self) -> bool:
-        """Whether the batch has ended (completed, canceled or expired)."""
-        return self.status in FINAL_STATUSES
-
-    @property
-    def unfed(self) -> int:
-        """Items the feeder has not reached yet."""
-        return max(0, self.items - self.fed)
-
-
-def _float(value: str | None) -> float | None:
-    return float(value) if value else None
-
-
-def fed_batch_from_hash(batch_id: str, data: dict[str, str], parts: int) -> FedBatch:
-    """Build a FedBatch from the fields of its record; BatchNotFound if it is no fed batch."""
-    if "status" not in data or "input_key" not in data:
-        raise BatchNotFound(batch_id)
-    webhook = data.get("webhook") or ""
-    return FedBatch(
-        id=batch_id,
-        owner=data.get("owner") or None,
-        status=data["status"],
-        stop=data.get("stop") or None,
-        lines=int(data.get("lines", "0")),
-        items=int(data.get("items", "0")),
-        invalid=int(data.get("invalid", "0")),
-        fed=int(data.get("fed", "0")),
-        offset=int(data.get("offset", "0")),
-        input_key=data["input_key"],
-        created_at=float(data["created_at"]),
-        started_at=_float(data.get("started_at")),
-        finished_at=_float(data.get("finished_at")),
-        deadline=float(data["deadline"]),
-        window_s=int(data.get("window_s", "0")),
-        pipeline=data.get("pipeline") or None,
-        priority=data.get("priority", "bulk"),
-        metadata=json.loads(data.get("metadata", "{}")),
-        webhook=json.loads(webhook) if webhook else None,
-        counts={state: int(data.get(f"n_{state}", "0")) for state in JobState},
-        ended_unfed={r: int(data.get(f"u_{r}", "0")) for r in sorted(STOP_REASONS)},
-        reported=int(data.get("reported", "0")),
-        parts=parts,
-        seq=int(data.get("seq", "0")),
-    )
+# what the control scripts are asked to do, as the conflict names it
+_ACTIONS = {
+    "canceled": "canceled",
+    "expired": "expired",
+    "pause": "paused",
+    "resume": "resumed",
+}
 
 
 class BatchStore(StoreBase):
-    """Records, leases, cursors and result parts of fed batches."""
-
-    def _feeder_keys(self, batch_id: str) -> list[str]:
-        k = self.keys
-        return [k.batch(batch_id), k.batch_feeder(batch_id), k.batch_open(batch_id)]
+    """Records, indexes and status changes of fed batches."""
 
     @redis_boundary
     def submit_fed_batch(self, new: NewFedBatch) -> FedBatch:
-        """Record the batch (running, cursor at its first item) unless it exists; returns it."""
+        """Record the batch (running, cursor at its first item) unless it exists; returns it.
+
+        A retry (`new.parent_id`) is listed among its parent's `retries` in the same step.
+        """
         k = self.keys
         fields = {
             "owner": new.owner or "",
@@ -151,6 +67,7 @@ class BatchStore(StoreBase):
             "priority": new.priority,
             "metadata": dumps(new.metadata),
             "webhook": dumps(new.webhook) if new.webhook else "",
+            "parent_id": new.parent_id or "",
         }
         keys = [
             k.batch(new.id),
@@ -159,6 +76,7 @@ class BatchStore(StoreBase):
             k.batch_owner_list(new.owner) if new.owner else "",
             k.batch_seq,
             k.batch_parts(new.id),
+            k.batch(new.parent_id) if new.parent_id and valid_id(new.parent_id) else "",
         ]
         args = [new.id, dumps(fields), new.window_s, new.invalid_part or ""]
         reply = self._run("batch_submit", keys, [*args, *(state.value for state in JobState)])
@@ -201,7 +119,7 @@ class BatchStore(StoreBase):
         nothing more. Expired batches are skipped and dropped from the index read.
         """
         index = self.keys.batch_owner_list(owner) if owner is not None else self.keys.batch_list
-        if cursor is not None and not cursor.isdigit():
+        if cursor is not None and not (cursor.isascii() and cursor.isdigit()):
             raise ValueError(f"invalid cursor {cursor!r}")
         upper = "+inf" if cursor is None else f"({cursor}"
         found: list[FedBatch] = []
@@ -233,88 +151,38 @@ class BatchStore(StoreBase):
         self.redis.zrem(self.keys.active_batches, batch_id)
 
     @redis_boundary
-    def take_feeder(self, batch_id: str, owner: str) -> int:
-        """Take or keep the batch's feeder lease: its token; 0 if held elsewhere, -1 if ended."""
-        ttl_ms = max(1, int(self.settings.lease_ttl_s * 1000))
-        keys = [self.keys.batch(batch_id), self.keys.batch_feeder(batch_id)]
-        return int(self._run("batch_lease", keys, [owner, ttl_ms]))
-
-    @redis_boundary
-    def feeder_of(self, batch_id: str) -> str | None:
-        """Owner of the batch's live feeder lease, or None."""
-        held: str | None = self.redis.get(self.keys.batch_feeder(batch_id))
-        return held.split("|", 1)[1] if held else None
-
-    @redis_boundary
-    def open_items(self, batch_id: str) -> list[tuple[str, int]]:
-        """The batch's fed jobs whose result is not written yet: (job id, line), by line."""
-        pairs = self.redis.zrange(self.keys.batch_open(batch_id), 0, -1, withscores=True)
-        return [(job_id, int(line)) for job_id, line in pairs]
-
-    @redis_boundary
-    def record_fed(
-        self,
-        batch_id: str,
-        lease: tuple[int, str],
-        read_at: int,
-        cursor: tuple[int, int],
-        opened: list[tuple[str, int]],
-        ended: tuple[int, str, str] = (0, "", ""),
-    ) -> bool:
-        """Move the cursor from `read_at` (as the feeder read it) to `cursor` (fenced).
-
-        `cursor` = (items handled, byte offset of the next item); `opened` = (job id, line) of the
-        jobs created (or found) for those lines; `ended` = (lines ended without a job, the reason,
-        the object key of their result part). False when the lease or the cursor moved on:
-        nothing is written then.
-        """
-        token, owner = lease
-        new_cursor, offset = cursor
-        count, reason, part = ended
-        keys = [*self._feeder_keys(batch_id), self.keys.batch_parts(batch_id)]
-        flat: list[str | int] = []
-        for job_id, line in opened:
-            flat += [line, job_id]
-        args = [token, owner, read_at, new_cursor, offset, count, reason, part, *flat]
-        return bool(self._run("batch_fed", keys, args))
-
-    @redis_boundary
-    def record_reported(
-        self, batch_id: str, lease: tuple[int, str], part: str, job_ids: list[str]
-    ) -> bool:
-        """The results of `job_ids` are stored in the object `part` (fenced); False if stale."""
-        token, owner = lease
-        keys = [*self._feeder_keys(batch_id), self.keys.batch_parts(batch_id)]
-        return bool(self._run("batch_reported", keys, [token, owner, part, *job_ids]))
-
-    @redis_boundary
     def stop_batch(self, batch_id: str, reason: str) -> FedBatch:
-        """Ask the batch to stop feeding (canceled or expired); returns it after. Unfenced."""
+        """Ask the batch to stop feeding (canceled or expired); returns it after. Unfenced.
+
+        Asking again for the same stop returns the batch as it is; BatchConflict for a finished
+        batch or one already stopping for the other reason.
+        """
         if reason not in STOP_REASONS:
             raise ValueError(f"unknown stop reason {reason!r}")
-        if not valid_id(batch_id):
-            raise BatchNotFound(batch_id)
-        reply = self._run("batch_stop", [self.keys.batch(batch_id)], [reason])
-        if not reply:
-            raise BatchNotFound(batch_id)
-        parts = int(self.redis.llen(self.keys.batch_parts(batch_id)))
-        return fed_batch_from_hash(batch_id, pairs_to_dict(reply), parts)
+        return self._control(batch_id, "batch_stop", reason)
 
     @redis_boundary
-    def finish_fed(
-        self, batch_id: str, lease: tuple[int, str], status: str, summary_part: str
-    ) -> bool:
-        """End the batch with `status` and its summary part (fenced); False if not applicable."""
-        if status not in FINAL_STATUSES:
-            raise ValueError(f"not a final status: {status!r}")
-        token, owner = lease
-        keys = [
-            *self._feeder_keys(batch_id),
-            self.keys.batch_parts(batch_id),
-            self.keys.active_batches,
-        ]
-        args = [token, owner, batch_id, status, summary_part, self.settings.retention_s]
-        return bool(self._run("batch_finish", keys, args))
+    def pause(self, batch_id: str) -> FedBatch:
+        """Pause feeding a running batch (idempotent); BatchConflict in any other status."""
+        return self._control(batch_id, "batch_pause", "pause")
+
+    @redis_boundary
+    def resume(self, batch_id: str) -> FedBatch:
+        """Resume feeding a paused batch (idempotent); BatchConflict in any other status."""
+        return self._control(batch_id, "batch_pause", "resume")
+
+    def _control(self, batch_id: str, script: ScriptName, action: str) -> FedBatch:
+        if not valid_id(batch_id):
+            raise BatchNotFound(batch_id)
+        reply = self._run(script, [self.keys.batch(batch_id)], [action])
+        if not reply:
+            raise BatchNotFound(batch_id)
+        outcome, pairs = reply
+        parts = int(self.redis.llen(self.keys.batch_parts(batch_id)))
+        batch = fed_batch_from_hash(batch_id, pairs_to_dict(pairs), parts)
+        if outcome != "ok":
+            raise BatchConflict(batch_id, str(outcome), _ACTIONS[action])
+        return batch
 
     @redis_boundary
     def part_keys(self, batch_id: str) -> list[str]:
@@ -323,19 +191,3 @@ class BatchStore(StoreBase):
             raise BatchNotFound(batch_id)
         parts: list[str] = self.redis.lrange(self.keys.batch_parts(batch_id), 0, -1)
         return parts
-
-    @redis_boundary
-    def job_states(self, job_ids: list[str]) -> list[str | None]:
-        """The state of each job (None where there is no record), in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hget(self.keys.job(job_id if valid_id(job_id) else "-"), "state")
-        return list(pipe.execute())
-
-    @redis_boundary
-    def published_flags(self, job_ids: list[str]) -> list[tuple[str | None, bool]]:
-        """(state, published) of each job (state None where there is no record)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hmget(self.keys.job(job_id if valid_id(job_id) else "-"), "state", "published")
-        return [(state, published == "1") for state, published in pipe.execute()]

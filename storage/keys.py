@@ -244,6 +244,11 @@ class Keys:
         """Sorted set of node ids scored by heartbeat deadline (ms)."""
         return f"{self.ns}:nodes"
 
+    @property
+    def held_deliveries(self) -> str:
+        """Hash: node id -> its heartbeat deadline (ms) and the job messages it holds; no TTL."""
+        return f"{self.ns}:nodes:held"
+
     # --- API keys ------------------------------------------------------------------------------
     @property
     def api_key_prefix(self) -> str:

@@ -6,9 +6,15 @@ from collections.abc import Sequence
 
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
+from kiln.storage.settings import StorageSettings
 
 # the reaper looks at this many overdue jobs per call; it runs every few seconds
 _REAPER_BATCH = 1000
+
+
+def lease_ttl_ms(settings: StorageSettings) -> int:
+    """The lease TTL as the scripts take it: whole milliseconds, at least one."""
+    return max(1, int(settings.lease_ttl_s * 1000))
 
 
 class LeaseOps(StoreBase):
@@ -20,7 +26,7 @@ class LeaseOps(StoreBase):
 
     @property
     def _lease_ttl_ms(self) -> int:
-        return max(1, int(self.settings.lease_ttl_s * 1000))
+        return lease_ttl_ms(self.settings)
 
     @redis_boundary
     def acquire_lease(self, job_id: str, owner: str) -> int:

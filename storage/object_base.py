@@ -68,6 +68,9 @@ class StoredObject:
     sha256: str
     content_type: str
     metadata: dict[str, str] = field(default_factory=dict)
+    # set by a put only: the store checked `sha256` against the bytes it received and confirmed
+    # it in its answer (S3 echoes the ChecksumSHA256 it verified), so no read-back is needed
+    checksum_verified: bool = False
 
 
 class ObjectStore(Protocol):

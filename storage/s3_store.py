@@ -34,8 +34,11 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-def s3_client(settings: StorageSettings) -> S3Client:
-    """A boto3 S3 client configured from settings (retries for throttling and 5xx included)."""
+def s3_client(settings: StorageSettings, endpoint_url: str | None = None) -> S3Client:
+    """A boto3 S3 client configured from settings (retries for throttling and 5xx included).
+
+    `endpoint_url` replaces `settings.s3_endpoint_url` (the public one, for presigning).
+    """
     config = botocore.config.Config(
         retries={
             "mode": settings.s3_retry_mode,
@@ -50,7 +53,7 @@ def s3_client(settings: StorageSettings) -> S3Client:
     secret = settings.s3_secret_access_key
     client: S3Client = boto3.session.Session().client(
         "s3",
-        endpoint_url=settings.s3_endpoint_url,
+        endpoint_url=endpoint_url or settings.s3_endpoint_url,
         region_name=settings.s3_region,
         aws_access_key_id=settings.s3_access_key_id,
         aws_secret_access_key=secret.get_secret_value() if secret else None,
@@ -70,8 +73,12 @@ class S3ObjectStore:
         *,
         multipart_threshold_bytes: int = 16 * MIB,
         presign_expiry_s: int = 3600,
+        presign_client: S3Client | None = None,
     ) -> None:
         self.client = client
+        # SigV4 signs the host: a URL for clients outside the store's network (compose's
+        # http://minio:9000 is unreachable from a browser) is signed for their endpoint.
+        self.presign_client = presign_client or client
         self.bucket = bucket
         self.prefix = prefix
         self.multipart_threshold_bytes = multipart_threshold_bytes
@@ -86,18 +93,24 @@ class S3ObjectStore:
     def from_settings(cls, settings: StorageSettings) -> S3ObjectStore:
         """The store named by `settings.storage_url` (`s3://bucket/prefix`)."""
         bucket, prefix = parse_s3_url(settings.storage_url)
+        public = settings.s3_public_endpoint_url
         return cls(
             s3_client(settings),
             bucket,
             prefix,
             multipart_threshold_bytes=settings.multipart_threshold_mb * MIB,
             presign_expiry_s=settings.presign_expiry_s,
+            presign_client=s3_client(settings, public) if public else None,
         )
 
     def put(
         self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None
     ) -> StoredObject:
-        """Upload (multipart above the threshold) with a SHA256 checksum S3 verifies on receipt."""
+        """Upload (multipart above the threshold) with a SHA256 checksum S3 verifies on receipt.
+
+        A single-part upload is `checksum_verified` when the store's answer echoes the checksum
+        it checked (S3, MinIO); multipart ones and stores that ignore checksums are not.
+        """
         check_key(self.prefix, key)
         user_metadata = dict(check_metadata(metadata or {}))
         digest = hashlib.sha256(data).hexdigest()
@@ -107,13 +120,20 @@ class S3ObjectStore:
             "ChecksumAlgorithm": "SHA256",
         }
         with s3_errors(key):
-            if len(data) < self.multipart_threshold_bytes:
-                self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
-            else:
+            if len(data) >= self.multipart_threshold_bytes:
                 self.client.upload_fileobj(
                     io.BytesIO(data), self.bucket, key, ExtraArgs=extra, Config=self._transfer
                 )
-        return StoredObject(key, len(data), digest, content_type, user_metadata)
+                return StoredObject(key, len(data), digest, content_type, user_metadata)
+            # Our digest, not one botocore computes while sending: the store then checks the
+            # bytes it received against what we hashed (BadDigest otherwise), and a store that
+            # did check says so by echoing it back.
+            sent = base64.b64encode(bytes.fromhex(digest)).decode()
+            answer = self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, ChecksumSHA256=sent, **extra
+            )
+        verified = answer.get("ChecksumSHA256") == sent
+        return StoredObject(key, len(data), digest, content_type, user_metadata, verified)
 
     def head(self, key: str) -> StoredObject | None:
         """What is stored under `key`, or None."""
@@ -156,7 +176,7 @@ class S3ObjectStore:
         """A presigned GET URL valid for `expires_s` (default: the store's presign expiry)."""
         check_key(self.prefix, key)
         with s3_errors(key):
-            return self.client.generate_presigned_url(
+            return self.presign_client.generate_presigned_url(
                 "get_object",
                 Params={"Bucket": self.bucket, "Key": key},
                 ExpiresIn=expires_s or self.presign_expiry_s,

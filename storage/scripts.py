@@ -38,6 +38,7 @@ ScriptName = Literal[
     "create",
     "create_many",
     "acquire",
+    "acquire_start",
     "renew",
     "release",
     "mark_published",
@@ -57,6 +58,9 @@ ScriptName = Literal[
     "batch_reported",
     "batch_stop",
     "batch_finish",
+    "batch_pause",
+    "held_record",
+    "held_claim",
 ]
 SCRIPT_NAMES: tuple[ScriptName, ...] = get_args(ScriptName)
 PRELUDE = "_prelude"

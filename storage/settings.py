@@ -42,6 +42,11 @@ class StorageSettings(BaseSettings):
         description="Where outputs go: `s3://bucket/prefix` or `file:///absolute/path`.",
     )
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint URL.")
+    s3_public_endpoint_url: str | None = Field(
+        default=None,
+        description="Endpoint written into presigned URLs, as clients reach the store "
+        "(e.g. MinIO's published port); `s3_endpoint_url` when unset.",
+    )
     s3_region: str | None = Field(default=None, description="S3 region.")
     s3_addressing_style: Literal["auto", "path", "virtual"] = Field(
         default="auto", description="S3 bucket addressing style."

@@ -6,6 +6,7 @@ from typing import Any
 
 from kiln.storage.base import StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
+from kiln.storage.leases import lease_ttl_ms
 from kiln.storage.records import JobRecord
 from kiln.storage.states import JobState, edge_sources
 
@@ -116,6 +117,33 @@ class TransitionOps(StoreBase):
             payload=payload,
             running_cap=running_cap,
         )
+
+    @redis_boundary
+    def acquire_and_start(
+        self,
+        job_id: str,
+        owner: str,
+        node_id: str | None = None,
+        running_cap: int | None = None,
+    ) -> tuple[int, JobRecord]:
+        """Take the queued job's lease for `owner` and start it, in one script: (token, record).
+
+        What `acquire_lease` then `start` do, one round trip less, and nothing to release on a
+        refusal: LeaseHeld (another owner's live lease), IllegalTransition (not queued) or
+        QuotaExceeded (`running_cap`, as `start`) leave the job as it was.
+        """
+        self._require_id(job_id)
+        args = [
+            job_id,
+            owner,
+            lease_ttl_ms(self.settings),
+            " " + " ".join(_START) + " ",
+            dumps({"node_id": node_id} if node_id else {}),
+            "" if running_cap is None else str(running_cap),
+        ]
+        keys = self._machine_keys(job_id)
+        token, reply = self._run("acquire_start", keys, [*args, *self._machine_settings()])
+        return int(token), self._record(job_id, reply)
 
     @redis_boundary
     def set_progress(self, job_id: str, lease_token: int, progress: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """Pipelines a rank can serve, chosen by a spec string.
 
 Spec grammar: `tiny` (tiny text-to-image) · `tiny-video` (tiny text-to-video) ·
+`tiny-img2img`, `tiny-inpaint`, `tiny-i2v` (their components, image-conditioned) ·
 `diffusers:<folder or hub id>` · `python:<module>:<factory>` (a `PipelineFactory`, called with
 the device; test fixtures and custom pipelines use it). diffusers is imported only when a
 diffusers pipeline is loaded, so importing this package stays cheap.
@@ -14,6 +15,7 @@ import torch
 
 from kiln.gpu_worker.limits import TINY_LIMITS
 from kiln.gpu_worker.pipelines.base import Pipeline, PipelineFactory, StepCallback, StopDenoising
+from kiln.gpu_worker.pipelines.image_pipelines import TINY_VARIANTS, as_variant, tiny_base
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 __all__ = [
@@ -25,8 +27,11 @@ __all__ = [
     "prepare_pipeline",
 ]
 
-TINY_SPECS = frozenset({"tiny", "tiny-video"})
-SPEC_GRAMMAR = "tiny | tiny-video | diffusers:<folder or hub id> | python:<module>:<factory>"
+TINY_SPECS = frozenset({"tiny", "tiny-video", *TINY_VARIANTS})
+SPEC_GRAMMAR = (
+    "tiny | tiny-video | tiny-img2img | tiny-inpaint | tiny-i2v | diffusers:<folder or hub id> | "
+    "python:<module>:<factory>"
+)
 
 
 def load_pipeline(
@@ -52,7 +57,7 @@ def prepare_pipeline(spec: str, settings: GpuWorkerSettings) -> None:
         from kiln.gpu_worker.pipelines.tiny import ensure_tiny
 
         _quiet_progress_bars()
-        ensure_tiny(spec, settings.model_cache)
+        ensure_tiny(tiny_base(spec), settings.model_cache)
 
 
 def _quiet_progress_bars() -> None:
@@ -66,18 +71,22 @@ def _quiet_progress_bars() -> None:
 
 def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings) -> Pipeline:
     from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+    from kiln.gpu_worker.pipelines.lora import adapters_from_settings
 
     _quiet_progress_bars()
     dtype = None if settings.torch_dtype == "auto" else getattr(torch, settings.torch_dtype)
     if spec in TINY_SPECS:
         from kiln.gpu_worker.pipelines.tiny import ensure_tiny
 
-        source = str(ensure_tiny(spec, settings.model_cache))
+        source = str(ensure_tiny(tiny_base(spec), settings.model_cache))
     else:
         source = spec.split(":", 1)[1]
     # The tiny pipelines declare CPU-sized limits; other models derive theirs from their configs.
-    limits = TINY_LIMITS.get(spec)
-    return DiffusersPipeline.load(source, device, name=spec, dtype=dtype, limits=limits)
+    limits = TINY_LIMITS.get(tiny_base(spec))
+    pipeline = DiffusersPipeline.load(source, device, name=spec, dtype=dtype, limits=limits)
+    pipeline = as_variant(pipeline, spec)  # tiny-img2img etc.: the same components
+    pipeline.adapters = adapters_from_settings(pipeline.pipe, settings)
+    return pipeline
 
 
 def _load_python(spec: str, target: str, device: torch.device) -> Pipeline:

@@ -13,7 +13,7 @@ kinds becomes an input.
   depth; `max_sequence_length` up to its default), else 0 to four times a positive default (as the
   derived limits allow steps), else at least 0.
 - Images (`image`, `mask_image`, `control_image`, …: any parameter typed with PIL images):
-  image references, strings.
+  image references, strings; `image` and `mask_image` are required where the call has them.
 - `scheduler`: Kiln's own extra input, the class names of the pipeline's compatible schedulers
   (`pipe.scheduler.compatibles`) that can be built from its scheduler's config here.
 
@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from kiln.gpu_worker.inputs import FIELD_KEY, IMAGE_KEY, REQUEST_FIELDS, InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.pipelines.image_pipelines import REQUIRED_IMAGES
 
 SCHEDULER_INPUT = "scheduler"
 SEED_MAX = (1 << 63) - 1
@@ -126,7 +127,7 @@ def derive_input_schema(
             "default": schedulers[0],
             "description": "The denoising scheduler, built from the pipeline's own config.",
         }
-    return {
+    schema: InputSchema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": title,
         "type": "object",
@@ -134,6 +135,10 @@ def derive_input_schema(
         "additionalProperties": False,
         "x-kiln-pipeline-class": type(pipe).__name__,
     }
+    required = [name for name in REQUIRED_IMAGES if IMAGE_KEY in properties.get(name, {})]
+    if required:  # an img2img, inpaint or image-to-video pipeline cannot run without them
+        schema["required"] = required
+    return schema
 
 
 def _request_field(name: str, limits: DeclaredLimits, *, is_video: bool) -> dict[str, Any] | None:
@@ -192,7 +197,7 @@ def _extra_input(pipe: Any, name: str, parameter: inspect.Parameter) -> dict[str
             "minLength": 1,
             "maxLength": 2048,
             IMAGE_KEY: True,
-            "description": "An image reference (a URL or an uploaded object).",
+            "description": "An image: upload:<upload_id> (POST /v1/uploads) or an https:// URL.",
         }
     if isinstance(kind, list):
         prop: dict[str, Any] = {"enum": kind}

@@ -1,4 +1,4 @@
-"""Any diffusers `DiffusionPipeline` (text-to-image or text-to-video) behind Kiln's `Pipeline`.
+"""Any diffusers `DiffusionPipeline` (text or image to image or video) behind Kiln's `Pipeline`.
 
 Loaded with `from_pretrained` from a local folder or a hub id; `HF_HUB_OFFLINE=1` is honoured by
 huggingface_hub itself, so a worker that must not touch the network sets it in its environment.
@@ -31,6 +31,8 @@ from kiln.gpu_worker.pipelines.diffusers_inputs import (
     quiet_diffusers,
 )
 from kiln.gpu_worker.pipelines.diffusers_limits import derive_limits
+from kiln.gpu_worker.pipelines.image_pipelines import image_call_kwargs, missing_image
+from kiln.gpu_worker.pipelines.lora import AdapterCache, no_adapters
 from kiln.gpu_worker.protocol import GenerationRequest
 
 SEED_MASK = (1 << 63) - 1
@@ -82,6 +84,7 @@ class DiffusersPipeline:
         self._scheduler_classes: dict[str, Any] | None = None  # found on first use
         self._schedulers: dict[str, Any] = {}  # built from the default's config, kept
         self._schema: InputSchema | None = None
+        self.adapters: AdapterCache = no_adapters(pipe)  # the loader gives the node's adapters
 
     @classmethod
     def load(
@@ -140,7 +143,9 @@ class DiffusersPipeline:
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise `UnsupportedRequest` naming the field the pipeline cannot serve as asked."""
+        self.adapters.check(request)
         refusal = extra_inputs_refusal(self.name, self.input_schema(), request.extra_inputs)
+        refusal = refusal or missing_image(self.name, self.input_schema(), request)
         if refusal is not None:
             raise UnsupportedRequest(refusal)
         scheduler = request.extra_inputs.get(SCHEDULER_INPUT)
@@ -211,7 +216,11 @@ class DiffusersPipeline:
         for request in requests:  # never let diffusers silently round a size or frame count
             self.validate(request)
         kwargs = self._call_kwargs(requests, on_step_end)
-        with torch.inference_mode(), self._scheduler(requests[0].extra_inputs):
+        with (
+            self.adapters.applied(requests[0]),  # outside inference mode: it changes weights
+            torch.inference_mode(),
+            self._scheduler(requests[0].extra_inputs),
+        ):
             result = self.pipe(**kwargs)
         frames = self._frames_of(result, requests[0])
         outputs: list[list[np.ndarray]] = []
@@ -252,6 +261,7 @@ class DiffusersPipeline:
         if self.is_video:
             kwargs["num_frames"] = first.num_frames
         kwargs.update(self._extra_kwargs(first.extra_inputs))
+        kwargs = image_call_kwargs(kwargs, first, self.input_schema(), self._call_params)
         kwargs.update(self._callback_kwargs(first.steps, on_step_end))
         return kwargs
 

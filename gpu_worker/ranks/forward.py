@@ -12,7 +12,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from kiln.gpu_worker.logs import forward_fields
 from kiln.gpu_worker.memory import PeakMemory
 from kiln.gpu_worker.pipelines.base import Pipeline, StopDenoising
-from kiln.gpu_worker.protocol import FailureKind, RankFault, RankOutcome, RunBatch
+from kiln.gpu_worker.pipelines.lora import adapter_state
+from kiln.gpu_worker.protocol import AdapterState, FailureKind, RankFault, RankOutcome, RunBatch
 from kiln.gpu_worker.ranks.process import send_quietly
 from kiln.gpu_worker.ranks.start import RankRuntime
 
@@ -68,6 +69,7 @@ class ForwardResult:
     outcome: RankOutcome
     outputs: list[list[np.ndarray]] | None
     run_s: float
+    adapters: AdapterState | None = None  # the pipeline's adapter cache after the forward
 
 
 def forward_batch(
@@ -85,6 +87,7 @@ def forward_batch(
             batch.requests[0].pipeline,
         )
         result = run_forward(pipeline, batch, sync, runtime.args.rank, runtime.device)
+        result = replace(result, adapters=adapter_state(pipeline))
         outcome = result.outcome
         logger.log(
             level,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from kiln.gpu_worker.errors import UnsupportedRequest
@@ -33,11 +34,14 @@ from kiln.gpu_worker.protocol import (
     RunBatch,
     RunMetrics,
     ShutdownGroup,
+    SleepGroup,
     StepDone,
     StopVerdict,
+    WakeGroup,
 )
 from kiln.gpu_worker.ranks.forward import ForwardResult, StepSync, forward_batch
 from kiln.gpu_worker.ranks.relay import broadcast_command, exchange_outcomes
+from kiln.gpu_worker.ranks.sleep import sleep_rank, wake_rank
 from kiln.gpu_worker.ranks.start import RankRuntime
 from kiln.gpu_worker.shm import FrameDescriptor, discard_frames, write_frames
 
@@ -53,12 +57,12 @@ class LeaderLink:
         self._commands = commands
         self._results = results
         self._verdict_wait_s = verdict_wait_s
-        self._queued: deque[RunBatch | ShutdownGroup] = deque()
+        self._queued: deque[RunBatch | ShutdownGroup | SleepGroup] = deque()
         self._batch_id: int | None = None
         self._answered_step = 0
         self._stop_ids: set[str] = set()
 
-    def next_command(self) -> RunBatch | ShutdownGroup:
+    def next_command(self) -> RunBatch | ShutdownGroup | SleepGroup:
         """Block (in the kernel, no polling) until the coordinator sends a batch or shutdown."""
         while not self._queued:
             self._take(self._commands.recv())
@@ -108,6 +112,13 @@ def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
         if isinstance(command, ShutdownGroup):
             _relay(runtime, command)
             return
+        if isinstance(command, SleepGroup):
+            _relay(runtime, command)
+            link.send(sleep_rank(runtime, command.mode))
+            continue
+        if runtime.asleep is not None:
+            _relay(runtime, WakeGroup())  # the followers wake alongside rank 0
+        wake_s = wake_rank(runtime)  # before screening: a dropped pipeline cannot validate
         batch = screen_batch(command, runtime.pipelines, link)
         if batch is None:
             continue
@@ -115,11 +126,14 @@ def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
         link.begin(batch.batch_id)
         sync = StepSync(batch, runtime.control_group, link.decide_stops)
         result = forward_batch(runtime, batch, sync, status)
-        outcomes = exchange_outcomes(result.outcome, args.world_size, runtime.control_group)
+        outcome = replace(result.outcome, wake_s=wake_s)
+        outcomes = exchange_outcomes(outcome, args.world_size, runtime.control_group)
         report_batch(link, batch, outcomes, result, sync.stopped)
 
 
-def _relay(runtime: RankRuntime, command: RunBatch | ShutdownGroup) -> None:
+def _relay(
+    runtime: RankRuntime, command: RunBatch | ShutdownGroup | SleepGroup | WakeGroup
+) -> None:
     """Pass a command on to the followers (a group of one has none)."""
     if runtime.idle_group is not None:
         broadcast_command(command, runtime.idle_group)
@@ -181,17 +195,18 @@ def report_batch(
         peak_memory_mb=max(outcome.peak_memory_mb for outcome in outcomes),
         steps_run=max(outcome.steps_run for outcome in outcomes),
         batch_size=sum(request.num_outputs for request in batch.requests),
+        wake_s=max(outcome.wake_s for outcome in outcomes),  # the group waits for its last
     )
     if result.outputs is None:  # every request stopped
         all_ids = frozenset(request.request_id for request in batch.requests)
-        link.send(BatchDone(batch.batch_id, (), all_ids, metrics))
+        link.send(BatchDone(batch.batch_id, (), all_ids, metrics, result.adapters))
         return
     try:
         outputs = _share_outputs(batch, result, stopped)
     except Exception as exc:
         link.send(BatchFailed(batch.batch_id, FailureKind.ERROR, f"shared memory: {exc}"))
         return
-    link.send(BatchDone(batch.batch_id, outputs, stopped, metrics))
+    link.send(BatchDone(batch.batch_id, outputs, stopped, metrics, result.adapters))
 
 
 def _share_outputs(

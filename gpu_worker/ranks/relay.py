@@ -60,6 +60,7 @@ def exchange_outcomes(
             _KINDS.index(outcome.kind),
             outcome.steps_run,
             outcome.peak_memory_mb,
+            outcome.wake_s,
         ],
         dtype=torch.float64,
     )
@@ -79,6 +80,7 @@ def exchange_outcomes(
             message=messages[rank],
             steps_run=int(part[2]),
             peak_memory_mb=float(part[3]),
+            wake_s=float(part[4]),
         )
         for rank, part in enumerate(parts)
     ]

@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.parallel import ParallelSpec, apply_parallel
 from kiln.gpu_worker.pipelines import Pipeline, load_pipeline
-from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.pipelines.compile import (
+    compile_denoiser,
+    save_compile_cache,
+    use_compile_cache,
+)
 from kiln.gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.warmup import parse_warmup_shape, warm_up
 
 logger = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # idle ranks wait for work, however long
-# Above 1, so the warm-up also runs the classifier-free-guidance path real requests take.
-WARMUP_GUIDANCE = 5.0
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,34 @@ class RankRuntime:
     pipelines: dict[str, Pipeline] = field(default_factory=dict)
     idle_group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None
+    asleep: str | None = None  # the sleep mode while asleep (gpu_worker/ranks/sleep.py)
 
 
 def start_rank(args: RankArgs) -> RankRuntime:
     """Join the group, load and parallelise every pipeline, warm each one up."""
     runtime = join_group(args)
+    settings = args.settings or GpuWorkerSettings()
+    if settings.compile:
+        use_compile_cache(settings.compile_cache())
+    load_resident(runtime)
+    if args.warmup:
+        started = time.monotonic()
+        shapes = tuple(parse_warmup_shape(text) for text in settings.warmup)
+        for name, pipeline in runtime.pipelines.items():
+            warm_up(name, pipeline, shapes)
+        if settings.compile and args.rank == 0:
+            save_compile_cache(settings.compile_cache(), time.monotonic() - started)
+    return runtime
+
+
+def load_resident(runtime: RankRuntime) -> None:
+    """Load each pipeline, compile (`KILN_COMPILE`) and parallelise its denoiser; start, wake."""
+    args = runtime.args
+    settings = args.settings or GpuWorkerSettings()
     for name, spec in args.pipelines.items():
         pipeline = load_pipeline(spec, runtime.device, args.settings)
+        if settings.compile:
+            compile_denoiser(pipeline, settings.compile_mode)
         if pipeline.denoiser() is None and args.parallel.mode != "none":
             # Nothing to divide (a custom pipeline without a denoiser module): every rank
             # computes the whole batch, which is still correct, only not faster.
@@ -73,10 +97,6 @@ def start_rank(args: RankArgs) -> RankRuntime:
         else:
             apply_parallel(pipeline, args.parallel, None)
         runtime.pipelines[name] = pipeline
-    if args.warmup:
-        for name, pipeline in runtime.pipelines.items():
-            warm_up(name, pipeline)
-    return runtime
 
 
 def join_group(args: RankArgs) -> RankRuntime:
@@ -96,26 +116,3 @@ def join_group(args: RankArgs) -> RankRuntime:
         runtime.idle_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         runtime.control_group = dist.new_group(backend="gloo", timeout=timeout)
     return runtime
-
-
-def warm_up(name: str, pipeline: Pipeline) -> None:
-    """One tiny request through the pipeline (every rank alike), so the first job is not slow."""
-    for num_frames in (1, 9):
-        request = GenerationRequest(
-            request_id=f"warmup:{name}",
-            pipeline=name,
-            prompt="warm-up",
-            width=64,
-            height=64,
-            steps=2,
-            seed=0,
-            num_frames=num_frames,
-            guidance_scale=WARMUP_GUIDANCE,
-        )
-        try:
-            pipeline.validate(request)
-        except UnsupportedRequest:
-            continue
-        pipeline.run([request], lambda _step, _total: None)
-        return
-    logger.info("pipeline %s accepts no small warm-up request; not warmed up", name)

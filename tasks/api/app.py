@@ -20,6 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from kiln.storage.errors import IdempotencyConflict, StorageUnavailable
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.admin_routes import router as admin_routes
+from kiln.tasks.api.batch_control_routes import router as batch_control_routes
+from kiln.tasks.api.batch_event_routes import router as batch_event_routes
 from kiln.tasks.api.batch_routes import router as batch_routes
 from kiln.tasks.api.body_limit import BodySizeLimit
 from kiln.tasks.api.context import ApiContext, build_context, check_connection_budget
@@ -30,9 +32,11 @@ from kiln.tasks.api.job_routes import router as job_routes
 from kiln.tasks.api.metrics import install_metrics
 from kiln.tasks.api.pipeline_routes import router as pipeline_routes
 from kiln.tasks.api.system_routes import router as system_routes
+from kiln.tasks.api.upload_routes import router as upload_routes
 from kiln.tasks.contract.batches import BATCHES_PATH
 from kiln.tasks.contract.logs import configure_logging, start_json_logging
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.contract.uploads import LOCAL_PUT_PATH
 
 log = logging.getLogger(__name__)
 API_VERSION = "1.0.0"
@@ -60,14 +64,20 @@ def create_app(
     app.state.kiln = ctx
     for routes in (job_routes, event_routes, system_routes, pipeline_routes, batch_routes):
         app.include_router(routes)
+    app.include_router(batch_control_routes)
+    app.include_router(batch_event_routes)
     app.include_router(admin_routes)
+    app.include_router(upload_routes)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StorageUnavailable, storage_unavailable)
     app.add_exception_handler(IdempotencyConflict, idempotency_conflict)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=settings.max_body_bytes,
-        streamed={BATCHES_PATH: settings.max_batch_bytes},  # read as a stream by its route
+        streamed={  # read as a stream by their routes
+            BATCHES_PATH: settings.max_batch_bytes,
+            LOCAL_PUT_PATH: max(settings.upload_max_bytes, settings.max_batch_bytes),
+        },
     )
     install_metrics(app, ctx)  # GET /metrics; outermost, so a 413 is counted too
     return app

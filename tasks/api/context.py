@@ -61,6 +61,7 @@ def build_context(
             ApiKeyStore(store.redis, storage_settings),
             enabled=settings.auth_enabled,
             pepper=settings.api_key_pepper.get_secret_value(),
+            cache_s=settings.api_key_cache_s,
         ),
         celery=celery,
         policy=policy_from(settings.webhook_allow_http, settings.webhook_allow_hosts),

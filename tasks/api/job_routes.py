@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from kiln.storage.errors import QuotaExceeded
 from kiln.storage.keys import valid_id
 from kiln.storage.status import JobRecord
+from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.deps import (
     JOB_ERRORS,
@@ -23,6 +24,7 @@ from kiln.tasks.api.deps import (
     visible_job,
 )
 from kiln.tasks.api.limits import refuse_bad_inputs, refuse_over_limits
+from kiln.tasks.api.upload_routes import refuse_bad_image_refs
 from kiln.tasks.contract.responses import (
     CancelResult,
     JobList,
@@ -48,7 +50,7 @@ def _admit(ctx: ApiContext) -> None:
         raise HTTPException(429, "queue is full; retry later", headers={"Retry-After": retry_after})
 
 
-def _check_request(ctx: ApiContext, request: JobRequest) -> None:
+def _check_request(ctx: ApiContext, request: JobRequest, caller: Principal) -> None:
     known = ctx.submitter.known_pipelines()
     if request.pipeline not in known:
         msg = f"unknown pipeline {request.pipeline!r}; served: {', '.join(known) or 'none'}"
@@ -56,6 +58,7 @@ def _check_request(ctx: ApiContext, request: JobRequest) -> None:
         raise field_error(loc, msg, "unknown_pipeline", request.pipeline, known=known)
     refuse_over_limits(ctx.submitter, request)
     refuse_bad_inputs(ctx.submitter, request)
+    refuse_bad_image_refs(ctx, caller, request)
     if request.webhook is None:
         return
     url_loc = ("body", "webhook", "url")
@@ -91,7 +94,7 @@ def submit_job(
 ) -> JobView:
     """Enqueue a job: 201 with its view; 200 with the same job for a repeated Idempotency-Key."""
     _admit(ctx)
-    _check_request(ctx, body)
+    _check_request(ctx, body, caller)
     # Keys are scoped to the API key so two callers never share one.
     scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
     max_queued = effective_cap(caller.max_queued, ctx.settings.max_queued_per_key)

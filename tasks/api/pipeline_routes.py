@@ -8,7 +8,8 @@ from fastapi import Depends, HTTPException, Path
 
 from kiln.tasks.api.deps import Ctx, api_router, error_docs, principal
 from kiln.tasks.contract.limits import PipelineLimits
-from kiln.tasks.contract.responses import PipelineInfo
+from kiln.tasks.contract.loras import adapter_listing
+from kiln.tasks.contract.responses import AdapterInfo, PipelineInfo
 
 router = api_router()
 PipelineName = Annotated[
@@ -43,5 +44,5 @@ def pipeline(ctx: Ctx, name: PipelineName) -> PipelineInfo:
         live_nodes=live,
         inputs=schemas[0] if schemas else None,
         limits=(limits[0] if limits else PipelineLimits()).to_dict(),
-        adapters=[],
+        adapters=[AdapterInfo(**entry) for entry in adapter_listing(submitter.adapters_for(name))],
     )

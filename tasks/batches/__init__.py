@@ -2,6 +2,8 @@
 
 `intake` validates a file line by line while it streams to the object store; `feeder` (run by
 every node's maintenance loops, one feeder per batch at a time under a lease) creates and publishes
-the jobs of each batch within its window and writes their results in parts; `service` is what the
-API and the CLI call. Above `webhooks` and `queue`, below `api`, `node` and `cli`.
+the jobs of each batch within its share of the window (`fairness`), writes their results in parts
+(`reporting`), winds a stopped batch down and ends it (`winding`) and sends batch webhooks
+(`notify`); `retry` makes a batch of another's failed or expired lines; `service` is what the API
+and the CLI call. Above `webhooks` and `queue`, below `api`, `node` and `cli`.
 """

@@ -1,4 +1,4 @@
-"""What the API and the CLI do with batches: accept a file, read, list, cancel, stream results."""
+"""What the API and the CLI do with batches: accept a file, read, list, steer, retry, results."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.storage.batch_store import BatchStore, FedBatch, NewFedBatch
-from kiln.storage.object_streams import batch_object_key, open_writer
+from kiln.storage.object_streams import batch_object_key, iter_chunks, open_writer
 from kiln.storage.objects import ObjectStore
 from kiln.storage.status import JobStore
 from kiln.tasks.batches.checks import LineChecks
 from kiln.tasks.batches.intake import BatchIntake, IntakeReport, JsonCheck, LineDefaults
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, stream_results
+from kiln.tasks.batches.retry import retry_batch
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.submit import Submitter
 from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
@@ -118,6 +119,15 @@ class BatchService:
             return None, report
         return self.accept(batch_id, report, options), report
 
+    def submit_stored(
+        self, key: str, options: BatchOptions, batch_id: str | None = None
+    ) -> tuple[FedBatch | None, IntakeReport]:
+        """Validate and accept a file already in the object store (an upload), streamed from it.
+
+        The upload stays where it is; the batch's own input is written as the lines pass.
+        """
+        return self.submit_lines(iter_chunks(self.objects, key), options, batch_id)
+
     def get(self, batch_id: str) -> FedBatch:
         """The batch (BatchNotFound if there is none)."""
         return self.batches.get_fed(batch_id)
@@ -129,8 +139,27 @@ class BatchService:
         return self.batches.list_fed(owner, cursor, limit)
 
     def cancel(self, batch_id: str) -> FedBatch:
-        """Stop feeding; the feeder cancels queued and running jobs and ends the unfed lines."""
+        """Stop feeding; the feeder cancels queued and running jobs and ends the unfed lines.
+
+        BatchConflict for a finished batch or one whose completion window is being carried out.
+        """
         return self.batches.stop_batch(batch_id, "canceled")
+
+    def pause(self, batch_id: str) -> FedBatch:
+        """Stop feeding new lines; the window drains (BatchConflict unless running or paused)."""
+        return self.batches.pause(batch_id)
+
+    def resume(self, batch_id: str) -> FedBatch:
+        """Feed again (BatchConflict unless paused or running)."""
+        return self.batches.resume(batch_id)
+
+    def retry(self, batch_id: str, statuses: frozenset[str]) -> FedBatch:
+        """A new batch of the finished batch's lines that ended in `statuses`, linked to it.
+
+        BatchConflict unless the batch is finished; NothingToRetry if no line qualifies.
+        """
+        parent = self.batches.get_fed(batch_id)
+        return retry_batch(self.batches, self.objects, parent, new_batch_id(), statuses)
 
     def results(self, batch_id: str) -> Iterator[bytes]:
         """Every result line so far (URLs presigned now), read as consumed."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from kiln.storage.batch_store import FedBatch
+from kiln.storage.batch_records import FedBatch
 from kiln.storage.states import JobState
 from kiln.tasks.contract.batches import (
     BatchCounts,
@@ -74,4 +74,6 @@ def batch_view(batch: FedBatch, now: float | None = None) -> BatchView:
         priority=Lane(batch.priority),
         metadata=dict(batch.metadata),
         webhook=WebhookSpec.model_validate(batch.webhook) if batch.webhook else None,
+        parent_id=batch.parent_id,
+        retries=list(batch.retries),
     )

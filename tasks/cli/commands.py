@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -18,6 +19,7 @@ from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
 from kiln.tasks.cli.exits import EXIT_JOB_FAILED, EXIT_NOT_SERVED, UsageError, print_json
 from kiln.tasks.cli.progress import wait_for_jobs
+from kiln.tasks.cli.uploads import upload_file
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.contract.states import JobState
@@ -66,6 +68,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
             node_id=args.node_id,
             loglevel=args.loglevel,
             group_size=args.group_size,
+            lora_dir=args.lora_dir,
+            idle_sleep_s=args.idle_sleep_s,
+            sleep_mode=args.sleep_mode,
+            compile=args.compile,
+            warmup=tuple(args.warmup),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -81,7 +88,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         name: getattr(args, name) for name in SUBMIT_FIELDS if getattr(args, name) is not None
     }
     if args.inputs:
-        fields["inputs"] = parse_inputs(args.inputs)
+        fields["inputs"] = parse_inputs(args.inputs, upload=lambda path: upload_file(args, path))
     request = JobRequest.model_validate(fields)
     backend = backend_for(args)
     view = backend.submit(request, idempotency_key=args.idempotency_key)
@@ -91,8 +98,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return _wait_and_show(args, backend, [view.id])
 
 
-def parse_inputs(values: list[str]) -> dict[str, Any]:
-    """`--input NAME=VALUE` options as a request's `inputs`: VALUE as JSON when it parses."""
+def parse_inputs(values: list[str], upload: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """`--input NAME=VALUE` options as a request's `inputs`: VALUE as JSON when it parses.
+
+    `NAME=@PATH` uploads the file with `upload`, which returns the reference to pass.
+    """
     inputs: dict[str, Any] = {}
     for value in values:
         name, sep, text = value.partition("=")
@@ -102,10 +112,10 @@ def parse_inputs(values: list[str]) -> dict[str, Any]:
         if name in inputs:
             raise UsageError(f"--input {name}: given twice")
         if text.startswith("@"):
-            raise UsageError(
-                f"--input {name}={text}: reading an input from a file (@PATH) is not supported "
-                "yet; image inputs are not accepted yet either"
-            )
+            if upload is None:
+                raise UsageError(f"--input {name}={text}: files (@PATH) cannot be uploaded here")
+            inputs[name] = upload(text[1:])
+            continue
         try:
             inputs[name] = json.loads(text)
         except ValueError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -61,7 +62,7 @@ def _add_submit(sub: Any) -> None:
         metavar="NAME=VALUE",
         help="a pipeline input (repeatable), e.g. scheduler=DDIMScheduler or strength=0.6; "
         "VALUE is read as JSON when it parses, else as text (GET /v1/pipelines/NAME lists a "
-        "pipeline's inputs)",
+        "pipeline's inputs); image=@PATH uploads the file, image=https://... passes a URL",
     )
     p.add_argument("--idempotency-key")
     p.add_argument("--wait", action="store_true", help="show progress and wait for the outputs")
@@ -104,10 +105,45 @@ def _add_worker(sub: Any) -> None:
         help="ranks per replica group: the devices split into independent groups of this many "
         "ranks, each job going to the least busy group (default: one group over all devices)",
     )
+    _add_sleep_and_compile(w)
+    w.add_argument(
+        "--lora-dir",
+        type=Path,
+        help="LoRA adapters jobs may name: DIR/<pipeline>/<name>/pytorch_lora_weights.safetensors "
+        "(default: KILN_LORA_DIR, else none)",
+    )
     w.add_argument("--concurrency", type=int)
     w.add_argument("--webhooks", action="store_true", help="also deliver webhooks")
     w.add_argument("--node-id")
     w.add_argument("--loglevel", default="INFO")
+
+
+def _add_sleep_and_compile(w: argparse.ArgumentParser) -> None:
+    """`kiln worker` flags over KILN_IDLE_SLEEP_S, KILN_SLEEP_MODE, KILN_COMPILE, KILN_WARMUP."""
+    w.add_argument(
+        "--idle-sleep-s",
+        type=float,
+        help="after this many seconds without work, release the pipelines' memory until the next "
+        "job (default: KILN_IDLE_SLEEP_S, else never)",
+    )
+    w.add_argument(
+        "--sleep-mode",
+        choices=["offload", "drop"],
+        help="offload: modules to host memory; drop: delete, reload from disk on wake",
+    )
+    w.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="wrap each denoiser in torch.compile, caches in KILN_COMPILE_CACHE_DIR",
+    )
+    w.add_argument(
+        "--warmup",
+        action="append",
+        default=[],
+        metavar="WxHxSTEPS[xFRAMES]",
+        help="a shape to run (and compile) before taking jobs; repeatable",
+    )
 
 
 def _add_job_commands(sub: Any) -> None:

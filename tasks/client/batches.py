@@ -1,8 +1,9 @@
-"""The batch calls of `KilnClient` (a mixin): submit a JSONL file or requests, follow, results.
+"""The batch calls of `KilnClient` (a mixin): submit, follow, control, results, downloads.
 
 An upload streams from a file (or an iterable of requests) without reading it whole; results
 stream back line by line. A refused file raises `ValidationFailed`, whose `detail` opens with the
-counts (`batch_invalid`) and then lists the first errors by line.
+counts (`batch_invalid`) and then lists the first errors by line. `batch_events` follows a batch
+over server-sent events (`batch.progress`, then one terminal `batch.<status>`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from typing import Any
 
 import httpx
 
+from kiln.tasks.client.batch_downloads import (
+    DEFAULT_DOWNLOAD_WORKERS,
+    DownloadReport,
+    download_outputs,
+    output_files,
+)
 from kiln.tasks.contract.batches import (
     BATCHES_PATH,
     DEFAULT_COMPLETION_WINDOW,
@@ -22,6 +29,7 @@ from kiln.tasks.contract.batches import (
     BatchResult,
     BatchSummary,
     BatchView,
+    RetryInclude,
     is_final_batch,
 )
 from kiln.tasks.contract.schemas import JobRequest
@@ -29,6 +37,7 @@ from kiln.tasks.contract.schemas import JobRequest
 UPLOAD_CHUNK = 256 * 1024
 BatchLine = BatchResult | BatchSummary
 BatchSource = str | Path | Iterable[JobRequest | dict[str, Any]]
+RETRY_INCLUDE = tuple(RetryInclude)
 
 
 def _file_chunks(path: Path) -> Iterator[bytes]:
@@ -58,6 +67,22 @@ def batch_body(source: BatchSource) -> Iterator[bytes]:
     if isinstance(source, str | Path):
         return _file_chunks(Path(source))
     return _request_lines(source)
+
+
+def sse_messages(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """(event name, data) of each message of a `text/event-stream` (comments skipped)."""
+    event, data = "message", list[str]()
+    for line in lines:
+        if line == "":
+            if data:
+                yield event, "\n".join(data)
+            event, data = "message", []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+    if data:
+        yield event, "\n".join(data)
 
 
 def parse_batch_line(raw: str | bytes) -> BatchLine:
@@ -130,22 +155,61 @@ class BatchCalls:
         response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/cancel")
         return BatchView.model_validate(response.json())
 
+    def pause_batch(self, batch_id: str) -> BatchView:
+        """Stop feeding the batch (jobs already queued or running go on); `resume_batch` undoes."""
+        response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/pause")
+        return BatchView.model_validate(response.json())
+
+    def resume_batch(self, batch_id: str) -> BatchView:
+        """Feed a paused batch again."""
+        response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/resume")
+        return BatchView.model_validate(response.json())
+
+    def retry_batch(self, batch_id: str, include: Iterable[str] = RETRY_INCLUDE) -> BatchView:
+        """A new batch (`parent_id`: this one) of the finished batch's failed/expired lines."""
+        params = {"include": ",".join(include)}
+        response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/retry", params=params)
+        return BatchView.model_validate(response.json())
+
+    def batch_events(self, batch_id: str) -> Iterator[BatchView]:
+        """The batch's view at each change (SSE); ends after the final one."""
+        headers = {"Accept": "text/event-stream"}
+        for _event, data in sse_messages(self._stream_lines(f"/{batch_id}/events", headers)):
+            view = BatchView.model_validate_json(data)
+            yield view
+            if is_final_batch(view.status):
+                return
+
     def batch_results_raw(self, batch_id: str) -> Iterator[bytes]:
         """The batch's result lines so far, as JSONL bytes (newline-terminated), streamed."""
+        for line in self._stream_lines(f"/{batch_id}/results"):
+            if line.strip():
+                yield line.encode() + b"\n"
+
+    def _stream_lines(self, suffix: str, headers: dict[str, str] | None = None) -> Iterator[str]:
+        """The lines of a streamed GET under /v1/batches (no read timeout: it may be long)."""
         from kiln.tasks.client.client import KilnConnectionError, _raise_for
 
-        path = f"{BATCHES_PATH}/{batch_id}/results"
+        path = f"{BATCHES_PATH}{suffix}"
         timeout = httpx.Timeout(self._http.timeout.connect, read=None)
         try:
-            with self._http.stream("GET", path, timeout=timeout) as response:
+            with self._http.stream("GET", path, headers=headers, timeout=timeout) as response:
                 if not response.is_success:
                     response.read()
                     _raise_for(response)
-                for line in response.iter_lines():
-                    if line.strip():
-                        yield line.encode() + b"\n"
+                yield from response.iter_lines()
         except httpx.TransportError as exc:
             raise KilnConnectionError(f"GET {path}: {exc}") from exc
+
+    def download_batch_results(
+        self, batch_id: str, folder: str | Path, *, workers: int = DEFAULT_DOWNLOAD_WORKERS
+    ) -> DownloadReport:
+        """Download every output so far into `folder/<custom_id>/<file>`, sha256-verified.
+
+        Files already there with the right sha256 are kept: calling it again resumes.
+        """
+        results = (line for line in self.batch_results(batch_id) if isinstance(line, BatchResult))
+        return download_outputs(output_files(results, Path(folder)), workers=workers)
 
     def batch_results(self, batch_id: str) -> Iterator[BatchLine]:
         """The batch's result lines so far, parsed; a finished batch's last one is the summary."""

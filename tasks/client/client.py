@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from kiln.tasks.client.batches import BatchCalls
+from kiln.tasks.client.uploads import UploadCalls
 from kiln.tasks.contract.backoff import doubling_delay
 from kiln.tasks.contract.responses import (
     CancelResult,
@@ -127,11 +128,12 @@ def _raise_for(response: httpx.Response) -> None:
     raise _ERRORS.get(code, ApiError)(code, detail)
 
 
-class KilnClient(BatchCalls):
+class KilnClient(BatchCalls, UploadCalls):
     """A Kiln API: `submit`, `get`, `wait`, `cancel`, `events`, `list`, `webhooks`, `pipeline`.
 
     Batches (`BatchCalls`): `submit_batch`, `get_batch`, `list_batches`, `cancel_batch`,
-    `batch_results`, `wait_batch`.
+    `pause_batch`, `resume_batch`, `retry_batch`, `batch_events`, `batch_results`,
+    `download_batch_results`, `wait_batch`. Inputs (`UploadCalls`): `upload`.
     """
 
     def __init__(

@@ -12,7 +12,7 @@ import re
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.tasks.contract.schemas import Lane, WebhookSpec
 from kiln.tasks.contract.views import ErrorView, OutputView
@@ -52,10 +52,11 @@ def parse_completion_window(text: str) -> int:
 
 
 class BatchStatus(StrEnum):
-    """Where a batch is: validating → running → finalizing → completed | canceled | expired."""
+    """Where a batch is: running (⇄ paused) → finalizing → completed, canceled, expired."""
 
     validating = "validating"
     running = "running"
+    paused = "paused"
     finalizing = "finalizing"
     completed = "completed"
     canceled = "canceled"
@@ -70,6 +71,38 @@ BatchOutcome = Literal["succeeded", "partial", "failed"]
 def is_final_batch(status: str) -> bool:
     """Whether a batch status is final."""
     return status in FINAL_BATCH_STATUSES
+
+
+class BatchEvent(StrEnum):
+    """Batch events (SSE event names and webhook types); the last four end a batch's stream."""
+
+    progress = "batch.progress"
+    completed = "batch.completed"
+    failed = "batch.failed"
+    expired = "batch.expired"
+    canceled = "batch.canceled"
+
+
+def batch_event_of(status: str, outcome: str | None) -> BatchEvent:
+    """The event a batch in `status` reports: `batch.failed` is `completed` with outcome failed.
+
+    A batch still going is `batch.progress`; a finished one is named by its status, except that a
+    completed batch none of whose lines succeeded is `batch.failed` (never a silent success).
+    """
+    if status == BatchStatus.completed:
+        return BatchEvent.failed if outcome == "failed" else BatchEvent.completed
+    if status == BatchStatus.canceled:
+        return BatchEvent.canceled
+    if status == BatchStatus.expired:
+        return BatchEvent.expired
+    return BatchEvent.progress
+
+
+class RetryInclude(StrEnum):
+    """Which finished lines `POST /v1/batches/{id}/retry` runs again."""
+
+    failed = "failed"
+    expired = "expired"
 
 
 class BatchCounts(BaseModel):
@@ -112,6 +145,31 @@ class BatchView(BaseModel):
     priority: Lane = Lane.bulk
     metadata: dict[str, str] = Field(default_factory=dict)
     webhook: WebhookSpec | None = None
+    parent_id: str | None = Field(default=None, description="The batch this one retries.")
+    retries: list[str] = Field(
+        default_factory=list, description="Ids of the batches that retry this one, oldest first."
+    )
+
+
+class BatchFromUpload(BaseModel):
+    """`POST /v1/batches` with a JSON body: an uploaded batch file and the batch's options.
+
+    The upload comes from `POST /v1/uploads` (purpose `batch`); the options are the query
+    parameters a JSONL body would carry.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_upload: str = Field(
+        min_length=1, max_length=64, description="The upload's id (or `upload:<id>`)."
+    )
+    pipeline: str | None = Field(default=None, max_length=128)
+    priority: Lane = Lane.bulk
+    completion_window: str = Field(default=DEFAULT_COMPLETION_WINDOW, max_length=16)
+    skip_invalid: bool = False
+    metadata: dict[str, str] | None = None
+    webhook_url: str | None = Field(default=None, max_length=2048)
+    webhook_events: list[str] | None = Field(default=None, max_length=8)
 
 
 class BatchList(BaseModel):

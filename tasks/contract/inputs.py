@@ -22,7 +22,7 @@ The validator implements the subset of JSON Schema the pipelines use, for the sc
 `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, `minLength`, `maxLength`, `pattern`; and on
 the object, `properties`, `required` and `additionalProperties: false` (always applied). Other
 keywords are annotations. `x-kiln-field` marks a request field, `x-kiln-image` an image reference
-(not accepted yet).
+(`contract.image_refs`: `upload:<id>` or a URL; only its form is checked here).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+from kiln.tasks.contract.image_refs import parse_image_ref
 
 InputValue = bool | int | float | str | None
 InputSchema = dict[str, Any]
@@ -148,6 +150,18 @@ def lift_request_fields(data: dict[str, Any], fields: frozenset[str]) -> dict[st
     return lifted
 
 
+def image_input_names(schema: Mapping[str, Any]) -> frozenset[str]:
+    """The properties of a pipeline's input schema that are image references (§2c)."""
+    properties = schema.get("properties")
+    if not isinstance(properties, Mapping):
+        return frozenset()
+    return frozenset(
+        name
+        for name, prop in properties.items()
+        if isinstance(prop, Mapping) and prop.get(IMAGE_KEY) is True
+    )
+
+
 def announced_inputs(node: Mapping[str, Any]) -> dict[str, InputSchema]:
     """Per pipeline a node serves, the input schema its heartbeat announces (if any)."""
     announced = node.get("inputs")
@@ -200,8 +214,11 @@ def input_violation(
             message = f"{pipeline} takes no input {name!r}; its inputs: {', '.join(extras)}"
             return InputViolation(pipeline, name, "unknown", message, value, extras)
         if prop.get(IMAGE_KEY) is True:
-            message = f"{pipeline}'s {name} is an image input; image inputs are not accepted yet"
-            return InputViolation(pipeline, name, "image", message, value)
+            try:  # the form only; the upload's owner and the URL's host are checked later
+                parse_image_ref(value)
+            except ValueError as exc:
+                return InputViolation(pipeline, name, "image", f"{pipeline}'s {name}: {exc}", value)
+            continue
         broken = value_violation(value, prop)
         if broken is not None:
             rule, rule_text = broken

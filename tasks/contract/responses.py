@@ -136,6 +136,15 @@ class PipelineList(BaseModel):
     pipelines: list[str]
 
 
+class AdapterInfo(BaseModel):
+    """A LoRA adapter of a pipeline: the live nodes that offer it, hold it loaded, keep it fused."""
+
+    name: str
+    available_on: list[str] = Field(description="Node ids that can load it.")
+    loaded_on: list[str] = Field(description="Node ids whose ranks hold it loaded now.")
+    fused_on: list[str] = Field(description="Node ids that keep it fused into the weights now.")
+
+
 class PipelineInfo(BaseModel):
     """One pipeline as jobs may use it: its input schema, its limits and its adapters."""
 
@@ -149,6 +158,6 @@ class PipelineInfo(BaseModel):
     limits: dict[str, int | None] = Field(
         description="Sizes, steps, frames and budget the pipeline takes (docs/contract.md §2)."
     )
-    adapters: list[str] = Field(
-        default_factory=list, description="LoRA adapters jobs may name (none yet)."
+    adapters: list[AdapterInfo] = Field(
+        default_factory=list, description="LoRA adapters jobs may name in `loras`, by name."
     )

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from kiln.tasks.contract.inputs import lift_request_fields
+from kiln.tasks.contract.loras import MAX_LORAS, LoraSpec, check_unique
 
 # Output formats, the first of each kind the default. gpu_worker/outputs.py encodes exactly these
 # (it cannot import tasks; tests/tasks/test_one_definition.py keeps the two equal).
@@ -160,6 +161,12 @@ class JobRequest(BaseModel):
         "e.g. scheduler or strength; request fields under a pipeline's name "
         "(num_inference_steps) move to their top-level field, which must then be absent.",
     )
+    loras: list[LoraSpec] = Field(
+        default_factory=list,
+        max_length=MAX_LORAS,
+        description=f"LoRA adapters to apply (≤{MAX_LORAS}, each named once), from those "
+        "GET /v1/pipelines/{name} lists; jobs batch together only with equal adapters.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -168,6 +175,12 @@ class JobRequest(BaseModel):
         if isinstance(data, dict):
             return lift_request_fields(data, frozenset(cls.model_fields))
         return data
+
+    @field_validator("loras")
+    @classmethod
+    def _unique_loras(cls, loras: list[LoraSpec]) -> list[LoraSpec]:
+        check_unique(loras)
+        return loras
 
     @field_validator("output_format")
     @classmethod
@@ -194,4 +207,6 @@ class JobRequest(BaseModel):
         if not record["inputs"]:
             # Requests without inputs keep the fingerprint they had before `inputs` existed.
             del record["inputs"]
+        if not record["loras"]:
+            del record["loras"]  # likewise for requests without adapters
         return record

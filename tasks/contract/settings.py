@@ -51,6 +51,12 @@ class KilnSettings(BaseSettings):
     upload_retry_s: float = Field(
         default=120.0, description="How long a node keeps retrying an unreachable object store."
     )
+    upload_verify: Literal["checksum", "head"] = Field(
+        default="checksum",
+        description="How a node verifies each upload: `checksum` trusts a store that checked the "
+        "sent SHA-256 itself and echoed it (S3, MinIO; any other store is still read back), "
+        "`head` always reads the object back.",
+    )
     progress_interval_s: float = Field(default=0.25, description="Throttle for progress writes.")
     drain_grace_s: float = Field(default=30.0, description="SIGTERM: time to finish running jobs.")
     bulk_share_every: int = Field(
@@ -87,6 +93,12 @@ class KilnSettings(BaseSettings):
     api_key_pepper: SecretStr = Field(
         default=SecretStr(""),
         description="HMAC key for API-key hashes; changing it voids all keys.",
+    )
+    api_key_cache_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="How long the API keeps a live key's record in memory; a revoked key is "
+        "refused at the latest this long after its revocation (0: read on every request).",
     )
     max_body_bytes: int = Field(default=65536, ge=1024, description="Larger request bodies: 413.")
     max_queue_depth: int | None = Field(
@@ -155,6 +167,25 @@ class KilnSettings(BaseSettings):
         default=5.0, ge=0, description="At most one progress webhook per job this often."
     )
 
+    # --- Image inputs (POST /v1/uploads; fetched by nodes) ---------------------------------------
+    upload_max_bytes: int = Field(
+        default=20 * 1024 * 1024, ge=1024, description="Largest uploaded or fetched input image."
+    )
+    upload_expiry_s: int = Field(
+        default=900, ge=60, le=7 * 86400, description="Lifetime of an upload's presigned PUT."
+    )
+    input_max_pixels: int = Field(
+        default=4096 * 4096, ge=64 * 64, description="Largest input image (width × height)."
+    )
+    input_fetch_timeout_s: float = Field(
+        default=10.0, gt=0, description="A node's whole fetch of one input image URL."
+    )
+    input_allow_http: bool = Field(default=False, description="Allow http:// input image URLs.")
+    input_allow_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Hosts, IPs or CIDRs exempt from the SSRF address checks of input image URLs "
+        "(comma-separated).",
+    )
     # --- Batches (tasks/batches) --------------------------------------------------------------
     max_batch_bytes: int = Field(
         default=2 * 1024**3, ge=1024, description="Larger POST /v1/batches bodies: 413."
@@ -163,7 +194,29 @@ class KilnSettings(BaseSettings):
         default=3600.0, gt=0, description="Time to send (and validate) a POST /v1/batches body."
     )
     batch_window: int = Field(
-        default=256, ge=1, description="Most jobs of one batch queued or running at once."
+        default=256,
+        ge=1,
+        description="Cap of the feeding window: most jobs of one API key's batches queued or "
+        "running at once.",
+    )
+    batch_window_min: int = Field(
+        default=16, ge=1, description="Floor of the feeding window (also its size with no node up)."
+    )
+    batch_window_factor: float = Field(
+        default=4.0,
+        gt=0,
+        description="The window is this × the live nodes' replica groups × max batch, within its "
+        "floor and cap.",
+    )
+    batch_item_retention_s: int = Field(
+        default=60,
+        ge=0,
+        description="A batch job's record is kept this long once its result line is written.",
+    )
+    batch_progress_interval_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="At most one batch.progress event (SSE) and webhook per batch this often.",
     )
     batch_feed_interval_s: float = Field(
         default=0.5, gt=0, description="How often each node's feeder visits the active batches."
@@ -191,7 +244,13 @@ class KilnSettings(BaseSettings):
             raise ValueError("webhook_secret must carry at least 16 random bytes")
         return value
 
-    @field_validator("pipelines", "webhook_allow_hosts", "webhook_retry_schedule_s", mode="before")
+    @field_validator(
+        "pipelines",
+        "webhook_allow_hosts",
+        "webhook_retry_schedule_s",
+        "input_allow_hosts",
+        mode="before",
+    )
     @classmethod
     def _split_commas(cls, value: object) -> object:
         # Env values are plain comma lists (KILN_WEBHOOK_ALLOW_HOSTS=127.0.0.1,::1) or JSON arrays.

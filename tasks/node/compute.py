@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult
+from kiln.gpu_worker.protocol import AdapterRef, GenerationRequest, GenerationResult
 from kiln.storage.status import JobRecord
 
 
@@ -28,6 +28,7 @@ def generation_request(record: JobRecord) -> GenerationRequest:
         guidance_scale=float(r["guidance_scale"]),
         num_outputs=int(r["num_outputs"]),
         extra_inputs=dict(r.get("inputs") or {}),  # absent from records made before `inputs`
+        loras=tuple(AdapterRef(str(a["name"]), float(a["scale"])) for a in r.get("loras") or ()),
     )
 
 
@@ -44,4 +45,6 @@ def run_metrics(
     if result.metrics is not None:
         metrics["run_s"] = round(result.metrics.run_s, 4)
         metrics["peak_memory_mb"] = round(result.metrics.peak_memory_mb, 1)
+        if result.metrics.wake_s > 0:  # this job's batch woke the sleeping group first
+            metrics["wake_s"] = round(result.metrics.wake_s, 4)
     return metrics

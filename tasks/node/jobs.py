@@ -36,6 +36,13 @@ from kiln.storage.status import TERMINAL_STATES, JobRecord, JobState
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
 from kiln.tasks.contract.logs import log_context
 from kiln.tasks.node.compute import generation_request, run_metrics
+from kiln.tasks.node.image_inputs import (
+    FetchedImage,
+    ImageInputRejected,
+    fetch_job_images,
+    input_facts,
+    with_images,
+)
 from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, JobFailedError, settle_task
 from kiln.tasks.node.progress_writer import PendingProgress
@@ -155,21 +162,19 @@ class JobRunner:
         if self._held_back(record):
             return
         owner = f"{self.node.node_id}/{uuid.uuid4().hex[:8]}"
+        cap = self.node.running_caps.cap(record.owner)
         try:
-            token = self.store.acquire_lease(self.job_id, owner)
+            # lease and start in one script: a refusal leaves the job as it was, nothing to release
+            token, record = self.store.acquire_and_start(
+                self.job_id, owner, node_id=self.node.node_id, running_cap=cap
+            )
         except LeaseHeld:
             self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
             self.outcome = DeliveryOutcome(Delivery.DEFERRED)
             return
-        try:
-            cap = self.node.running_caps.cap(record.owner)
-            node_id = self.node.node_id
-            record = self.store.start(self.job_id, token, node_id=node_id, running_cap=cap)
-        except (IllegalTransition, StaleLease):
-            self.store.release_lease(self.job_id, token)
+        except IllegalTransition:
             return
         except QuotaExceeded as exc:
-            self.store.release_lease(self.job_id, token)
             self._defer(record, f"{exc}")
             return
         with log_context(attempt=record.attempts):
@@ -213,12 +218,15 @@ class JobRunner:
             self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
         except StorageError as exc:
             self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
+        except ImageInputRejected as exc:  # the job's own input: fails it, no traceback
+            self._failed(record, tracked, error_dict(exc), retryable=False)
         except Exception as exc:  # a bug or a bad request: fail the job, never loop on it
             log.exception("job %s failed unexpectedly", self.job_id)
             self._failed(record, tracked, error_dict(exc), retryable=False)
 
     def _generate_and_store(self, record: JobRecord, tracked: TrackedJob) -> None:
-        result = self._generate(record, tracked)
+        images = fetch_job_images(self.node, record)  # before compute: a refusal runs nothing
+        result = self._generate(record, tracked, images)
         if tracked.stop_reason is not None:
             raise JobStopped(tracked.stop_reason)
         report = encode_and_upload(
@@ -231,17 +239,21 @@ class JobRunner:
                 tracked, stage, step, total, on_task_thread=True
             ),
             on_retry=self.node.metrics.count_upload_retry,
+            verify=self.settings.upload_verify,
         )
         self.node.metrics.observe_stage("encode", report.encode_s)
         self.node.metrics.observe_stage("upload", report.upload_s)
-        metrics = run_metrics(record, result, report.encode_s, report.upload_s)
+        metrics: dict[str, Any] = {**run_metrics(record, result, report.encode_s, report.upload_s)}
+        metrics.update(input_facts(images))  # what each image input was: sha256, size, source
         self.node.progress.discard(self.job_id)  # the terminal state supersedes it
         self.store.succeed(self.job_id, tracked.lease_token, report.outputs, metrics)
         self.outcome = DeliveryOutcome(Delivery.SUCCEEDED)
         log.info("job %s succeeded: %s", self.job_id, metrics)
         self._notify("completed")
 
-    def _generate(self, record: JobRecord, tracked: TrackedJob) -> GenerationResult:
+    def _generate(
+        self, record: JobRecord, tracked: TrackedJob, images: dict[str, FetchedImage]
+    ) -> GenerationResult:
         decoding_at: list[float] = []  # when the ranks reported the last denoising step
 
         # Both callbacks run on the coordinator's threads between steps: memory only, no I/O.
@@ -256,7 +268,7 @@ class JobRunner:
         max_run = record.request.get("max_run_seconds")
         submitted = time.monotonic()
         future = self.node.submit(
-            generation_request(record),
+            with_images(generation_request(record), images),
             on_progress=on_progress,
             should_stop=should_stop,
             max_run_seconds=float(max_run) if max_run else None,
@@ -278,6 +290,7 @@ class JobRunner:
         self.node.metrics.observe_stage("load", total_s - run_s)
         self.node.metrics.observe_stage("denoise", run_s - decode_s)
         self.node.metrics.observe_stage("decode", decode_s)
+        self.node.metrics.observe_wake(result.metrics.wake_s)
 
     def _progress(
         self, tracked: TrackedJob, stage: str, step: int, total: int, on_task_thread: bool = False

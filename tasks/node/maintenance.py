@@ -2,7 +2,8 @@
 
 - heartbeat (every `heartbeat_interval_s`): renew held leases, then publish the node's health;
 - reaper (every `reaper_interval_s`): re-queue and re-publish running jobs whose lease expired;
-- sweeper (every `reaper_interval_s`): re-publish queued jobs whose publish was never confirmed;
+- sweeper (every `reaper_interval_s`): re-publish queued jobs whose publish was never confirmed,
+  and those whose message a node held when it died (tasks/node/held.py);
 - pruner (every `PRUNE_INTERVAL_S`): drop index entries of expired records;
 - cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel to stop;
 - controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
@@ -21,7 +22,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kiln.storage.errors import StorageError
+from kiln.storage.errors import JobNotFound, StorageError
+from kiln.storage.status import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls, apply_controls
 from kiln.tasks.node.node import JobStopReason, Node
@@ -54,6 +56,7 @@ def heartbeat(node: Node) -> None:
     renew_leases(node)
     ttl = max(3.0 * node.settings.heartbeat_interval_s, HEARTBEAT_TTL_MIN_S)
     node.store.publish_node(node.node_id, node.health(), ttl)
+    node.store.record_held(node.node_id, node.held.job_ids(), ttl)
 
 
 def reap_expired(node: Node) -> int:
@@ -80,11 +83,25 @@ def prune_indexes(node: Node) -> int:
 
 
 def sweep_unpublished(node: Node) -> int:
-    """Publish queued records whose publish was never confirmed; returns how many."""
+    """Publish queued records whose message is missing; returns how many.
+
+    Those whose publish was never confirmed, and those whose message a dead node held
+    (tasks/node/held.py): still queued, they would wait for the broker's visibility timeout.
+    """
     job_ids = node.store.unpublished_jobs(node.settings.sweeper_age_s)
     for job_id in job_ids:
         node.submitter.publish(node.store.get(job_id))
-    return len(job_ids)
+    orphaned = 0
+    for job_id in node.store.claim_lapsed_held():
+        try:
+            record = node.store.get(job_id)
+        except JobNotFound:  # expired away since
+            continue
+        if record.state == JobState.QUEUED:
+            node.submitter.publish(record)
+            orphaned += 1
+            log.info("job %s: its message was held by a node that died; published again", job_id)
+    return len(job_ids) + orphaned
 
 
 def _loop(stop: threading.Event, interval_s: float, name: str, step: Callable[[], object]) -> None:

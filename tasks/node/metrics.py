@@ -13,7 +13,8 @@ target and adds no label of its own; deploy/grafana/kiln-dashboard.json groups b
 - Counted where they happen: `kiln_node_stage_duration_seconds{stage}` (queue, load, denoise,
   decode, encode, upload: see `JobRunner`), `kiln_node_ooms_total{pipeline}` (job attempts that
   failed out of memory, device or host), `kiln_node_lease_renewal_failures_total` (a renewal
-  refused or failed against Redis), `kiln_node_upload_retries_total` (object-store calls retried).
+  refused or failed against Redis), `kiln_node_upload_retries_total` (object-store calls retried),
+  `kiln_node_wake_seconds` (what a job waited for its sleeping group to wake).
 
 Each node has its own registry (never the process-wide default), with the process's own metrics.
 """
@@ -81,6 +82,13 @@ class NodeMetrics:
             labels,
             registry=self.registry,
         )
+        self.wake_seconds = Histogram(
+            "kiln_node_wake_seconds",
+            "Time a job waited for its sleeping worker group to wake (KILN_IDLE_SLEEP_S).",
+            labels,
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
         self.upload_retries = Counter(
             "kiln_node_upload_retries",
             "Object-store calls of an upload retried after a retryable error.",
@@ -101,6 +109,11 @@ class NodeMetrics:
     def observe_stage(self, stage: str, seconds: float) -> None:
         """One job attempt spent `seconds` in `stage` (one of STAGES)."""
         self.stage_seconds.labels(self.node_id, stage).observe(max(0.0, seconds))
+
+    def observe_wake(self, seconds: float) -> None:
+        """A job attempt waited `seconds` for the group to wake (0: it was awake, not counted)."""
+        if seconds > 0:
+            self.wake_seconds.labels(self.node_id).observe(seconds)
 
     def count_oom(self, pipeline: str) -> None:
         """A job attempt on `pipeline` failed out of memory."""

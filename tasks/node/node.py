@@ -27,6 +27,7 @@ from kiln.gpu_worker.inputs import InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.gpu_worker.replicas import node_coordinator
+from kiln.gpu_worker.sleep import node_asleep, node_warming
 from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.queues import DrainRequest
@@ -35,6 +36,8 @@ from kiln.storage.status import JobStore
 from kiln.tasks.contract.inputs import InputViolation, first_input_violation
 from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, RequestShape
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.node.adapters import heartbeat_adapters
+from kiln.tasks.node.held import HeldDeliveries
 from kiln.tasks.node.metrics import NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
 from kiln.tasks.queue.quotas import RunningCaps
@@ -156,6 +159,7 @@ class Node:
         self.coordinator: GroupCoordinator = coordinator or node_coordinator(group, group_size)
         self.progress = ProgressWriter(self.store, settings.progress_interval_s)
         self.draining = threading.Event()
+        self.held = HeldDeliveries()  # job messages this worker holds, for its heartbeat
         # operator controls: pauses and this node's drain request (tasks/node/controls.py)
         self.controls = ControlState()
         self.running_caps = RunningCaps(
@@ -249,20 +253,31 @@ class Node:
         """Hand a request to the node's group (with replica groups: the least busy one)."""
         return self.coordinator.submit(request, on_progress, should_stop, max_run_seconds)
 
+    def adapters(self, stats: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
+        """Per served pipeline, its LoRA adapters: available, loaded, fused (from `stats`)."""
+        settings = self.group_config.settings
+        lora_dir = settings.lora_dir if settings is not None else None
+        return heartbeat_adapters(self.group_config.pipelines, lora_dir, stats)
+
     def health(self) -> dict[str, object]:
         """What the heartbeat publishes about this node."""
         jobs = self.tracked_jobs()
+        stats = self.coordinator.stats()
         return {
             "node_id": self.node_id,
             "pipelines": sorted(self.group_config.pipelines),
             "limits": {name: limits.to_dict() for name, limits in self.pipeline_limits().items()},
             "inputs": self.pipeline_inputs(),
+            "adapters": self.adapters(stats),
             "devices": list(self.group_config.devices),
             "group_size": self.group_size,
             "jobs_running": len(jobs),
             "last_progress_at": max((j.last_progress_at for j in jobs), default=None),
             "draining": self.draining.is_set(),
+            # Sleep and warm-up (gpu_worker/sleep.py): idle memory released; (re)starting groups.
+            "asleep": node_asleep(stats),
+            "warming": node_warming(stats),
             **self.controls.health(self.group_config.pipelines),
             "started_at": self.started_at,
-            "coordinator": self.coordinator.stats(),
+            "coordinator": stats,
         }

@@ -10,7 +10,7 @@ import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from kiln.storage.objects import ObjectStore, output_key
 from kiln.tasks.contract.backoff import doubling_delay
 
 MAX_STORAGE_PAUSE_S = 8.0
+# KILN_UPLOAD_VERIFY: read every upload back, or trust a store that checked the sent checksum
+UploadVerify = Literal["checksum", "head"]
 
 
 class OutputVerificationFailed(ObjectStoreUnavailable):
@@ -45,11 +47,22 @@ def output_spec(request: Mapping[str, Any]) -> OutputSpec:
 
 
 def put_verified(
-    objects: ObjectStore, key: str, data: bytes, content_type: str, metadata: dict[str, str]
+    objects: ObjectStore,
+    key: str,
+    data: bytes,
+    content_type: str,
+    metadata: dict[str, str],
+    verify: UploadVerify = "head",
 ) -> str:
-    """Upload and read back the head; returns the sha256 hex. Raises if it does not match."""
+    """Upload and verify; returns the sha256 hex. Raises OutputVerificationFailed on a mismatch.
+
+    `head` reads the head back; `checksum` does so only when the store did not confirm that it
+    checked the sha256 sent with the put (StoredObject.checksum_verified).
+    """
     sha256 = hashlib.sha256(data).hexdigest()
-    objects.put(key, data, content_type, metadata)
+    stored = objects.put(key, data, content_type, metadata)
+    if verify == "checksum" and stored.checksum_verified and stored.sha256 == sha256:
+        return sha256
     head = objects.head(key)
     if head is None or head.size != len(data) or head.sha256 != sha256:
         raise OutputVerificationFailed(f"object {key} did not verify after upload")
@@ -90,6 +103,7 @@ def encode_and_upload(
     retry_for_s: float,
     on_stage: Callable[[str, int, int], None],
     on_retry: Callable[[], None] | None = None,
+    verify: UploadVerify = "head",
 ) -> UploadReport:
     """Encode every output, upload each to `{prefix}/{job_id}/{index}.{ext}`, verify each."""
     spec = output_spec(request)
@@ -107,7 +121,7 @@ def encode_and_upload(
         key = output_key(objects.prefix, job_id, index, encoded.extension)
         metadata = {"job-id": job_id, "index": str(index), "seed": str(request.get("seed"))}
         upload = functools.partial(
-            put_verified, objects, key, encoded.data, encoded.content_type, metadata
+            put_verified, objects, key, encoded.data, encoded.content_type, metadata, verify
         )
         sha256 = retry_storage(upload, deadline=deadline, on_retry=on_retry)
         upload_s += time.perf_counter() - started

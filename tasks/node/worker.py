@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -25,6 +26,7 @@ from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, node_queues
 
 if TYPE_CHECKING:  # the node's modules load torch; a webhooks-only worker never imports them
+    from kiln.gpu_worker.settings import GpuWorkerSettings
     from kiln.tasks.node.maintenance import Maintenance
     from kiln.tasks.node.node import Node
 
@@ -51,10 +53,30 @@ class WorkerOptions:
     node_id: str | None = None
     loglevel: str = "INFO"
     group_size: int | None = None  # ranks per replica group; None: one group over every device
+    # Over the KILN_ settings of the same names when given (gpu_worker/settings.py).
+    idle_sleep_s: float | None = None
+    sleep_mode: str | None = None
+    compile: bool | None = None
+    warmup: tuple[str, ...] = ()
+    lora_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.pipelines:  # a webhooks-only worker has no group, and must not import torch
             check_group_options(self.devices, self.parallel, self.group_size)
+            check_sleep_and_warmup(self.idle_sleep_s, self.warmup)
+
+
+def check_sleep_and_warmup(idle_sleep_s: float | None, warmup: Sequence[str]) -> None:
+    """Refuse, naming the flag, a non-positive idle time and a malformed warm-up shape."""
+    from kiln.gpu_worker.warmup import parse_warmup_shape  # plain parsing, no torch
+
+    if idle_sleep_s is not None and not idle_sleep_s > 0:
+        raise ValueError(f"--idle-sleep-s {idle_sleep_s}: must be a positive number of seconds")
+    for text in warmup:
+        try:
+            parse_warmup_shape(text)
+        except ValueError as exc:
+            raise ValueError(f"--warmup {text}: {exc}") from exc
 
 
 def check_group_options(devices: str, parallel: str, group_size: int | None = None) -> None:
@@ -179,14 +201,16 @@ def _start_node(
     # Imported here: a webhooks-only worker never loads torch.
     from kiln.gpu_worker.config import GroupConfig
     from kiln.gpu_worker.parallel import ParallelSpec
-    from kiln.gpu_worker.settings import GpuWorkerSettings
+    from kiln.tasks.node.compile_store import fetch_compile_cache, publish_compile_cache
     from kiln.tasks.node.controls import CeleryConsumers, NodeControls
+    from kiln.tasks.node.held import track_held_deliveries
     from kiln.tasks.node.jobs import register_run_job
     from kiln.tasks.node.maintenance import Maintenance
     from kiln.tasks.node.node import Node
 
+    gpu_settings = group_settings(options)
     group = GroupConfig.from_settings(
-        GpuWorkerSettings(),
+        gpu_settings,
         devices=split_devices(options.devices),
         pipelines=options.pipelines,
         # `none` is refused on several ranks; on replica groups of one rank `auto` is `none`.
@@ -207,8 +231,11 @@ def _start_node(
         group_size=options.group_size,
     )
     register_run_job(app, node)  # run_job gets this node; consumed only once worker_main runs
+    track_held_deliveries(node.held)
     node.metrics.serve(settings.metrics_port)  # scrapeable while the group warms up
+    fetch_compile_cache(node.objects, gpu_settings, group.devices)  # a fresh volume warms up
     node.start()
+    publish_compile_cache(node.objects, gpu_settings, group.devices)
     consumers = CeleryConsumers(app)
     controls = NodeControls(node, node_queues(options.lanes, list(options.pipelines)), consumers)
     controls.start_queues()  # pauses and drain as they are now, before anything is consumed
@@ -218,6 +245,20 @@ def _start_node(
     _hand_back_after_grace_on_shutdown(node, settings.drain_grace_s)
     log.info("node %s serving %s on %s", node.node_id, sorted(options.pipelines), options.devices)
     return node, maintenance
+
+
+def group_settings(options: WorkerOptions) -> GpuWorkerSettings:
+    """gpu_worker's settings from the environment, with the flags given on top."""
+    from kiln.gpu_worker.settings import GpuWorkerSettings
+
+    flags: dict[str, Any] = {
+        "idle_sleep_s": options.idle_sleep_s,
+        "sleep_mode": options.sleep_mode,
+        "compile": options.compile,
+        "warmup": list(options.warmup) or None,
+        "lora_dir": options.lora_dir,
+    }
+    return GpuWorkerSettings(**{name: value for name, value in flags.items() if value is not None})
 
 
 def _whole_node_parallel(options: WorkerOptions) -> str:

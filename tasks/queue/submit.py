@@ -30,6 +30,7 @@ from kiln.tasks.contract.limits import (
     announced_limits,
     first_violation,
 )
+from kiln.tasks.contract.loras import NodeAdapters, announced_adapters, first_adapter_violation
 from kiln.tasks.contract.schemas import DRAWN_SEED_LIMIT, JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
@@ -64,6 +65,7 @@ class Served:
     live: frozenset[str] = frozenset()  # names that some live node serves (heartbeats only)
     limits: dict[str, list[PipelineLimits]] = field(default_factory=dict)
     inputs: dict[str, list[InputSchema]] = field(default_factory=dict)  # per name, as announced
+    adapters: dict[str, list[NodeAdapters]] = field(default_factory=dict)  # likewise
 
 
 def celery_publisher(app: Any) -> Publish:
@@ -131,6 +133,10 @@ class Submitter:
             request.pipeline, self.inputs_for(request.pipeline), request.inputs
         )
 
+    def adapters_for(self, pipeline: str) -> list[NodeAdapters]:
+        """The adapters of each live node announcing them for `pipeline`."""
+        return self._served_now().adapters.get(pipeline, [])
+
     def _served_now(self) -> Served:
         fetched_at, served = self._served
         if time.monotonic() - fetched_at < KNOWN_PIPELINES_CACHE_S:
@@ -138,14 +144,17 @@ class Submitter:
         live: set[str] = set()
         limits: dict[str, list[PipelineLimits]] = {}
         inputs: dict[str, list[InputSchema]] = {}
+        adapters: dict[str, list[NodeAdapters]] = {}
         for node in self.store.live_nodes():
             live.update(str(p) for p in node.get("pipelines", []))
             for name, announced in announced_limits(node).items():
                 limits.setdefault(name, []).append(announced)
             for name, schema in announced_inputs(node).items():
                 inputs.setdefault(name, []).append(schema)
+            for name, entry in announced_adapters(node).items():
+                adapters.setdefault(name, []).append(entry)
         names = live | set(self.settings.pipelines)
-        served = Served(sorted(names), frozenset(live), limits, inputs)
+        served = Served(sorted(names), frozenset(live), limits, inputs, adapters)
         self._served = (time.monotonic(), served)
         return served
 
@@ -223,6 +232,11 @@ class Submitter:
         bad = self.bad_inputs(request)
         if bad is not None:
             raise bad.error(loc)
+        unknown = first_adapter_violation(
+            request.pipeline, self.adapters_for(request.pipeline), request.loras
+        )
+        if unknown is not None:
+            raise unknown.error(loc)
 
     def _new_job(
         self,

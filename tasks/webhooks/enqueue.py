@@ -25,6 +25,9 @@ from kiln.tasks.contract.schemas import WebhookEvent
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.contract.states import JobState, is_terminal
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
+
+# imported for its Celery task: the webhook worker's app includes this module only
+from kiln.tasks.webhooks import batch_hooks  # noqa: F401
 from kiln.tasks.webhooks.delivery import Delivery, WebhookDeps, deliver_once, event_from_kwargs
 from kiln.tasks.webhooks.message import find_event
 

@@ -331,7 +331,7 @@ class OverheadSample:
 
     @property
     def compute(self) -> float:
-        """Kiln's forward on rank 0 + encode_s + upload_s (upload includes a HEAD verify)."""
+        """Kiln's forward on rank 0 + encode_s + upload_s (upload: put, + HEAD where read back)."""
         forward = self.forward[1] - self.forward[0]
         return forward + self.metric("encode_s") + self.metric("upload_s")
 
@@ -352,7 +352,7 @@ TIMELINE = [
     "forward on rank 0 (compute + per-step sync)",
     "forward ends -> frames on task thread",
     "encode + 'uploading' progress write",
-    "upload (put + HEAD verify) + succeed",
+    "upload (put, verify) + succeed",
     "succeeded -> client sees event (XREAD)",
 ]
 
@@ -541,7 +541,7 @@ def overhead_lines(max_batch: int, samples: list[OverheadSample]) -> list[str]:
     rows += [
         ("     (run_s metric = forward)", [x.metric("run_s") for x in s]),
         ("     (encode_s metric)", [x.metric("encode_s") for x in s]),
-        ("     (upload_s metric: put + HEAD)", [x.metric("upload_s") for x in s]),
+        ("     (upload_s metric: put + verify)", [x.metric("upload_s") for x in s]),
     ]
     head = f"Kiln: 1 CPU rank, --max-batch {max_batch}, {len(s)} jobs"
     lines = [f"  {head:<52} {'p50 ms':>8} {'p95 ms':>8}"]

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_store import BatchStore, FedBatch
 from kiln.storage.states import JobState
 from kiln.tasks.batches.lines import batch_job_id
@@ -150,7 +151,9 @@ def test_a_refused_file_names_its_lines(
 def test_feeder_node_killed_mid_batch_another_takes_over_no_line_skipped_or_fed_twice(
     cluster_factory: Callable[..., Cluster], tmp_path: Path
 ) -> None:
-    cluster = cluster_factory(KILN_BATCH_WINDOW="8", **FAST_FEEDING)
+    # the job event streams are read at the end: keep finished lines' records until then
+    retention = {"KILN_BATCH_ITEM_RETENTION_S": "3600"}
+    cluster = cluster_factory(KILN_BATCH_WINDOW="8", **FAST_FEEDING, **retention)
     first = cluster.start_worker(SLEEPY_PIPELINE)
     second = cluster.start_worker(SLEEPY_PIPELINE)
     custom_ids = write_batch(tmp_path / "batch.jsonl", 120)
@@ -160,18 +163,19 @@ def test_feeder_node_killed_mid_batch_another_takes_over_no_line_skipped_or_fed_
     assert answer.returncode == 0, answer.stderr
     batch_id = answer.stdout.strip()
     batches = BatchStore(cluster.store.redis, cluster.store.settings)
+    feeding = BatchFeeding(cluster.store.redis, cluster.store.settings)
     deadline = time.monotonic() + 120
     while batches.get_fed(batch_id).fed < 40:
         assert time.monotonic() < deadline, "feeding did not start"
         time.sleep(0.02)
-    feeder = batches.feeder_of(batch_id)
+    feeder = feeding.feeder_of(batch_id)
     victim = first if feeder == first.node_id else second
     survivor = second if victim is first else first
     assert feeder == victim.node_id
     victim.kill9()
     batch, most_live = watch(batches, batch_id, timeout_s=240)
     assert batch.status == "completed"
-    assert batches.feeder_of(batch_id) is None  # released at the end
+    assert feeding.feeder_of(batch_id) is None  # released at the end
     assert most_live <= 8
     check_results(cluster, batch_id, custom_ids, tmp_path / "results.jsonl")
     for custom_id in custom_ids:  # every line's job was created exactly once

@@ -1,16 +1,20 @@
 """Pipeline inputs end to end: a real node announces the schema, the API validates against it.
 
-A job's scheduler input changes what the ranks compute, as that scheduler would.
+A job's scheduler input changes what the ranks compute, as that scheduler would. Image inputs:
+img2img and inpainting with an uploaded image (a presigned PUT to moto) and with a URL served on
+127.0.0.1 (allow-listed for the API and the node).
 
 Real worker subprocess (tiny, one CPU rank), real Redis, moto S3, a real uvicorn API.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -21,10 +25,13 @@ from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.tasks.api.app import create_app
+from kiln.tasks.api.context import build_context
 from kiln.tasks.client.client import KilnClient, ValidationFailed
-from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.schemas import InputScalar, JobRequest
+from kiln.tasks.contract.views import JobView
 from tests.e2e.cluster import Cluster
-from tests.tasks.helpers import ThreadServer, api_settings
+from tests.e2e.image_server import CAT, image_server
+from tests.tasks.helpers import Api, ThreadServer, api_settings
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,12 +45,20 @@ JOB: dict[str, Any] = {
     "guidance_scale": 5.0,
 }
 PIXEL_TOLERANCE = 1  # another process, another thread count: a level out of 255 at most
+IMAGE_PIPELINES = ["tiny-img2img", "tiny-inpaint"]
+ALLOW = {"KILN_INPUT_ALLOW_HTTP": "true", "KILN_INPUT_ALLOW_HOSTS": "127.0.0.1"}
+IMAGE_JOB: dict[str, Any] = {
+    **{name: value for name, value in JOB.items() if name != "pipeline"},
+    "prompt": "a kiln at dawn",
+    "seed": 7,
+}
 
 
 @pytest.fixture(scope="module")
 def cluster(module_cluster_factory: Callable[..., Cluster]) -> Iterator[Cluster]:
     made = module_cluster_factory()
-    made.start_worker("tiny", devices="cpu:1")
+    # One worker for the scheduler and the image-input tests: the image pipelines share its start.
+    made.start_worker("tiny", *IMAGE_PIPELINES, devices="cpu:1", extra_env=ALLOW)
     yield made
     made.stop_all()
 
@@ -110,3 +125,122 @@ def test_a_scheduler_input_runs_end_to_end_as_that_scheduler(
     assert difference.max() > 10 * PIXEL_TOLERANCE  # another scheduler, another picture
     expected = reference("DDIMScheduler")
     assert np.abs(expected.astype(int) - ddim_pixels.astype(int)).max() <= PIXEL_TOLERANCE
+
+
+# --- image inputs (docs/contract.md §2b) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def images() -> Iterator[str]:
+    with image_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def api(cluster: Cluster) -> Iterator[Api]:
+    settings = api_settings(
+        pipelines=["tiny", *IMAGE_PIPELINES],
+        input_allow_http=True,
+        input_allow_hosts=["127.0.0.1"],
+    )
+    ctx = build_context(settings, cluster.storage_settings)
+    with ThreadServer(create_app(settings, cluster.storage_settings, context=ctx)) as server:
+        made = Api(server.url, ctx, settings, cluster.storage_settings)
+        made.add_key("alice")
+        made.add_key("bob")
+        yield made
+        ctx.store.redis.close()
+
+
+@pytest.fixture(scope="module")
+def alice(api: Api) -> Iterator[KilnClient]:
+    with KilnClient(api.url, api.keys["alice"]) as client:
+        yield client
+
+
+def finished(client: KilnClient, job: JobView) -> JobView:
+    return client.wait(job.id, timeout=180, poll_s=0.2)
+
+
+def output_bytes(cluster: Cluster, view: JobView) -> bytes:
+    assert view.status == "succeeded", view.error
+    (output,) = view.outputs
+    return cluster.objects.get(output.key)
+
+
+def test_the_pipelines_and_openapi_document_image_inputs(api: Api, alice: KilnClient) -> None:
+    for name, images in (("tiny-img2img", ["image"]), ("tiny-inpaint", ["image", "mask_image"])):
+        schema = alice.pipeline(name).inputs
+        assert schema is not None
+        assert schema["required"] == images
+        for image in images:
+            assert schema["properties"][image]["x-kiln-image"] is True
+        assert schema["properties"]["strength"] == {
+            "type": "number", "minimum": 0.0, "maximum": 1.0, "default": 0.8 if images == ["image"]
+            else 1.0,
+        }  # fmt: skip
+    paths = httpx.get(f"{api.url}/openapi.json").json()["paths"]
+    assert set(paths["/v1/uploads"]) == {"post"}
+    assert set(paths["/v1/uploads/local"]) == {"put"}
+    with pytest.raises(ValidationFailed) as missing:  # the schema's `required`
+        alice.submit(JobRequest(**IMAGE_JOB, pipeline="tiny-img2img", inputs={"strength": 0.5}))
+    assert list(missing.value.fields) == ["body.inputs"]
+
+
+def test_img2img_from_an_upload_and_from_a_url_is_the_same_picture(
+    cluster: Cluster, alice: KilnClient, images: str
+) -> None:
+    upload = alice.upload(CAT)
+    assert upload.ref.startswith("upload:")
+
+    def img2img(image: str) -> JobView:
+        inputs: dict[str, InputScalar] = {"image": image, "strength": 0.6}
+        return alice.submit(JobRequest(**IMAGE_JOB, pipeline="tiny-img2img", inputs=inputs))
+
+    jobs = [img2img(upload.ref), img2img(f"{images}/cat.png"), img2img(f"{images}/dog.png")]
+    from_upload, from_url, other = (finished(alice, job) for job in jobs)
+    outputs = [output_bytes(cluster, view) for view in (from_upload, from_url, other)]
+    for data in outputs:
+        assert Image.open(io.BytesIO(data)).size == (64, 64)  # the request's, not the input's
+    assert outputs[0] == outputs[1]  # same seed, same image bytes: the same output bytes
+    assert outputs[2] != outputs[0]  # another image: another output
+    recorded = from_url.metrics.model_extra or {}
+    assert recorded["inputs"]["image"] == {
+        "sha256": hashlib.sha256(CAT).hexdigest(), "width": 80, "height": 48, "bytes": len(CAT),
+        "content_type": "image/png", "source": f"{images}/cat.png",
+    }  # fmt: skip
+    assert (from_upload.metrics.model_extra or {})["inputs"]["image"]["source"] == upload.ref
+
+
+def test_inpainting_with_an_uploaded_image_and_a_mask_url(
+    cluster: Cluster, alice: KilnClient, images: str
+) -> None:
+    inputs = {"image": alice.upload(CAT).ref, "mask_image": f"{images}/mask.png"}
+    fields = {**IMAGE_JOB, "height": 96, "pipeline": "tiny-inpaint", "inputs": inputs}
+    jobs = [alice.submit(JobRequest(**fields)) for _ in range(2)]  # one batch: the same image
+    first, second = (finished(alice, job) for job in jobs)
+    data = output_bytes(cluster, first)
+    assert Image.open(io.BytesIO(data)).size == (64, 96)
+    assert output_bytes(cluster, second) == data
+    masked = (first.metrics.model_extra or {})["inputs"]["mask_image"]
+    assert (masked["width"], masked["height"]) == (64, 96)
+
+
+def test_refused_image_inputs(api: Api, alice: KilnClient, images: str) -> None:
+    def submit(image: str, client: KilnClient = alice) -> JobView:
+        inputs: dict[str, InputScalar] = {"image": image}
+        return client.submit(JobRequest(**IMAGE_JOB, pipeline="tiny-img2img", inputs=inputs))
+
+    with KilnClient(api.url, api.keys["bob"]) as bob:
+        with pytest.raises(ValidationFailed) as foreign:  # alice's upload, named by bob
+            submit(alice.upload(CAT).ref, bob)
+        assert "no such upload for this API key" in foreign.value.fields["body.inputs.image"]
+    with pytest.raises(ValidationFailed) as private:  # not allow-listed: refused up front
+        submit("http://10.1.2.3/cat.png")
+    assert "private" in private.value.fields["body.inputs.image"]
+    wrong_type = finished(alice, submit(f"{images}/cat.txt"))  # only the node can see the type
+    assert wrong_type.status == "failed"
+    assert wrong_type.error is not None
+    assert wrong_type.error.type == "ImageInputRejected"
+    assert "is 'text/plain'; allowed: image/jpeg, image/png, image/webp" in wrong_type.error.message
+    assert not wrong_type.error.retryable

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.queue.submit import Submitter
 from tests.e2e.cluster import SLEEPY, Cluster
 from tests.e2e.services import FlakyProxy, PrivateRedis
 
@@ -191,3 +193,35 @@ def test_redis_restart_mid_run_loses_no_job(
         record = cluster.wait_for(job_id, timeout_s=180)
         assert str(record.state) == "succeeded", (job_id, record.error)
         assert cluster.completion_count(job_id) >= 1
+
+
+def test_node_killed_holding_a_message_does_not_stall_its_job(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    # A node holds a job's message without a lease on it: here a countdown (the lease was busy
+    # when it was delivered), as in every moment between a delivery and its lease. Killed then,
+    # the broker would give the message back only after its visibility timeout (an hour).
+    cluster = cluster_factory()
+    holder = cluster.start_worker(
+        SLEEPY_PIPELINE,
+        extra_env={"KILN_TEST_STEP_SECONDS": "0.01", "KILN_LEASE_BUSY_DELAY_S": "600"},
+    )
+    unpublished = Submitter(cluster.store, cluster.settings, lambda *_: None)
+    record, _ = unpublished.submit(
+        JobRequest(pipeline="sleepy", prompt="x", width=64, height=64, steps=2)
+    )
+    ghost = cluster.store.acquire_lease(record.id, "ghost/1")
+    cluster.submitter.publish(record)  # delivered to the holder: lease busy, held for 600 s
+    held = cluster.store.keys.held_deliveries
+    deadline = time.monotonic() + 60
+    while record.id not in (cluster.store.redis.hget(held, holder.node_id) or ""):
+        assert time.monotonic() < deadline, holder.log()
+        time.sleep(0.05)
+    cluster.store.release_lease(record.id, ghost)
+    holder.kill9()
+    cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
+    # far below the 600 s countdown and the 3600 s visibility timeout: the sweeper's doing
+    finished = cluster.wait_for(record.id, timeout_s=60)
+    assert str(finished.state) == "succeeded", finished.error
+    assert finished.attempts == 1
+    assert_one_output_set(cluster, record.id, num_outputs=1)

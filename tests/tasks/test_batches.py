@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_store import BatchStore
 from kiln.storage.states import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
@@ -84,7 +85,7 @@ def finish_queued(api: Api, batch_id: str, fail: bool = False) -> int:
     """Run every queued job of the batch to success (or failure); returns how many."""
     queued = [
         job_id
-        for job_id, _ in BatchStore(api.store.redis, api.store.settings).open_items(batch_id)
+        for job_id, _ in BatchFeeding(api.store.redis, api.store.settings).open_items(batch_id)
         if api.store.get(job_id).state == JobState.QUEUED
     ]
     for job_id in queued:
@@ -250,9 +251,9 @@ def test_a_feeder_that_dies_before_moving_its_cursor_is_redone_as_a_no_op(
     def crash(*_args: object, **_kwargs: object) -> bool:
         raise RuntimeError("killed between creating the jobs and moving the cursor")
 
-    monkeypatch.setattr(first.batches, "record_fed", crash)
-    first.tick()  # jobs of lines 1-4 exist, published; the cursor did not move
-    assert len(first_published.calls) == 4
+    monkeypatch.setattr(first.feeding, "record_fed", crash)
+    first.tick()  # jobs of lines 1-4 exist; the cursor did not move, so none was published
+    assert first_published.calls == []
     batches = BatchStore(api.store.redis, api.store.settings)
     assert batches.get_fed(batch_id).fed == 0
     second, second_published = feeder(api, "node-b", batch_window=4)
@@ -260,15 +261,18 @@ def test_a_feeder_that_dies_before_moving_its_cursor_is_redone_as_a_no_op(
     assert second_published.calls == []  # the lease is still node-a's
     time.sleep(0.5)  # node-a's lease lapses
     second.tick()
-    assert batches.feeder_of(batch_id) == "node-b"
-    # the four jobs node-a made fill the window until nodes run them
+    assert BatchFeeding(api.store.redis, api.store.settings).feeder_of(batch_id) == "node-b"
+    # the four jobs node-a made fill the window; the sweeper publishes them (as a node's does)
     assert batches.get_fed(batch_id).fed == 0
+    for job_id in api.store.unpublished_jobs(0.0):
+        second.submitter.publish(api.store.get(job_id))
+    assert len(second_published.calls) == 4
     for n in range(4):
         drive_to_success(api.store, batch_job_id(batch_id, f"item-{n:04d}"))
     second.tick()
     # node-b fed lines 1-4 again: their jobs exist, so nothing was created or published
     assert batches.get_fed(batch_id).fed == 4
-    assert second_published.calls == []
+    assert len(second_published.calls) == 4
     for _ in range(5):
         finish_queued(api, batch_id)
         second.tick()

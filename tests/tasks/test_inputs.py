@@ -9,6 +9,7 @@ in Redis; the schema is announced in a node heartbeat as `Node.health()` writes 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -133,10 +134,12 @@ def test_unknown_request_field_and_image_inputs_are_refused_by_the_schema() -> N
     field = input_violation("tiny", TINY_SCHEMA, {"num_inference_steps": 3})
     assert field is not None
     assert field.rule == "unknown"  # a request field is never an extra input
-    image = input_violation("tiny", TINY_SCHEMA, {"image": "https://example.com/cat.png"})
+    assert input_violation("tiny", TINY_SCHEMA, {"image": "https://example.com/cat.png"}) is None
+    image = input_violation("tiny", TINY_SCHEMA, {"image": "cat.png"})
     assert image is not None
     assert (image.rule, image.message) == (
-        "image", "tiny's image is an image input; image inputs are not accepted yet",
+        "image", "tiny's image: 'cat.png' is neither upload:<upload_id> (POST /v1/uploads) nor "
+        "an https:// URL",
     )  # fmt: skip
     required = input_violation("tiny", {**TINY_SCHEMA, "required": ["eta"]}, {})
     assert required is not None
@@ -208,8 +211,8 @@ def test_the_api_takes_inputs_the_pipeline_declares(api: Api) -> None:
         ({"scheduler": "LMSDiscreteScheduler"}, "pipeline_input", "enum",
          "tiny takes scheduler as one of EulerDiscreteScheduler, DDIMScheduler, PNDMScheduler; "
          "got 'LMSDiscreteScheduler'"),
-        ({"image": "https://example.com/cat.png"}, "pipeline_input", "image",
-         "tiny's image is an image input; image inputs are not accepted yet"),
+        ({"image": "upload:cat"}, "pipeline_input", "image",
+         "tiny's image: 'upload:cat' is not upload:<upload_id> (32 hex digits)"),
     ],
 )  # fmt: skip
 def test_the_api_refuses_an_input_naming_it(
@@ -312,7 +315,8 @@ def test_cli_inputs_are_json_when_they_parse_else_text() -> None:
             parse_inputs(bad)
 
 
-def test_cli_submits_inputs_and_refuses_files_for_now(
+def test_cli_submits_inputs_and_refuses_missing_files(
+    tmp_path: Path,
     job_store: JobStore,
     storage_settings: StorageSettings,
     monkeypatch: pytest.MonkeyPatch,
@@ -326,8 +330,8 @@ def test_cli_submits_inputs_and_refuses_files_for_now(
     assert main([*base, "--input", "scheduler=DDIMScheduler", "--input", "eta=0.25"]) == 0
     job_id = capsys.readouterr().out.strip()
     assert job_store.get(job_id).request["inputs"] == {"scheduler": "DDIMScheduler", "eta": 0.25}
-    assert main([*base, "--input", "image=@cat.png"]) == EXIT_USAGE
-    assert "reading an input from a file (@PATH) is not supported yet" in capsys.readouterr().err
+    assert main([*base, "--input", f"image=@{tmp_path / 'missing.png'}"]) == EXIT_USAGE
+    assert "cannot read" in capsys.readouterr().err
     assert main([*base, "--input", "eta=3"]) == EXIT_USAGE
     assert (
         capsys.readouterr().err.strip()

@@ -1,0 +1,98 @@
+"""Steering a batch: cancel, pause and resume its feeding, retry its failed or expired lines.
+
+A change the batch's status does not allow is a 409 whose `detail` names the status (asking for
+the status a batch is already in answers its view). Each answers the batch's view as it is after
+the change; the retry answers the new batch (201).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio.to_thread
+from fastapi import Query
+from fastapi.responses import JSONResponse
+
+from kiln.storage.batch_records import BatchConflict
+from kiln.tasks.api.batch_deps import CONTROL_ERRORS, Batches, BatchId, conflict, visible_batch
+from kiln.tasks.api.deps import Caller, api_router, field_error
+from kiln.tasks.batches.retry import NothingToRetry
+from kiln.tasks.batches.views import batch_view
+from kiln.tasks.contract.batches import BATCHES_PATH, BatchView, RetryInclude
+
+router = api_router()
+ONE_BATCH = BATCHES_PATH + "/{batch_id}"
+
+
+@router.post(
+    ONE_BATCH + "/cancel", response_model=BatchView, responses=CONTROL_ERRORS, tags=["batches"]
+)
+def cancel_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchView:
+    """Stop feeding; queued jobs are canceled, running ones at their next step."""
+    visible_batch(service, caller, batch_id)
+    try:
+        return batch_view(service.cancel(batch_id))
+    except BatchConflict as exc:
+        raise conflict(exc) from exc
+
+
+@router.post(
+    ONE_BATCH + "/pause", response_model=BatchView, responses=CONTROL_ERRORS, tags=["batches"]
+)
+def pause_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchView:
+    """Feed nothing new: the batch's queued and running jobs go on; its window drains."""
+    visible_batch(service, caller, batch_id)
+    try:
+        return batch_view(service.pause(batch_id))
+    except BatchConflict as exc:
+        raise conflict(exc) from exc
+
+
+@router.post(
+    ONE_BATCH + "/resume", response_model=BatchView, responses=CONTROL_ERRORS, tags=["batches"]
+)
+def resume_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchView:
+    """Feed a paused batch again."""
+    visible_batch(service, caller, batch_id)
+    try:
+        return batch_view(service.resume(batch_id))
+    except BatchConflict as exc:
+        raise conflict(exc) from exc
+
+
+def _statuses(include: str) -> frozenset[str]:
+    names = [part.strip() for part in include.split(",") if part.strip()]
+    known = {str(choice) for choice in RetryInclude}
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        msg = f"include must be a comma-separated subset of {sorted(known)}; got {include!r}"
+        raise field_error(("query", "include"), msg, "include", include)
+    return frozenset(names)
+
+
+@router.post(
+    ONE_BATCH + "/retry",
+    status_code=201,
+    response_model=BatchView,
+    responses=CONTROL_ERRORS,
+    tags=["batches"],
+)
+async def retry_batch(
+    caller: Caller,
+    service: Batches,
+    batch_id: BatchId,
+    include: Annotated[
+        str, Query(max_length=64, description="Lines to run again: failed, expired or both.")
+    ] = "failed,expired",
+) -> JSONResponse:
+    """A new batch of a finished batch's failed and/or expired lines (same custom_ids)."""
+    statuses = _statuses(include)
+    await anyio.to_thread.run_sync(visible_batch, service, caller, batch_id)
+    try:
+        # streams the parent's results and input through the object store: off the event loop
+        retry = await anyio.to_thread.run_sync(service.retry, batch_id, statuses)
+    except BatchConflict as exc:
+        raise conflict(exc) from exc
+    except NothingToRetry as exc:
+        raise field_error(("query", "include"), str(exc), "nothing_to_retry", include) from exc
+    return JSONResponse(batch_view(retry).model_dump(mode="json"), status_code=201)

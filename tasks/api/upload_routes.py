@@ -1,0 +1,152 @@
+"""`POST /v1/uploads` (a presigned PUT for an input), the local store's PUT, and image checks.
+
+A job's image input names an upload (`upload:<id>`) or a URL (`contract.image_refs`). At submit
+the API checks what it can before a node spends time on it: the upload is the caller's own and
+within the limits (`storage.uploads.checked_upload`), the URL passes the SSRF guard with the
+input allow-list. The node checks both again when it reads or fetches the image.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import HTTPException, Query, Request
+
+from kiln.storage.errors import ObjectStoreError
+from kiln.storage.object_base import ObjectStore
+from kiln.storage.uploads import (
+    UploadRefused,
+    checked_upload,
+    new_upload_id,
+    presigned_slot,
+    resolve_upload,
+    upload_key,
+)
+from kiln.tasks.api.auth import Principal
+from kiln.tasks.api.context import ApiContext
+from kiln.tasks.api.deps import Caller, Ctx, api_router, error_docs, field_error
+from kiln.tasks.contract.image_refs import UPLOAD_PREFIX, parse_image_ref
+from kiln.tasks.contract.inputs import image_input_names
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.contract.uploads import (
+    CONTENT_TYPES,
+    LOCAL_PUT_PATH,
+    UPLOADS_PATH,
+    UploadRequest,
+    UploadSlotView,
+)
+from kiln.tasks.webhooks.ssrf import UnsafeUrl, UrlPolicy, check_url, policy_from
+
+router = api_router()
+UploadId = Annotated[str, Query(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
+
+
+def input_policy(settings: KilnSettings) -> UrlPolicy:
+    """The SSRF policy for input image URLs (its own allow-list, not the webhooks')."""
+    return policy_from(settings.input_allow_http, settings.input_allow_hosts)
+
+
+def upload_limit(settings: KilnSettings, purpose: str) -> int:
+    """The largest upload of a purpose: an image, or a batch file."""
+    return settings.max_batch_bytes if purpose == "batch" else settings.upload_max_bytes
+
+
+def _objects(ctx: ApiContext) -> ObjectStore:
+    if ctx.objects is None:
+        raise HTTPException(503, "no object store is configured; uploads are unavailable")
+    return ctx.objects
+
+
+@router.post(
+    UPLOADS_PATH,
+    status_code=201,
+    response_model=UploadSlotView,
+    responses=error_docs(401, 503),
+    tags=["uploads"],
+)
+def create_upload(
+    ctx: Ctx, caller: Caller, body: UploadRequest, request: Request
+) -> UploadSlotView:
+    """A slot for one input: PUT the bytes to `url` with `headers`, then name it by `ref`."""
+    allowed = CONTENT_TYPES[body.purpose]
+    if body.content_type.lower() not in allowed:
+        msg = f"{body.purpose} uploads are one of {', '.join(sorted(allowed))}"
+        raise field_error(("body", "content_type"), msg, "content_type", body.content_type)
+    limit = upload_limit(ctx.settings, body.purpose)
+    if body.bytes > limit:
+        msg = f"{body.purpose} uploads are at most {limit} bytes"
+        raise field_error(("body", "bytes"), msg, "less_than_equal", body.bytes, le=limit)
+    objects = _objects(ctx)
+    upload_id = new_upload_id()
+    key = upload_key(getattr(objects, "prefix", ""), caller.key_id, upload_id)
+    local_url = str(request.url_for("put_local_upload").include_query_params(upload_id=upload_id))
+    slot = presigned_slot(
+        objects,
+        key,
+        content_type=body.content_type.lower(),
+        size=body.bytes,
+        expires_s=ctx.settings.upload_expiry_s,
+        local_url=local_url,
+    )
+    return UploadSlotView(
+        upload_id=slot.upload_id,
+        ref=f"{UPLOAD_PREFIX}{slot.upload_id}",
+        key=slot.key,
+        url=slot.url,
+        headers=slot.headers,
+        expires_at=slot.expires_at,
+    )
+
+
+@router.put(
+    LOCAL_PUT_PATH,
+    status_code=204,
+    responses=error_docs(401, 413, 503),
+    tags=["uploads"],
+    name="put_local_upload",
+)
+async def put_local_upload(ctx: Ctx, caller: Caller, request: Request, upload_id: UploadId) -> None:
+    """The PUT of a slot on a local (file://) store: the caller's key stands in for a signature."""
+    objects = _objects(ctx)
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    allowed = CONTENT_TYPES["image"] | CONTENT_TYPES["batch"]
+    if content_type not in allowed:
+        msg = f"Content-Type must be one of {', '.join(sorted(allowed))}"
+        raise field_error(("header", "content-type"), msg, "content_type", content_type)
+    limit = max(ctx.settings.upload_max_bytes, ctx.settings.max_batch_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, f"request body is over {limit} bytes")
+    key = upload_key(getattr(objects, "prefix", ""), caller.key_id, upload_id)
+    objects.put(key, bytes(body), content_type)
+
+
+def refuse_bad_image_refs(ctx: ApiContext, caller: Principal, request: JobRequest) -> None:
+    """422 naming an image input whose upload is not the caller's, or whose URL is unsafe.
+
+    An upload over the limits is refused too. The form was checked with the other inputs.
+    """
+    names: set[str] = set()
+    for schema in ctx.submitter.inputs_for(request.pipeline):
+        names |= image_input_names(schema)
+    for name in sorted(names & request.inputs.keys()):
+        value = request.inputs[name]
+        loc = ("body", "inputs", name)
+        try:
+            ref = parse_image_ref(value)
+            if ref.kind == "upload":
+                objects = _objects(ctx)
+                key = resolve_upload(objects, caller.key_id, ref.target)
+                limit = ctx.settings.upload_max_bytes
+                checked_upload(objects, key, limit, CONTENT_TYPES["image"])
+            else:
+                check_url(ref.target, input_policy(ctx.settings), ctx.resolve)
+        except UnsafeUrl as exc:
+            raise field_error(loc, f"refused: {exc}", "unsafe_url", value) from exc
+        except (UploadRefused, ValueError) as exc:
+            raise field_error(loc, f"{name}: {exc}", "image_input", value) from exc
+        except ObjectStoreError as exc:
+            raise HTTPException(503, "object store unavailable; retry later") from exc

@@ -1,0 +1,94 @@
+"""A batch's retry: a new batch of the parent's failed and/or expired lines, linked to it.
+
+The retry's input is written by streaming: first the parent's results (the custom_ids whose
+status was asked for), then the parent's stored input, whose items for those custom_ids are copied
+as they are (same custom_id, same request and seed). Only a finished parent is retried, since only
+then is every line's outcome written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from kiln.storage.batch_records import BatchConflict, FedBatch, NewFedBatch
+from kiln.storage.batch_store import BatchStore
+from kiln.storage.object_streams import batch_object_key, iter_lines, open_writer
+from kiln.storage.objects import ObjectStore
+from kiln.tasks.batches.lines import item_line, parse_item
+
+INPUT_CONTENT_TYPE = "application/x-ndjson"
+
+
+class NothingToRetry(ValueError):
+    """The parent has no line of the statuses asked for."""
+
+
+def lines_to_retry(
+    batches: BatchStore, objects: ObjectStore, batch_id: str, statuses: frozenset[str]
+) -> set[str]:
+    """The custom_ids of the batch's result lines whose status is one of `statuses`."""
+    chosen: set[str] = set()
+    for part in batches.part_keys(batch_id):
+        for raw in iter_lines(objects, part):
+            if b'"result"' not in raw:
+                continue
+            line = json.loads(raw)
+            custom_id = line.get("custom_id")
+            if line.get("type") == "result" and line.get("status") in statuses and custom_id:
+                chosen.add(str(custom_id))
+    return chosen
+
+
+def write_retry_input(
+    objects: ObjectStore, parent: FedBatch, retry_id: str, custom_ids: Iterable[str]
+) -> tuple[str, int]:
+    """Copy the parent's items of `custom_ids` into the retry's input (renumbered from 1)."""
+    wanted = set(custom_ids)
+    key = batch_object_key(objects.prefix, retry_id, "input.jsonl")
+    writer = open_writer(objects, key, INPUT_CONTENT_TYPE)
+    count = 0
+    try:
+        for raw in iter_lines(objects, parent.input_key):
+            if not raw.strip():
+                continue
+            item = parse_item(raw)
+            if item.custom_id in wanted:
+                count += 1
+                writer.write(item_line(count, item.custom_id, item.request))
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return key, count
+
+
+def retry_batch(
+    batches: BatchStore,
+    objects: ObjectStore,
+    parent: FedBatch,
+    retry_id: str,
+    statuses: frozenset[str],
+) -> FedBatch:
+    """Record a new batch of the parent's lines that ended in `statuses` (parent linked to it)."""
+    if not parent.final:
+        raise BatchConflict(parent.id, parent.status, "retried")
+    chosen = lines_to_retry(batches, objects, parent.id, statuses)
+    if not chosen:
+        raise NothingToRetry(f"batch {parent.id} has no {' or '.join(sorted(statuses))} lines")
+    input_key, items = write_retry_input(objects, parent, retry_id, chosen)
+    new = NewFedBatch(
+        id=retry_id,
+        input_key=input_key,
+        items=items,
+        lines=items,
+        invalid=0,
+        window_s=parent.window_s,
+        owner=parent.owner,
+        pipeline=parent.pipeline,
+        priority=parent.priority,
+        metadata=dict(parent.metadata),
+        webhook=parent.webhook,
+        parent_id=parent.id,
+    )
+    return batches.submit_fed_batch(new)

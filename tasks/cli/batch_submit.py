@@ -1,0 +1,147 @@
+"""`kiln batch submit FILE.jsonl [--wait]` and following a batch until it ends.
+
+A batch is followed through its event stream (GET /v1/batches/{id}/events) where the backend has
+one, read in a thread so that `--timeout` holds even while no event comes; where there is none,
+or the stream is missing or breaks, the batch is polled instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from kiln.tasks.cli.batch_backends import BatchBackend, BatchRefused, SubmitOptions
+from kiln.tasks.cli.batch_display import BatchProgress, show_batch
+from kiln.tasks.cli.exits import EXIT_JOB_FAILED, EXIT_USAGE, EXIT_WAIT_TIMEOUT, UsageError
+from kiln.tasks.contract.batches import BatchView, is_final_batch
+
+ERRORS_SHOWN = 20
+POLL_S = 1.0
+STREAM_ENDED = None
+
+
+class BatchWaitTimeout(Exception):
+    """`--timeout` ran out; `view` is the last one seen."""
+
+    def __init__(self, view: BatchView) -> None:
+        super().__init__(f"batch {view.id} still {view.status}")
+        self.view = view
+
+
+def submit_options(args: argparse.Namespace) -> SubmitOptions:
+    """The options of `kiln batch submit` from its arguments."""
+    return SubmitOptions(
+        pipeline=args.pipeline,
+        priority=str(args.priority),
+        completion_window=args.completion_window,
+        skip_invalid=args.skip_invalid,
+        metadata=_metadata(args.metadata),
+    )
+
+
+def _metadata(pairs: list[str]) -> dict[str, str]:
+    metadata = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--metadata {pair!r}: expected KEY=VALUE")
+        metadata[key] = value
+    return metadata
+
+
+def submit(args: argparse.Namespace, backend: BatchBackend) -> int:
+    """Submit the file; print its id (or view), or follow it to the end with `--wait`."""
+    try:
+        view = backend.submit(Path(args.file), submit_options(args))
+    except BatchRefused as exc:
+        for error in exc.errors[:ERRORS_SHOWN]:
+            where = ".".join(str(p) for p in error.get("loc", [])[3:]) or "line"
+            print(f"kiln: line {error.get('line')}: {where}: {error.get('msg')}", file=sys.stderr)
+        print(f"kiln: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.wait:
+        if args.json:
+            show_batch(True, view)
+        else:
+            print(view.id)
+        return 0
+    return wait_and_show(args, backend, view)
+
+
+def wait_and_show(args: argparse.Namespace, backend: BatchBackend, view: BatchView) -> int:
+    """Follow the batch with progress; show its final view; exit 0 only if every line succeeded."""
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    try:
+        with BatchProgress.for_terminal(args.json) as progress:
+            view = follow(backend, view, progress, deadline)
+    except BatchWaitTimeout as exc:
+        print(f"kiln: {exc} after {args.timeout:g} s", file=sys.stderr)
+        return EXIT_WAIT_TIMEOUT
+    show_batch(args.json, view)
+    return 0 if view.outcome == "succeeded" else EXIT_JOB_FAILED
+
+
+def follow(
+    backend: BatchBackend, view: BatchView, progress: BatchProgress, deadline: float | None
+) -> BatchView:
+    """Show the batch's views until it ends (events where there are, else polling)."""
+    progress.show(view)
+    if is_final_batch(view.status):
+        return view
+    stream = backend.events(view.id)
+    if stream is not None:
+        view = _follow_events(stream, view, progress, deadline)
+    while not is_final_batch(view.status):
+        _check_deadline(view, deadline)
+        time.sleep(_until(deadline, POLL_S))
+        view = backend.get(view.id)
+        progress.show(view)
+    return view
+
+
+def _follow_events(
+    stream: Iterator[BatchView], view: BatchView, progress: BatchProgress, deadline: float | None
+) -> BatchView:
+    """Views from the stream until the final one; the last view seen if the stream gives up."""
+    views: queue.Queue[BatchView | None] = queue.Queue()
+    threading.Thread(target=_pump, args=(stream, views), daemon=True).start()
+    while not is_final_batch(view.status):
+        _check_deadline(view, deadline)
+        try:
+            got = views.get(timeout=_until(deadline, 60.0))
+        except queue.Empty:
+            continue
+        if got is STREAM_ENDED:
+            return view  # no stream (an older API), or it broke: polling takes over
+        view = got
+        progress.show(view)
+    return view
+
+
+def _pump(stream: Iterator[BatchView], views: queue.Queue[BatchView | None]) -> None:
+    # Any failure of the stream only means "poll instead" (an API without the endpoint answers
+    # 404, a broken connection ends it): the API's real errors reach the user through the
+    # polling `get`, which raises them in the main thread.
+    try:
+        for view in stream:
+            views.put(view)
+    except Exception:  # see above
+        pass
+    finally:
+        views.put(STREAM_ENDED)
+
+
+def _check_deadline(view: BatchView, deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise BatchWaitTimeout(view)
+
+
+def _until(deadline: float | None, most: float) -> float:
+    if deadline is None:
+        return most
+    return max(0.0, min(most, deadline - time.monotonic()))

@@ -1,0 +1,139 @@
+"""Downloading a batch's outputs: every output of every result line into `DIR/<custom_id>/<file>`.
+
+Each file is fetched through the URL its result line carries (presigned when the results were
+read; `file://` for a local store), written to a temporary name, checked against the line's
+sha256 and only then renamed into place. A file already present with the right sha256 is kept,
+so an interrupted download resumes where it stopped. A bounded pool of threads fetches files
+concurrently over one shared connection pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import httpx
+
+from kiln.tasks.contract.batches import BatchResult
+
+DEFAULT_DOWNLOAD_WORKERS = 8
+CHUNK = 256 * 1024
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """One output to download: where from, where to, and the sha256 it must have."""
+
+    url: str
+    path: Path
+    sha256: str
+
+
+@dataclass
+class DownloadReport:
+    """What a download did: files fetched, kept (already right), and those that failed."""
+
+    downloaded: int = 0
+    kept: int = 0
+    failed: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every output is now present with its sha256."""
+        return not self.failed
+
+
+class ChecksumMismatch(Exception):
+    """A fetched file's sha256 is not the one its result line names."""
+
+
+def output_files(results: Iterable[BatchResult], folder: Path) -> list[OutputFile]:
+    """The files of every succeeded line: `folder/<custom_id or job_id>/<name of the key>`."""
+    files = []
+    for result in results:
+        owner = result.custom_id or result.job_id or f"line-{result.line}"
+        for output in result.outputs:
+            name = output.key.rsplit("/", 1)[-1]
+            files.append(OutputFile(output.url, folder / owner / name, output.sha256))
+    return files
+
+
+def file_sha256(path: Path) -> str | None:
+    """The sha256 of a file, or None when it does not exist."""
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fetch(http: httpx.Client, url: str, into: Path) -> str:
+    """Write the URL's body to `into`; returns its sha256."""
+    digest = hashlib.sha256()
+    with into.open("wb") as out:
+        if url.startswith("file://"):
+            with open(unquote(urlparse(url).path), "rb") as source:
+                while chunk := source.read(CHUNK):
+                    digest.update(chunk)
+                    out.write(chunk)
+            return digest.hexdigest()
+        with http.stream("GET", url) as response:
+            response.raise_for_status()
+            for chunk in response.iter_bytes(CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+    return digest.hexdigest()
+
+
+def download_one(http: httpx.Client, item: OutputFile) -> bool:
+    """Fetch one output unless present with its sha256; returns whether it was fetched."""
+    if file_sha256(item.path) == item.sha256:
+        return False
+    item.path.parent.mkdir(parents=True, exist_ok=True)
+    partial = item.path.with_name(f".{item.path.name}.part")
+    try:
+        got = _fetch(http, item.url, partial)
+        if got != item.sha256:
+            raise ChecksumMismatch(f"{item.path}: sha256 {got} is not {item.sha256}")
+        os.replace(partial, item.path)  # only a verified file takes the final name
+    finally:
+        partial.unlink(missing_ok=True)
+    return True
+
+
+def download_outputs(
+    files: list[OutputFile],
+    *,
+    workers: int = DEFAULT_DOWNLOAD_WORKERS,
+    on_done: Callable[[OutputFile, bool], None] | None = None,
+) -> DownloadReport:
+    """Download `files` with a pool of `workers` threads; every file is verified by sha256."""
+    report = DownloadReport()
+    limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
+    with httpx.Client(limits=limits, timeout=60.0) as http:
+
+        def one(item: OutputFile) -> tuple[OutputFile, bool | Exception]:
+            try:
+                return item, download_one(http, item)
+            except (httpx.HTTPError, OSError, ChecksumMismatch) as exc:
+                return item, exc
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for item, outcome in pool.map(one, files):
+                if isinstance(outcome, Exception):
+                    report.failed.append(f"{item.path}: {outcome}")
+                    continue
+                if outcome:
+                    report.downloaded += 1
+                else:
+                    report.kept += 1
+                if on_done is not None:
+                    on_done(item, outcome)
+    return report

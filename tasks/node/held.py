@@ -1,0 +1,63 @@
+"""The job messages a node worker holds: received from the broker and not yet finished.
+
+Celery hands a worker a message before the task runs: a countdown's message waits in the worker
+until it is due, and every message waits a moment before its task takes the job's lease. If the
+node is killed then, the broker gives the message back only after its visibility timeout (an hour
+by default), and the job would sit `queued` that long. So each heartbeat records the ids of the
+jobs whose messages this node holds (storage/nodes.py `record_held`), and a live node's sweeper
+publishes again the still-queued jobs of a node whose heartbeat lapsed
+(tasks/node/maintenance.py `sweep_unpublished`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from celery import signals
+
+from kiln.tasks.queue.app import RUN_JOB_TASK
+
+
+class HeldDeliveries:
+    """Celery task id -> job id of every `run_job` message received and not yet finished."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[str, str] = {}
+
+    def received(self, task_id: str, job_id: str) -> None:
+        """A message for `job_id` reached this worker."""
+        with self._lock:
+            self._jobs[task_id] = job_id
+
+    def finished(self, task_id: str) -> None:
+        """The message's task ended (ran, was revoked or rejected): the broker has its ack."""
+        with self._lock:
+            self._jobs.pop(task_id, None)
+
+    def job_ids(self) -> list[str]:
+        """The jobs whose messages are held now (sorted, each once)."""
+        with self._lock:
+            return sorted(set(self._jobs.values()))
+
+
+def track_held_deliveries(held: HeldDeliveries) -> None:
+    """Keep `held` up to date from this worker process's Celery signals."""
+
+    def on_received(request: Any, **_: Any) -> None:
+        if request.name == RUN_JOB_TASK and request.args:
+            held.received(request.id, str(request.args[0]))
+
+    def on_postrun(task_id: str, **_: Any) -> None:
+        held.finished(task_id)
+
+    def on_dropped(request: Any = None, **_: Any) -> None:
+        if request is not None:
+            held.finished(request.id)
+
+    # weak=False: the receivers are closures that nothing else keeps alive
+    signals.task_received.connect(on_received, weak=False)
+    signals.task_postrun.connect(on_postrun, weak=False)
+    signals.task_revoked.connect(on_dropped, weak=False)
+    signals.task_rejected.connect(on_dropped, weak=False)

@@ -1,0 +1,282 @@
+"""Overnight batches: acceptance rate and API memory, Redis memory while feeding, group busy ratio.
+
+Run: `.venv/bin/python tests/benchmarks/bench_batches.py [--only accept,redis,busy]
+[--accept 10000,100000] [--redis 10000,1000000] [--redis-finish 20000] [--busy-jobs 160]`.
+
+1. accept: a JSONL file POSTed to /v1/batches through `KilnClient.submit_batch` (streamed), the
+   API in its own uvicorn process; lines/s, and the API's peak RSS (VmHWM) after each size.
+   Flat memory means the peak after the big file is no higher than after the small one.
+2. redis: a batch accepted (in-process `BatchService.submit_lines`, the CLI's path) and fed by a
+   real `BatchFeeder`, its jobs run to success by hand as fast as the store allows (no node);
+   Redis `used_memory` above the empty baseline, peak while it runs, per line of the batch. The
+   big batch runs until `--redis-finish` lines are done (a full 1M would take too long by hand).
+   Finished job records are kept for `KILN_BATCH_ITEM_RETENTION_S`; it is set to 0 here, so the
+   figure is what feeding itself holds (with retention on, finished records add up until expiry).
+3. busy: two `kiln worker` nodes serving the `busy` fixture pipeline (sleeps per request); the
+   same jobs fed as one batch, then submitted one by one up front (the baseline). Busy ratio =
+   forward time summed over both nodes / (2 × wall time from first forward start to last end).
+
+Needs `redis-server` on PATH (each part starts a private one, no persistence, so its memory is
+the batch's alone). Everything runs in a temporary folder that is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from unittest.mock import patch
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
+from kiln.storage.batch_feeding import BatchFeeding  # noqa: E402
+from kiln.storage.settings import StorageSettings  # noqa: E402
+from kiln.storage.states import JobState  # noqa: E402
+from kiln.storage.status import JobStore  # noqa: E402
+from kiln.tasks.api.auth import hash_api_key, new_api_key  # noqa: E402
+from kiln.tasks.cli.embedded import free_port, wait_for_port  # noqa: E402
+from kiln.tasks.client.client import KilnClient  # noqa: E402
+from tests.e2e.cluster import Cluster  # noqa: E402
+
+LINE = {"prompt": "a kiln at dusk", "width": 64, "height": 64, "steps": 2}
+BUSY_SPEC = "python:tests.benchmarks.bench_pipelines:busy"
+
+
+def write_batch(path: Path, lines: int) -> Path:
+    with path.open("w") as handle:
+        for n in range(lines):
+            handle.write(json.dumps({**LINE, "seed": n, "custom_id": f"l{n:07d}"}) + "\n")
+    return path
+
+
+def start_redis(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(folder),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_for_port(port, 10)
+    return server, f"redis://127.0.0.1:{port}/0"
+
+
+def base_env(redis_url: str, folder: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "KILN_REDIS_URL": redis_url,
+        "KILN_REDIS_NAMESPACE": f"kiln-bench-{secrets.token_hex(4)}",
+        "KILN_STORAGE_URL": f"file://{folder / 'outputs'}",
+        "KILN_PIPELINES": '["tiny", "busy"]',
+        "KILN_METRICS_PORT": "0",
+    }
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+# --- 1. accepting a file through the API ----------------------------------------------------
+def bench_accept(sizes: list[int], folder: Path) -> None:
+    server, redis_url = start_redis(folder)
+    env = {**base_env(redis_url, folder), "KILN_AUTH_ENABLED": "true"}
+    key = new_api_key()
+    with patch.dict(os.environ, clear=True, values=env):
+        storage = StorageSettings()
+    keys = ApiKeyStore(JobStore.from_settings(storage).redis, storage)
+    keys.create(hash_api_key(key), "b", False)
+    port = free_port()
+    code = (
+        "from kiln.storage.settings import StorageSettings; "
+        "from kiln.tasks.contract.settings import KilnSettings; "
+        "from kiln.tasks.api.app import serve_api; "
+        f"serve_api(KilnSettings(), StorageSettings(), '127.0.0.1', {port}, "
+        "log_level='warning', access_log=False)"
+    )
+    api = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+    try:
+        wait_for_port(port, timeout_s=60)
+        with KilnClient(f"http://127.0.0.1:{port}", key, timeout=3600) as client:
+            client.submit_batch(iter([{**LINE, "custom_id": "warm"}]), pipeline="tiny")
+            print(f"accept: API peak RSS before any file {peak_rss_mb(api.pid):8.1f} MB")
+            for lines in sizes:
+                path = write_batch(folder / f"accept-{lines}.jsonl", lines)
+                started = time.perf_counter()
+                view = client.submit_batch(path, pipeline="tiny")
+                elapsed = time.perf_counter() - started
+                assert view.counts.total == lines
+                size_mb = path.stat().st_size / 1e6
+                print(
+                    f"accept: {lines:>9} lines ({size_mb:6.1f} MB) {elapsed:7.2f} s "
+                    f"{lines / elapsed:9.0f} lines/s   API peak RSS {peak_rss_mb(api.pid):8.1f} MB",
+                    flush=True,
+                )
+                path.unlink()
+    finally:
+        api.terminate()
+        api.wait(30)
+        server.terminate()
+        server.wait(10)
+
+
+# --- 2. Redis memory while a batch is fed ----------------------------------------------------
+def bench_redis(sizes: list[int], finish_at_most: int, folder: Path) -> None:
+    for lines in sizes:
+        server, redis_url = start_redis(folder)
+        try:
+            peak, done, total = feed_and_measure(lines, finish_at_most, redis_url, folder)
+        finally:
+            server.terminate()
+            server.wait(10)
+        print(
+            f"redis: batch of {lines:>9} lines, {done:>7} run to success: Redis peak "
+            f"{peak / 1e6:8.2f} MB above empty = {peak / total:8.1f} bytes/line of the batch",
+            flush=True,
+        )
+
+
+def feed_and_measure(lines: int, finish: int, redis_url: str, folder: Path) -> tuple[int, int, int]:
+    from kiln.storage.objects import open_object_store
+    from kiln.tasks.batches.feeder import BatchFeeder
+    from kiln.tasks.batches.intake import LineDefaults
+    from kiln.tasks.batches.service import BatchOptions, BatchService
+    from kiln.tasks.contract.settings import KilnSettings
+    from kiln.tasks.queue.submit import Submitter
+    from tests.tasks.helpers import drive_to_success
+
+    with patch.dict(os.environ, clear=True, values=base_env(redis_url, folder)):
+        storage, settings = StorageSettings(), KilnSettings()
+    settings = settings.model_copy(
+        update={"batch_item_retention_s": 0, "batch_results_flush_s": 0.5}
+    )
+    store, objects = JobStore.from_settings(storage), open_object_store(storage)
+    client = redis.Redis.from_url(redis_url)
+    empty = int(client.info("memory")["used_memory"])
+    submitter = Submitter(store, settings, publish=lambda *_a, **_k: None)
+    service = BatchService(store, objects, submitter, settings, lambda _raw: [])
+    path = write_batch(folder / f"redis-{lines}.jsonl", lines)
+    batch, _ = service.submit_lines(
+        file_chunks(path), BatchOptions(LineDefaults(pipeline="tiny"), 24 * 3600)
+    )
+    path.unlink()
+    assert batch is not None
+    feeder = BatchFeeder(store, objects, submitter, settings, "bench")
+    feeding = BatchFeeding(store.redis, store.settings)
+    peak, done = 0, 0
+    while done < min(lines, finish):
+        feeder.tick()
+        for job_id, _line in feeding.open_items(batch.id):
+            if store.get(job_id).state == JobState.QUEUED:
+                drive_to_success(store, job_id, steps=1)
+                done += 1
+        peak = max(peak, int(client.info("memory")["used_memory"]) - empty)
+    return peak, done, lines
+
+
+def file_chunks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as handle:
+        while chunk := handle.read(256 * 1024):
+            yield chunk
+
+
+# --- 3. busy ratio of two nodes fed by a batch -----------------------------------------------
+def bench_busy(jobs: int, sleep_s: float, folder: Path) -> None:
+    for mode in ("batch", "one by one"):
+        server, redis_url = start_redis(folder)
+        run = folder / f"busy-{mode.replace(' ', '-')}"
+        run.mkdir()
+        forwards = run / "forwards.txt"
+        env = {
+            **base_env(redis_url, run),
+            "KILN_TEST_COMPLETIONS": str(run / "completions.log"),
+            "KILN_BENCH_FORWARDS": str(forwards),
+            "KILN_BENCH_SLEEP_S": str(sleep_s),
+            "KILN_BATCH_FEED_INTERVAL_S": "0.1",
+        }
+        cluster = Cluster(env=env, tmp=run)
+        try:
+            for _ in range(2):
+                cluster.start_worker(f"busy={BUSY_SPEC}", wait=False)
+            for worker in cluster.workers:
+                worker.wait_ready()
+            ratio = busy_run(cluster, mode, jobs, run)
+        finally:
+            cluster.stop_all()
+            server.terminate()
+            server.wait(10)
+        print(f"busy: {jobs} jobs, {sleep_s} s each, 2 nodes, {mode:<10}: busy ratio {ratio:6.1%}")
+
+
+def busy_run(cluster: Cluster, mode: str, jobs: int, run: Path) -> float:
+    lines = [{**LINE, "seed": n, "custom_id": f"b{n:05d}"} for n in range(jobs)]
+    if mode == "batch":
+        path = run / "batch.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        answer = cluster.run_cli(
+            "batch", "submit", str(path), "--pipeline", "busy", "--wait", "--json", timeout_s=3600
+        )
+        assert answer.returncode == 0, answer.stderr
+    else:
+        ids = [
+            cluster.submit(pipeline="busy", **{k: v for k, v in line.items() if k != "custom_id"})
+            for line in lines
+        ]
+        for job_id in ids:
+            cluster.wait_for(job_id, timeout_s=3600)
+    spans = [
+        tuple(map(float, row.split()[:2]))
+        for row in (run / "forwards.txt").read_text().splitlines()
+    ]
+    busy = sum(end - start for start, end in spans)
+    wall = max(end for _, end in spans) - min(start for start, _ in spans)
+    return busy / (2 * wall)
+
+
+def main() -> None:
+    """Run the chosen measurements; print one line each."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", default="accept,redis,busy")
+    parser.add_argument("--accept", default="10000,100000")
+    parser.add_argument("--redis", default="10000,1000000")
+    parser.add_argument("--redis-finish", type=int, default=20_000)
+    parser.add_argument("--busy-jobs", type=int, default=160)
+    parser.add_argument("--busy-sleep", type=float, default=0.2)
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    print(f"{os.cpu_count()} CPUs (shared); private redis-server per part", flush=True)
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-batches-") as tmp:
+        folder = Path(tmp)
+        if "accept" in only:
+            bench_accept([int(n) for n in args.accept.split(",")], folder)
+        if "redis" in only:
+            bench_redis([int(n) for n in args.redis.split(",")], args.redis_finish, folder)
+        if "busy" in only:
+            bench_busy(args.busy_jobs, args.busy_sleep, folder)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The parts of the per-job overhead changed for issue 12, old way and new way side by side.
+
+Run: `.venv/bin/python tests/benchmarks/bench_delivery_parts.py [--rounds 300]`.
+
+Needs Redis (KILN_TEST_REDIS_URL or 127.0.0.1:6379); starts a moto S3 server in this process.
+Each round times both ways of each part back to back (alternating which goes first), so a noisy,
+shared machine slows both alike; the table prints the p50 of each and their ratio:
+
+1. delivery: `acquire_lease` + `start` (two scripts) vs `acquire_and_start` (one);
+2. upload of a 2 KiB PNG-sized object: put + HEAD read-back (`KILN_UPLOAD_VERIFY=head`) vs put
+   whose echoed checksum is trusted (`checksum`);
+3. the API's key lookup: a Redis read per request (`KILN_API_KEY_CACHE_S=0`) vs the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import boto3
+import redis
+from moto.server import ThreadedMotoServer
+from pydantic import SecretStr
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
+from kiln.storage.objects import output_key  # noqa: E402
+from kiln.storage.s3_store import S3ObjectStore  # noqa: E402
+from kiln.storage.settings import StorageSettings  # noqa: E402
+from kiln.storage.status import JobStore, NewJob  # noqa: E402
+from kiln.tasks.api.auth import Authenticator, hash_api_key, new_api_key  # noqa: E402
+from kiln.tasks.node.uploads import UploadVerify, put_verified  # noqa: E402
+
+Timed = Callable[[int], object]
+
+
+def timed(run: Timed, index: int) -> float:
+    started = time.perf_counter()
+    run(index)
+    return (time.perf_counter() - started) * 1000
+
+
+def compare(label: str, old: Timed, new: Timed, rounds: int) -> None:
+    """Time `old` and `new` once per round, alternating which goes first; print p50s and ratio."""
+    olds, news = [], []
+    for index in range(rounds):
+        if index % 2:
+            news.append(timed(new, index))
+            olds.append(timed(old, index))
+        else:
+            olds.append(timed(old, index))
+            news.append(timed(new, index))
+    old_p50, new_p50 = statistics.median(olds), statistics.median(news)
+    print(
+        f"{label:<40} {old_p50:8.2f} ms {new_p50:8.2f} ms   new/old {new_p50 / old_p50:5.2f}",
+        flush=True,
+    )
+
+
+def delivery(store: JobStore, rounds: int) -> None:
+    def queued_jobs() -> list[str]:
+        news = [NewJob(id=secrets.token_hex(8), request={}) for _ in range(rounds)]
+        store.create_jobs(news)
+        return [new.id for new in news]
+
+    queued = [queued_jobs(), queued_jobs()]
+
+    def two_scripts(index: int) -> None:
+        job_id = queued[0][index]
+        store.start(job_id, store.acquire_lease(job_id, "bench"), node_id="bench")
+
+    def one_script(index: int) -> None:
+        store.acquire_and_start(queued[1][index], "bench", node_id="bench")
+
+    compare("delivery: acquire+start vs one script", two_scripts, one_script, rounds)
+
+
+def uploads(rounds: int) -> None:
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    settings = StorageSettings(
+        storage_url="s3://kiln-bench/outputs",
+        s3_endpoint_url=f"http://{host}:{port}",
+        s3_region="us-east-1",
+        s3_addressing_style="path",
+        s3_access_key_id="bench",
+        s3_secret_access_key=SecretStr("bench"),
+    )
+    store = S3ObjectStore.from_settings(settings)
+    boto3.client(
+        "s3",
+        endpoint_url=settings.s3_endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+    ).create_bucket(Bucket="kiln-bench")
+    data = secrets.token_bytes(2048)
+
+    def put(verify: UploadVerify) -> Timed:
+        def run(index: int) -> None:
+            key = output_key(store.prefix, f"job{index}", 0 if verify == "head" else 1, "png")
+            put_verified(store, key, data, "image/png", {}, verify)
+
+        return run
+
+    try:
+        compare("upload: put + HEAD vs trusted checksum", put("head"), put("checksum"), rounds)
+    finally:
+        server.stop()
+
+
+def key_lookups(store: JobStore, settings: StorageSettings, rounds: int) -> None:
+    keys = ApiKeyStore(store.redis, settings)
+    secret = new_api_key()
+    keys.create(hash_api_key(secret), "bench")
+    header = f"Bearer {secret}"
+    uncached = Authenticator(keys, enabled=True, cache_s=0.0)
+    cached = Authenticator(keys, enabled=True, cache_s=1.0)
+    compare(
+        "API key lookup: Redis vs cache",
+        lambda _: uncached.principal(header),
+        lambda _: cached.principal(header),
+        rounds,
+    )
+
+
+def main() -> None:
+    """Run the three comparisons and print one line each."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=300)
+    args = parser.parse_args()
+    redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    namespace = f"kiln-bench-{secrets.token_hex(4)}"
+    settings = StorageSettings(redis_url=redis_url, redis_namespace=namespace)
+    store = JobStore.from_settings(settings)
+    print(f"{'p50 per call, ' + str(args.rounds) + ' rounds':<40} {'old':>11} {'new':>11}")
+    try:
+        delivery(store, args.rounds)
+        uploads(args.rounds)
+        key_lookups(store, settings, args.rounds)
+    finally:
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(match=f"{namespace}:*", count=1000):
+            client.delete(key)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The overnight batch, broken on purpose: 10,000 lines, a node `kill -9`ed, Redis restarted.
+
+Two real `kiln worker` nodes serve the sleepy pipeline with no sleep (one step, tiny images, large
+forwards) so the batch's cost is Kiln's own: feeding, leases, transitions, uploads, results. Redis
+is a private server with AOF (`appendfsync always`) restarted with SIGTERM, i.e. a restart that
+keeps its data. What must hold afterwards: exactly one result line per input line, every output
+present in the store with the sha256 its line names (checked by downloading each one through the
+CLI), and no job that reached `succeeded` twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from kiln.storage.batch_store import BatchStore, FedBatch
+from kiln.storage.errors import StorageError
+from kiln.storage.states import JobState
+from kiln.tasks.batches.lines import batch_job_id
+from tests.e2e.cluster import SLEEPY, Cluster, WorkerProcess
+from tests.e2e.services import PrivateRedis
+
+LINES = 10_000
+FAST_PIPELINE = {"KILN_TEST_STEP_SECONDS": "0"}
+BIG_FORWARDS = ["--max-batch", "64"]
+RESTART_GRACE_S = 1.0  # how long Redis stays down
+BATCH_SETTINGS = {
+    "KILN_BATCH_WINDOW": "1024",
+    "KILN_BATCH_FEED_INTERVAL_S": "0.1",
+    "KILN_BATCH_FEED_CHUNK": "1000",
+    "KILN_BATCH_RESULTS_FLUSH_S": "0.5",
+    "KILN_BATCH_ITEM_RETENTION_S": "3600",  # the job event streams are read at the end
+    # A delivery taken by a node that dies (or loses Redis) before the job starts holds no lease:
+    # only the visibility timeout brings it back (default 1 h). Short here, which also proves
+    # that a redelivered message never runs a job twice (the lease and the state decide).
+    "KILN_VISIBILITY_TIMEOUT_S": "10",
+}
+
+
+def write_lines(path: Path, count: int) -> list[str]:
+    custom_ids = [f"c{n:05d}" for n in range(count)]
+    line = {"prompt": "p", "width": 64, "height": 64, "steps": 1}
+    path.write_text("".join(json.dumps({**line, "custom_id": c}) + "\n" for c in custom_ids))
+    return custom_ids
+
+
+def read_batch(batches: BatchStore, batch_id: str) -> FedBatch | None:
+    """The batch, or None while Redis is restarting."""
+    try:
+        return batches.get_fed(batch_id)
+    except (redis.ConnectionError, StorageError):
+        return None
+
+
+def wait_until(
+    batches: BatchStore,
+    batch_id: str,
+    done: Callable[[FedBatch], bool],
+    timeout_s: float,
+    alive: list[WorkerProcess],
+) -> FedBatch:
+    """Poll the batch until `done`; fails at once if a node that must stay up has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for node in alive:
+            assert node.process.poll() is None, f"{node.node_id} exited:\n{node.log()}"
+        batch = read_batch(batches, batch_id)
+        if batch is not None and done(batch):
+            return batch
+        time.sleep(0.1)
+    raise TimeoutError(f"batch {batch_id}: {read_batch(batches, batch_id)}")
+
+
+def succeeded(count: int) -> Callable[[FedBatch], bool]:
+    return lambda batch: batch.counts[JobState.SUCCEEDED] >= count
+
+
+def succeeded_transitions(cluster: Cluster, job_ids: list[str]) -> Counter[str]:
+    """How many times each job's event stream says it reached `succeeded`."""
+    return Counter(
+        job_id
+        for job_id in job_ids
+        for event in cluster.store.events(job_id)
+        if event.type == JobState.SUCCEEDED
+    )
+
+
+def start_node(cluster: Cluster) -> WorkerProcess:
+    return cluster.start_worker(
+        f"sleepy={SLEEPY}", extra_env=FAST_PIPELINE, extra_args=BIG_FORWARDS
+    )
+
+
+def finish_after_restart(
+    cluster: Cluster, batches: BatchStore, batch_id: str, node: WorkerProcess
+) -> tuple[FedBatch, WorkerProcess | None]:
+    """Wait for the batch's end; returns it and the node started if `node` exited meanwhile.
+
+    Known defects, seen here on a Redis restart under load: the `celery worker` of a node exits
+    (status 0) either in kombu's Redis transport (closing its channel, it restores the unacked
+    deliveries through a connection already torn down: `_connparams`: 'NoneType' object has no
+    attribute 'hostname', "Unrecoverable error") or on a publish that meets "Redis is loading
+    the dataset in memory" (kombu OperationalError from `Submitter.publish`). A replacement node
+    lets the test still check everything about the batch; the exit is then reported as an
+    expected failure rather than hidden.
+    """
+    replacement = None
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if replacement is None and node.process.poll() is not None:
+            replacement = start_node(cluster)
+        if replacement is not None:
+            assert replacement.process.poll() is None, replacement.log()
+        batch = read_batch(batches, batch_id)
+        if batch is not None and batch.final:
+            return batch, replacement
+        time.sleep(0.2)
+    raise TimeoutError(f"batch {batch_id}: {read_batch(batches, batch_id)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_10000_line_batch_survives_a_node_kill_and_a_redis_restart(
+    cluster_factory: Callable[..., Cluster], private_redis: PrivateRedis, tmp_path: Path
+) -> None:
+    cluster = cluster_factory(KILN_REDIS_URL=private_redis.url, **BATCH_SETTINGS)
+    first, second = start_node(cluster), start_node(cluster)
+    custom_ids = write_lines(tmp_path / "night.jsonl", LINES)
+    started = time.monotonic()
+    answer = cluster.run_cli(
+        "batch", "submit", str(tmp_path / "night.jsonl"), "--pipeline", "sleepy"
+    )
+    assert answer.returncode == 0, answer.stderr
+    batch_id = answer.stdout.strip()
+    batches = BatchStore(cluster.store.redis, cluster.store.settings)
+
+    wait_until(batches, batch_id, succeeded(LINES // 5), 240, alive=[first, second])
+    first.kill9()  # mid-batch: its running forward, its leases and (maybe) the feeder die
+    wait_until(batches, batch_id, succeeded(LINES // 2), 240, alive=[second])
+    private_redis.restart(down_s=RESTART_GRACE_S)
+    batch, replacement = finish_after_restart(cluster, batches, batch_id, second)
+    elapsed = time.monotonic() - started
+
+    assert batch.status == "completed", (batch, (replacement or second).log())
+    out, folder = tmp_path / "results.jsonl", tmp_path / "outputs"
+    answer = cluster.run_cli(
+        "batch",
+        "results",
+        batch_id,
+        "-o",
+        str(out),
+        "--download",
+        str(folder),
+        "--json",
+        timeout_s=400,
+    )
+    assert answer.returncode == 0, answer.stderr
+    report = json.loads(answer.stdout)
+    assert (report["downloaded"], report["failed"]) == (LINES, [])  # every object, sha256 ok
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    results, summary = lines[:-1], lines[-1]
+    assert summary["type"] == "summary"
+    assert summary["batch"]["counts"]["succeeded"] == LINES
+    assert len(results) == LINES
+    assert sorted(r["custom_id"] for r in results) == custom_ids  # unique, none missing
+    assert {r["status"] for r in results} == {"succeeded"}
+    assert sum(1 for _ in folder.glob("*/*")) == LINES
+    job_ids = [batch_job_id(batch_id, c) for c in custom_ids]
+    assert {r["job_id"] for r in results} == set(job_ids)
+    finished = succeeded_transitions(cluster, job_ids)
+    assert set(finished) == set(job_ids)
+    assert max(finished.values()) == 1  # no job finished twice
+    print(f"\n{LINES} lines through a kill -9 and a Redis restart in {elapsed:.1f} s")
+    if replacement is not None:
+        pytest.xfail(f"the surviving node exited after the Redis restart:\n{second.log()[-3000:]}")
