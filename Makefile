@@ -6,8 +6,12 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
+# Test files run on this many processes (pytest-xdist, one file per process at a time): most tests
+# wait on workers, ranks and sockets rather than compute, so 3 fit on 2 cores.
+PYTEST_WORKERS ?= 3
+XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: setup test test-fast lint demo clean
+.PHONY: setup test test-fast test-soak lint demo clean
 
 setup: .make/installed
 
@@ -39,11 +43,16 @@ COLD_CACHES = cache="$$(mktemp -d -t kiln-test-cache.XXXXXX)"; trap 'rm -rf "$$c
 	url="$$(.ci/ensure-redis)" || exit 1; export KILN_TEST_REDIS_URL="$$url"
 
 test: lint
-	@$(COLD_CACHES); set -x; $(BIN)/pytest $(PYTEST_ARGS)
+	@$(COLD_CACHES); set -x; $(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
 
 # While iterating: skips the slowest crash tests (CI runs them all).
 test-fast: lint
-	@$(COLD_CACHES); set -x; $(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+	@$(COLD_CACHES); set -x; $(BIN)/pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+
+# The batch crash test at the issue's size: 10,000 lines through a kill -9 and a Redis restart.
+test-soak: setup
+	@$(COLD_CACHES); set -x; KILN_BATCH_CRASH_LINES=10000 $(BIN)/pytest \
+		tests/e2e/test_batch_crash.py $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/kiln demo

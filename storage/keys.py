@@ -127,6 +127,10 @@ class Keys:
         """
         return self.queue_index_prefix + queue
 
+    def queue_server(self, queue: str) -> str:
+        """The run_id of the Redis server a consumer of `queue` last saw (restart detection)."""
+        return f"{self.ns}:queue_server:{queue}"
+
     @property
     def completions_prefix(self) -> str:
         """Prefix of the completion windows (scripts complete it with the queue a record names)."""

@@ -70,6 +70,24 @@ class QueueOps(StoreBase):
         return ids
 
     @redis_boundary
+    def server_changed(self, queue: str) -> bool:
+        """Whether Redis restarted since a consumer of `queue` last asked (true once per restart).
+
+        A message a consumer was taking from Redis as it went down is gone (kombu's Redis
+        transport removes it from the queue before recording it as unacknowledged), while its
+        job stays `queued`: the caller publishes the queue's jobs again.
+        """
+        _check_queue(queue)
+        run_id = str(self.redis.info("server")["run_id"])
+        key = self.keys.queue_server(queue)
+        if self.redis.get(key) == run_id:
+            return False
+        # SET .. GET swaps atomically: of several nodes serving `queue`, one sees the old run_id
+        # with GET, SET replies with the old value (the stubs know only its plain bool reply)
+        seen: str | None = self.redis.set(key, run_id, get=True)  # type: ignore[assignment]
+        return seen is not None and seen != run_id
+
+    @redis_boundary
     def queued_counts(self, queues: Sequence[str]) -> dict[str, int]:
         """How many jobs each queue holds (one pipelined read)."""
         for queue in queues:

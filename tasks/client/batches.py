@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 
 from kiln.tasks.client.batch_downloads import (
     DEFAULT_DOWNLOAD_WORKERS,
@@ -67,22 +68,6 @@ def batch_body(source: BatchSource) -> Iterator[bytes]:
     if isinstance(source, str | Path):
         return _file_chunks(Path(source))
     return _request_lines(source)
-
-
-def sse_messages(lines: Iterable[str]) -> Iterator[tuple[str, str]]:
-    """(event name, data) of each message of a `text/event-stream` (comments skipped)."""
-    event, data = "message", list[str]()
-    for line in lines:
-        if line == "":
-            if data:
-                yield event, "\n".join(data)
-            event, data = "message", []
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-    if data:
-        yield event, "\n".join(data)
 
 
 def parse_batch_line(raw: str | bytes) -> BatchLine:
@@ -174,11 +159,12 @@ class BatchCalls:
     def batch_events(self, batch_id: str) -> Iterator[BatchView]:
         """The batch's view at each change (SSE); ends after the final one."""
         headers = {"Accept": "text/event-stream"}
-        for _event, data in sse_messages(self._stream_lines(f"/{batch_id}/events", headers)):
-            view = BatchView.model_validate_json(data)
-            yield view
-            if is_final_batch(view.status):
-                return
+        for response in self._open_stream(f"/{batch_id}/events", headers):
+            for event in EventSource(response).iter_sse():
+                view = BatchView.model_validate_json(event.data)
+                yield view
+                if is_final_batch(view.status):
+                    return
 
     def batch_results_raw(self, batch_id: str) -> Iterator[bytes]:
         """The batch's result lines so far, as JSONL bytes (newline-terminated), streamed."""
@@ -187,7 +173,17 @@ class BatchCalls:
                 yield line.encode() + b"\n"
 
     def _stream_lines(self, suffix: str, headers: dict[str, str] | None = None) -> Iterator[str]:
-        """The lines of a streamed GET under /v1/batches (no read timeout: it may be long)."""
+        """The lines of a streamed GET under /v1/batches."""
+        for response in self._open_stream(suffix, headers):
+            yield from response.iter_lines()
+
+    def _open_stream(
+        self, suffix: str, headers: dict[str, str] | None = None
+    ) -> Iterator[httpx.Response]:
+        """The open response of a streamed GET under /v1/batches, yielded once.
+
+        No read timeout: the stream may be long. A refusal raises as `_call` does.
+        """
         from kiln.tasks.client.client import KilnConnectionError, _raise_for
 
         path = f"{BATCHES_PATH}{suffix}"
@@ -197,7 +193,7 @@ class BatchCalls:
                 if not response.is_success:
                     response.read()
                     _raise_for(response)
-                yield from response.iter_lines()
+                yield response
         except httpx.TransportError as exc:
             raise KilnConnectionError(f"GET {path}: {exc}") from exc
 

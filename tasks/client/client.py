@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 
 from kiln.tasks.client.batches import BatchCalls
 from kiln.tasks.client.uploads import UploadCalls
@@ -239,7 +239,8 @@ class KilnClient(BatchCalls, UploadCalls):
                 if not response.is_success:
                     response.read()
                     _raise_for(response)
-                yield from _parse_sse(response.iter_lines())
+                for event in EventSource(response).iter_sse():
+                    yield EventView.model_validate_json(event.data)
         except httpx.ConnectError as exc:
             raise KilnConnectionError(f"events of {job_id}: {exc}") from exc
 
@@ -290,17 +291,3 @@ class KilnClient(BatchCalls, UploadCalls):
             time.sleep(min(doubling_delay(polls, min(FIRST_POLL_S, poll_s), poll_s), left))
             job = self.get(job_id)
         return job
-
-
-def _parse_sse(lines: Iterator[str]) -> Iterator[EventView]:
-    """Events of a `text/event-stream` (only `data` is used: it carries the whole event)."""
-    data: list[str] = []
-    for line in lines:
-        if line == "":
-            if data:
-                yield EventView.model_validate(json.loads("\n".join(data)))
-            data = []
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-    if data:
-        yield EventView.model_validate(json.loads("\n".join(data)))

@@ -34,6 +34,7 @@ class LoraSpec(BaseModel):
     name: AdapterName = Field(description="An adapter GET /v1/pipelines/{name} lists.")
     scale: float = Field(
         default=1.0,
+        strict=True,
         ge=-MAX_LORA_SCALE,
         le=MAX_LORA_SCALE,
         allow_inf_nan=False,

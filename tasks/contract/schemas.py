@@ -49,7 +49,8 @@ DRAWN_SEED_LIMIT = 2**31
 PipelineName = Annotated[
     str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 ]
-Dimension = Annotated[int, Field(ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIZE_MULTIPLE)]
+# numbers are strict: JSON true is not 1, "512" is not 512 (pydantic would convert both)
+Dimension = Annotated[int, Field(strict=True, ge=MIN_SIDE, le=MAX_SIDE, multiple_of=SIZE_MULTIPLE)]
 MetadataKey = Annotated[str, StringConstraints(min_length=1, max_length=METADATA_KEY_MAX)]
 MetadataValue = Annotated[str, StringConstraints(max_length=METADATA_VALUE_MAX)]
 INPUTS_MAX_ITEMS = 32
@@ -123,14 +124,22 @@ class JobRequest(BaseModel):
     negative_prompt: str | None = Field(default=None, max_length=4000)
     width: Dimension = 512
     height: Dimension = 512
-    num_frames: int = Field(default=1, ge=1, le=MAX_FRAMES, description="1 = image, >1 = video.")
-    fps: int = Field(default=8, ge=1, le=120, description="Frames per second of a video.")
-    steps: int = Field(default=25, ge=1, le=MAX_STEPS)
-    guidance_scale: float = Field(default=7.0, ge=0, le=50, allow_inf_nan=False)
-    seed: int | None = Field(
-        default=None, ge=0, le=SEED_MAX, description="Drawn at submit when absent; recorded."
+    num_frames: int = Field(
+        default=1, strict=True, ge=1, le=MAX_FRAMES, description="1 = image, >1 = video."
     )
-    num_outputs: int = Field(default=1, ge=1, le=16)
+    fps: int = Field(
+        default=8, strict=True, ge=1, le=120, description="Frames per second of a video."
+    )
+    steps: int = Field(default=25, strict=True, ge=1, le=MAX_STEPS)
+    guidance_scale: float = Field(default=7.0, strict=True, ge=0, le=50, allow_inf_nan=False)
+    seed: int | None = Field(
+        default=None,
+        strict=True,
+        ge=0,
+        le=SEED_MAX,
+        description="Drawn at submit when absent; recorded.",
+    )
+    num_outputs: int = Field(default=1, strict=True, ge=1, le=16)
     output_format: OutputFormat | None = Field(
         default=None,
         validate_default=True,
@@ -141,12 +150,18 @@ class JobRequest(BaseModel):
     webhook: WebhookSpec | None = None
     start_by: float | None = Field(
         default=None,
+        strict=True,
         gt=0,
         allow_inf_nan=False,
         description="Unix time (s): a job not started by then expires without running.",
     )
     max_run_seconds: float | None = Field(
-        default=None, gt=0, le=86400, allow_inf_nan=False, description="Deadline of one run."
+        default=None,
+        strict=True,
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Deadline of one run.",
     )
     metadata: dict[MetadataKey, MetadataValue] = Field(
         default_factory=dict,

@@ -8,6 +8,8 @@
 - cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel to stop;
 - controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
   drain request (tasks/node/controls.py);
+- restarts (every `reaper_interval_s`, for a `kiln worker` node): after a Redis restart, publish
+  the queued jobs of the node's queues again (messages being taken at the time are lost);
 - batches (every `batch_feed_interval_s`, not while draining): feed the active batches whose
   feeder lease this node holds or can take, and write their results (tasks/batches/feeder.py).
 
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 PRUNE_INTERVAL_S = 60.0
 # A heartbeat outlives a few missed intervals, never less than this (docs/operations.md §1).
 HEARTBEAT_TTL_MIN_S = 5.0
+# After a Redis restart, this many of each queue's first queued jobs are published again.
+RESTART_REPUBLISH_LIMIT = 10_000
 # A cancel must land within a denoising step; one pipelined read per poll is cheap.
 CANCEL_POLL_S = 0.02
 
@@ -104,6 +108,30 @@ def sweep_unpublished(node: Node) -> int:
     return len(job_ids) + orphaned
 
 
+def republish_after_restart(node: Node, queues: list[str]) -> int:
+    """After a Redis restart, publish again the queued jobs of `queues`; returns how many.
+
+    The messages consumers were taking as Redis went down are lost while their jobs stay
+    `queued` (storage/queues.py `server_changed`). Which ones cannot be known, and they were at
+    the head of their queue: the first `RESTART_REPUBLISH_LIMIT` queued jobs of each queue are
+    published again. A duplicate message is harmless (the lease and the state run a job once).
+    """
+    published = 0
+    for queue in queues:
+        if not node.store.server_changed(queue):
+            continue
+        for job_id in node.store.queued_ids(queue, RESTART_REPUBLISH_LIMIT):
+            try:
+                record = node.store.get(job_id)
+            except JobNotFound:
+                continue
+            if record.state == JobState.QUEUED:
+                node.submitter.publish(record)
+                published += 1
+        log.warning("Redis restarted: the queued jobs of %s published again", queue)
+    return published
+
+
 def _loop(stop: threading.Event, interval_s: float, name: str, step: Callable[[], object]) -> None:
     while not stop.wait(interval_s):
         try:
@@ -136,6 +164,8 @@ class Maintenance:
         if self.controls is not None:
             poll = functools.partial(apply_controls, self.controls)
             loops.append(("controls", CONTROL_POLL_S, poll))
+            restarts = functools.partial(republish_after_restart, self.node, self.controls.queues)
+            loops.append(("restarts", settings.reaper_interval_s, restarts))
         node = self.node
         feeder = BatchFeeder(
             node.store, node.objects, node.submitter, settings, node.node_id, node.celery_app

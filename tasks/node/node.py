@@ -271,6 +271,7 @@ class Node:
             "adapters": self.adapters(stats),
             "devices": list(self.group_config.devices),
             "group_size": self.group_size,
+            "max_batch": self.group_config.max_batch,  # sizes the batch windows (batches/fairness)
             "jobs_running": len(jobs),
             "last_progress_at": max((j.last_progress_at for j in jobs), default=None),
             "draining": self.draining.is_set(),

@@ -179,6 +179,8 @@ def _run_worker(
     held = maintenance.controls.held_at_start if maintenance and maintenance.controls else []
     if held:  # paused queues (all, while draining): never consumed until the operator says so
         argv.append(f"--exclude-queues={','.join(held)}")
+    asked_to_stop = threading.Event()
+    worker_shutting_down.connect(lambda **_: asked_to_stop.set(), weak=False)
     try:
         app.worker_main(argv)
     finally:
@@ -187,6 +189,13 @@ def _run_worker(
         if node is not None:
             node.shutdown()
             node.metrics.stop()
+    if not asked_to_stop.is_set():
+        # Celery stopped on its own: an "Unrecoverable error" (kombu's Redis transport can hit
+        # one when Redis restarts under load), yet `worker_main` returns as after a SIGTERM. A
+        # non-zero status makes the supervisor (compose: `restart: unless-stopped`) start the
+        # node again; its held messages and leases are picked up by the other nodes meanwhile.
+        log.error("the Celery worker stopped without being asked to; exiting with status 1")
+        raise SystemExit(1)
 
 
 def _start_node(

@@ -1,4 +1,4 @@
-"""The overnight batch, broken on purpose: 10,000 lines, a node `kill -9`ed, Redis restarted.
+"""The overnight batch, broken on purpose: a node `kill -9`ed and Redis restarted mid-batch.
 
 Two real `kiln worker` nodes serve the sleepy pipeline with no sleep (one step, tiny images, large
 forwards) so the batch's cost is Kiln's own: feeding, leases, transitions, uploads, results. Redis
@@ -11,6 +11,7 @@ CLI), and no job that reached `succeeded` twice.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -26,7 +27,9 @@ from kiln.tasks.batches.lines import batch_job_id
 from tests.e2e.cluster import SLEEPY, Cluster, WorkerProcess
 from tests.e2e.services import PrivateRedis
 
-LINES = 10_000
+# The issue's figure is 10,000 lines (`make test-soak`, about 4 minutes here); the default run
+# keeps the same scenario at a size that fits the suite's time.
+LINES = int(os.environ.get("KILN_BATCH_CRASH_LINES", "2000"))
 FAST_PIPELINE = {"KILN_TEST_STEP_SECONDS": "0"}
 BIG_FORWARDS = ["--max-batch", "64"]
 RESTART_GRACE_S = 1.0  # how long Redis stays down
@@ -36,10 +39,6 @@ BATCH_SETTINGS = {
     "KILN_BATCH_FEED_CHUNK": "1000",
     "KILN_BATCH_RESULTS_FLUSH_S": "0.5",
     "KILN_BATCH_ITEM_RETENTION_S": "3600",  # the job event streams are read at the end
-    # A delivery taken by a node that dies (or loses Redis) before the job starts holds no lease:
-    # only the visibility timeout brings it back (default 1 h). Short here, which also proves
-    # that a redelivered message never runs a job twice (the lease and the state decide).
-    "KILN_VISIBILITY_TIMEOUT_S": "10",
 }
 
 
@@ -102,18 +101,16 @@ def finish_after_restart(
 ) -> tuple[FedBatch, WorkerProcess | None]:
     """Wait for the batch's end; returns it and the node started if `node` exited meanwhile.
 
-    Known defects, seen here on a Redis restart under load: the `celery worker` of a node exits
-    (status 0) either in kombu's Redis transport (closing its channel, it restores the unacked
-    deliveries through a connection already torn down: `_connparams`: 'NoneType' object has no
-    attribute 'hostname', "Unrecoverable error") or on a publish that meets "Redis is loading
-    the dataset in memory" (kombu OperationalError from `Submitter.publish`). A replacement node
-    lets the test still check everything about the batch; the exit is then reported as an
-    expected failure rather than hidden.
+    A Redis restart under load can stop a node's `celery worker` (kombu's Redis transport, closing
+    its channel, restores unacked deliveries through a connection already torn down, or a publish
+    meets "Redis is loading the dataset in memory"). The node must then exit with a non-zero
+    status, so that its supervisor starts it again; this test is that supervisor.
     """
     replacement = None
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if replacement is None and node.process.poll() is not None:
+            assert node.process.returncode != 0, f"exited 0, not restarted:\n{node.log()}"
             replacement = start_node(cluster)
         if replacement is not None:
             assert replacement.process.poll() is None, replacement.log()
@@ -126,7 +123,7 @@ def finish_after_restart(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_10000_line_batch_survives_a_node_kill_and_a_redis_restart(
+def test_a_large_batch_survives_a_node_kill_and_a_redis_restart(
     cluster_factory: Callable[..., Cluster], private_redis: PrivateRedis, tmp_path: Path
 ) -> None:
     cluster = cluster_factory(KILN_REDIS_URL=private_redis.url, **BATCH_SETTINGS)
@@ -176,6 +173,5 @@ def test_a_10000_line_batch_survives_a_node_kill_and_a_redis_restart(
     finished = succeeded_transitions(cluster, job_ids)
     assert set(finished) == set(job_ids)
     assert max(finished.values()) == 1  # no job finished twice
-    print(f"\n{LINES} lines through a kill -9 and a Redis restart in {elapsed:.1f} s")
-    if replacement is not None:
-        pytest.xfail(f"the surviving node exited after the Redis restart:\n{second.log()[-3000:]}")
+    restarted = "the survivor restarted by its supervisor" if replacement else "the survivor up"
+    print(f"\n{LINES} lines through a kill -9 and a Redis restart in {elapsed:.1f} s ({restarted})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -56,6 +57,19 @@ def test_out_of_range_fields_are_named(field: str, value: Any) -> None:
     named = error_fields({"prompt": "p", field: value})
     assert named
     assert all(name.split(".")[0] == field for name in named)
+
+
+NUMBER_FIELDS = ["width", "height", "num_frames", "fps", "steps", "guidance_scale", "seed",
+                 "num_outputs", "start_by", "max_run_seconds"]
+
+
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+@pytest.mark.parametrize("value", [True, False, "64"])
+def test_numbers_are_not_booleans_or_strings(field: str, value: Any) -> None:
+    # pydantic's lax mode would take JSON true as 1 and "64" as 64: a client bug passed as valid
+    with pytest.raises(ValidationError) as caught:
+        JobRequest.model_validate_json(json.dumps({"prompt": "p", field: value}))
+    assert caught.value.errors()[0]["loc"] == (field,)
 
 
 def test_formats_follow_frames() -> None:
