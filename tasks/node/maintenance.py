@@ -55,12 +55,16 @@ def renew_leases(node: Node) -> None:
             tracked.stop_reason = JobStopReason.LEASE_LOST
 
 
+def heartbeat_ttl(node: Node) -> float:
+    """How long a heartbeat (and the list of held messages) stays valid."""
+    return max(3.0 * node.settings.heartbeat_interval_s, HEARTBEAT_TTL_MIN_S)
+
+
 def heartbeat(node: Node) -> None:
     """One heartbeat: leases first (they matter most), then the node's health record."""
     renew_leases(node)
-    ttl = max(3.0 * node.settings.heartbeat_interval_s, HEARTBEAT_TTL_MIN_S)
-    node.store.publish_node(node.node_id, node.health(), ttl)
-    node.store.record_held(node.node_id, node.held.job_ids(), ttl)
+    node.store.publish_node(node.node_id, node.health(), heartbeat_ttl(node))
+    node.held.write()
 
 
 def reap_expired(node: Node) -> int:
@@ -154,6 +158,10 @@ class Maintenance:
     def start(self) -> None:
         """Send one heartbeat now, then start the five loops (daemon threads; `stop` joins them)."""
         settings = self.node.settings
+        node = self.node
+        node.held.publish_with(
+            lambda job_ids: node.store.record_held(node.node_id, job_ids, heartbeat_ttl(node))
+        )
         loops: list[tuple[str, float, Callable[[], object]]] = [
             ("heartbeat", settings.heartbeat_interval_s, lambda: heartbeat(self.node)),
             ("reaper", settings.reaper_interval_s, lambda: reap_expired(self.node)),
@@ -166,7 +174,6 @@ class Maintenance:
             loops.append(("controls", CONTROL_POLL_S, poll))
             restarts = functools.partial(republish_after_restart, self.node, self.controls.queues)
             loops.append(("restarts", settings.reaper_interval_s, restarts))
-        node = self.node
         feeder = BatchFeeder(
             node.store, node.objects, node.submitter, settings, node.node_id, node.celery_app
         )

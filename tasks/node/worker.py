@@ -189,11 +189,18 @@ def _run_worker(
         if node is not None:
             node.shutdown()
             node.metrics.stop()
+    _fail_unless_asked(asked_to_stop)
+
+
+def _fail_unless_asked(asked_to_stop: threading.Event) -> None:
+    """Exit 1 if Celery stopped on its own rather than on a signal or an operator's drain.
+
+    An "Unrecoverable error" (kombu's Redis transport can hit one when Redis restarts under load)
+    returns from `worker_main` just as a SIGTERM does. A non-zero status makes the supervisor
+    (compose: `restart: unless-stopped`) start the node again; meanwhile the other nodes take its
+    leases and held messages.
+    """
     if not asked_to_stop.is_set():
-        # Celery stopped on its own: an "Unrecoverable error" (kombu's Redis transport can hit
-        # one when Redis restarts under load), yet `worker_main` returns as after a SIGTERM. A
-        # non-zero status makes the supervisor (compose: `restart: unless-stopped`) start the
-        # node again; its held messages and leases are picked up by the other nodes meanwhile.
         log.error("the Celery worker stopped without being asked to; exiting with status 1")
         raise SystemExit(1)
 
