@@ -7,6 +7,7 @@ the change; the retry answers the new batch (201).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 import anyio.to_thread
@@ -14,9 +15,12 @@ from fastapi import Query
 from fastapi.responses import JSONResponse
 
 from kiln.storage.batch_records import BatchConflict
+from kiln.storage.batch_store import FedBatch
+from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.batch_deps import CONTROL_ERRORS, Batches, BatchId, conflict, visible_batch
 from kiln.tasks.api.deps import Caller, api_router, field_error
 from kiln.tasks.batches.retry import NothingToRetry
+from kiln.tasks.batches.service import BatchService
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import BATCHES_PATH, BatchView, RetryInclude
 
@@ -29,11 +33,7 @@ ONE_BATCH = BATCHES_PATH + "/{batch_id}"
 )
 def cancel_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchView:
     """Stop feeding; queued jobs are canceled, running ones at their next step."""
-    visible_batch(service, caller, batch_id)
-    try:
-        return batch_view(service.cancel(batch_id))
-    except BatchConflict as exc:
-        raise conflict(exc) from exc
+    return _change(service, caller, batch_id, service.cancel)
 
 
 @router.post(
@@ -41,11 +41,7 @@ def cancel_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchVi
 )
 def pause_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchView:
     """Feed nothing new: the batch's queued and running jobs go on; its window drains."""
-    visible_batch(service, caller, batch_id)
-    try:
-        return batch_view(service.pause(batch_id))
-    except BatchConflict as exc:
-        raise conflict(exc) from exc
+    return _change(service, caller, batch_id, service.pause)
 
 
 @router.post(
@@ -53,9 +49,16 @@ def pause_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchVie
 )
 def resume_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchView:
     """Feed a paused batch again."""
+    return _change(service, caller, batch_id, service.resume)
+
+
+def _change(
+    service: BatchService, caller: Principal, batch_id: str, change: Callable[[str], FedBatch]
+) -> BatchView:
+    """Apply `change` to a batch the caller may see; 409 naming the state it cannot leave."""
     visible_batch(service, caller, batch_id)
     try:
-        return batch_view(service.resume(batch_id))
+        return batch_view(change(batch_id))
     except BatchConflict as exc:
         raise conflict(exc) from exc
 

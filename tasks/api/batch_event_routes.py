@@ -16,12 +16,11 @@ from collections.abc import AsyncIterator
 
 import anyio
 import anyio.to_thread
-from fastapi import HTTPException
 
 from kiln.storage.errors import BatchNotFound
 from kiln.tasks.api.batch_deps import Batches, BatchId, visible_batch
 from kiln.tasks.api.deps import Caller, Ctx, api_router, json_error_docs
-from kiln.tasks.api.event_routes import EventStreamResponse
+from kiln.tasks.api.event_routes import EventStreamResponse, event_stream_response, stream_slot
 from kiln.tasks.batches.service import BatchService
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import BATCHES_PATH, BatchEvent, BatchView, batch_event_of
@@ -109,12 +108,7 @@ def batch_events(
 ) -> EventStreamResponse:
     """The batch's progress and end as server-sent events."""
     visible_batch(service, caller, batch_id)
-    release = ctx.sse_slots.acquire(caller.key_id or "-")
-    if release is None:
-        retry_after = str(ctx.settings.sse_busy_retry_after_s)
-        raise HTTPException(
-            429, "too many open event streams; retry later", headers={"Retry-After": retry_after}
-        )
+    release = stream_slot(ctx, caller)
     stream = BatchEventStream(
         service,
         batch_id,
@@ -122,8 +116,4 @@ def batch_events(
         keepalive_s=ctx.settings.sse_keepalive_s,
         limiter=ctx.sse_limiter,
     )
-    response = EventStreamResponse(
-        stream.frames(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
-    response.on_close = release
-    return response
+    return event_stream_response(stream.frames(), release)

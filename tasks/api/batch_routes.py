@@ -25,6 +25,7 @@ from kiln.tasks.api.batch_uploads import UPLOAD_BODY_SCHEMA, is_json_body, submi
 from kiln.tasks.api.body_limit import too_large_detail
 from kiln.tasks.api.deps import Caller, Ctx, api_router, error_docs, field_error, json_error_docs
 from kiln.tasks.api.errors import safe_json_response
+from kiln.tasks.batches.intake import BatchIntake, IntakeReport
 from kiln.tasks.batches.service import new_batch_id, refusal_body
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import (
@@ -102,28 +103,35 @@ async def submit_batch(
     batch_id = new_batch_id()
     intake = await anyio.to_thread.run_sync(service.new_intake, batch_id, options)
     limit = service.settings.max_batch_bytes
-    size, pending = 0, bytearray()
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                await anyio.to_thread.run_sync(intake.abort)
-                return JSONResponse({"detail": too_large_detail(limit)}, status_code=413)
-            pending += chunk
-            if len(pending) >= FEED_BYTES:
-                data, pending = bytes(pending), bytearray()
-                await anyio.to_thread.run_sync(intake.feed, data)
-        await anyio.to_thread.run_sync(intake.feed, bytes(pending))
-        report = await anyio.to_thread.run_sync(intake.finish)
-    except BaseException:  # a client gone mid-upload included: drop what was written
-        intake.abort()
-        raise
+    report = await _take_body(request, intake, limit)
+    if report is None:
+        return JSONResponse({"detail": too_large_detail(limit)}, status_code=413)
     if report.refused:
         await anyio.to_thread.run_sync(intake.abort)
         return safe_json_response(refusal_body(report), 422, _REFUSED_422)
     batch = await anyio.to_thread.run_sync(service.accept, batch_id, report, options)
     view = batch_view(batch)
     return JSONResponse(view.model_dump(mode="json"), status_code=201)
+
+
+async def _take_body(request: Request, intake: BatchIntake, limit: int) -> IntakeReport | None:
+    """Feed the body to `intake` in `FEED_BYTES` chunks; None (all dropped) past `limit` bytes."""
+    size, pending = 0, bytearray()
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                await anyio.to_thread.run_sync(intake.abort)
+                return None
+            pending += chunk
+            if len(pending) >= FEED_BYTES:
+                data, pending = bytes(pending), bytearray()
+                await anyio.to_thread.run_sync(intake.feed, data)
+        await anyio.to_thread.run_sync(intake.feed, bytes(pending))
+        return await anyio.to_thread.run_sync(intake.finish)
+    except BaseException:  # a client gone mid-upload included: drop what was written
+        intake.abort()
+        raise
 
 
 @router.get(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import Header, HTTPException, Query
@@ -31,6 +31,28 @@ class EventStreamResponse(StreamingResponse):
         finally:
             if self.on_close is not None:
                 self.on_close()
+
+
+def stream_slot(ctx: Ctx, caller: Caller) -> Callable[[], None]:
+    """One more open event stream for the caller, as its release; 429 past the caps."""
+    release = ctx.sse_slots.acquire(caller.key_id or "-")
+    if release is None:
+        retry_after = str(ctx.settings.sse_busy_retry_after_s)
+        raise HTTPException(
+            429, "too many open event streams; retry later", headers={"Retry-After": retry_after}
+        )
+    return release
+
+
+def event_stream_response(
+    frames: AsyncIterator[str], release: Callable[[], None]
+) -> EventStreamResponse:
+    """The SSE response of `frames`: unbuffered by proxies; the slot is released at its end."""
+    response = EventStreamResponse(
+        frames, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    response.on_close = release
+    return response
 
 
 EVENTS_DOC: dict[int | str, dict[str, Any]] = {
@@ -64,12 +86,7 @@ def job_events(
     """The job's events as server-sent events, from the start or after a seq."""
     visible_job(ctx, caller, job_id)
     start = last_event_id if last_event_id is not None else (after or 0)
-    release = ctx.sse_slots.acquire(caller.key_id or "-")
-    if release is None:
-        retry_after = str(ctx.settings.sse_busy_retry_after_s)
-        raise HTTPException(
-            429, "too many open event streams; retry later", headers={"Retry-After": retry_after}
-        )
+    release = stream_slot(ctx, caller)
     stream = EventStream(
         ctx.store,
         job_id,
@@ -78,8 +95,4 @@ def job_events(
         keepalive_s=ctx.settings.sse_keepalive_s,
         limiter=ctx.sse_limiter,
     )
-    response = EventStreamResponse(
-        stream.frames(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
-    response.on_close = release
-    return response
+    return event_stream_response(stream.frames(), release)

@@ -26,6 +26,7 @@ from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, node_queues
 
 if TYPE_CHECKING:  # the node's modules load torch; a webhooks-only worker never imports them
+    from kiln.gpu_worker.config import GroupConfig
     from kiln.gpu_worker.settings import GpuWorkerSettings
     from kiln.tasks.node.maintenance import Maintenance
     from kiln.tasks.node.node import Node
@@ -215,8 +216,6 @@ def _start_node(
     if not options.pipelines:
         return None, None
     # Imported here: a webhooks-only worker never loads torch.
-    from kiln.gpu_worker.config import GroupConfig
-    from kiln.gpu_worker.parallel import ParallelSpec
     from kiln.tasks.node.compile_store import fetch_compile_cache, publish_compile_cache
     from kiln.tasks.node.controls import CeleryConsumers, NodeControls
     from kiln.tasks.node.held import track_held_deliveries
@@ -225,19 +224,7 @@ def _start_node(
     from kiln.tasks.node.node import Node
 
     gpu_settings = group_settings(options)
-    group = GroupConfig.from_settings(
-        gpu_settings,
-        devices=split_devices(options.devices),
-        pipelines=options.pipelines,
-        # `none` is refused on several ranks; on replica groups of one rank `auto` is `none`.
-        parallel=ParallelSpec(mode=_whole_node_parallel(options)),  # type: ignore[arg-type]
-        max_batch=options.max_batch,
-        batch_window_s=options.batch_window_ms / 1000.0,
-        deadline_grace_s=settings.deadline_grace_s,
-        node_name=options.node_id or "node",
-        log_format=settings.log_format,
-        log_level=options.loglevel,
-    )
+    group = _group_config(options, settings, gpu_settings)
     node = Node(
         group,
         settings,
@@ -261,6 +248,28 @@ def _start_node(
     _hand_back_after_grace_on_shutdown(node, settings.drain_grace_s)
     log.info("node %s serving %s on %s", node.node_id, sorted(options.pipelines), options.devices)
     return node, maintenance
+
+
+def _group_config(
+    options: WorkerOptions, settings: KilnSettings, gpu_settings: GpuWorkerSettings
+) -> GroupConfig:
+    """The node's worker group as the options and settings describe it."""
+    from kiln.gpu_worker.config import GroupConfig
+    from kiln.gpu_worker.parallel import ParallelSpec
+
+    return GroupConfig.from_settings(
+        gpu_settings,
+        devices=split_devices(options.devices),
+        pipelines=options.pipelines,
+        # `none` is refused on several ranks; on replica groups of one rank `auto` is `none`.
+        parallel=ParallelSpec(mode=_whole_node_parallel(options)),  # type: ignore[arg-type]
+        max_batch=options.max_batch,
+        batch_window_s=options.batch_window_ms / 1000.0,
+        deadline_grace_s=settings.deadline_grace_s,
+        node_name=options.node_id or "node",
+        log_format=settings.log_format,
+        log_level=options.loglevel,
+    )
 
 
 def group_settings(options: WorkerOptions) -> GpuWorkerSettings:
