@@ -70,15 +70,20 @@ class QueueOps(StoreBase):
         return ids
 
     @redis_boundary
-    def server_changed(self, queue: str) -> bool:
-        """Whether Redis restarted since a consumer of `queue` last asked (true once per restart).
+    def server_run_id(self) -> str:
+        """The running Redis server's run_id (a new one on each start)."""
+        return str(self.redis.info("server")["run_id"])
 
-        A message a consumer was taking from Redis as it went down is gone (kombu's Redis
-        transport removes it from the queue before recording it as unacknowledged), while its
-        job stays `queued`: the caller publishes the queue's jobs again.
+    @redis_boundary
+    def server_changed(self, queue: str, run_id: str) -> bool:
+        """Whether Redis (now `run_id`) restarted since a consumer of `queue` last asked.
+
+        True once per restart. A message a consumer was taking from Redis as it went down is
+        gone (kombu's Redis transport removes it from the queue before recording it as
+        unacknowledged), while its job stays `queued`: the caller publishes the queue's jobs
+        again.
         """
         _check_queue(queue)
-        run_id = str(self.redis.info("server")["run_id"])
         key = self.keys.queue_server(queue)
         if self.redis.get(key) == run_id:
             return False

@@ -74,7 +74,7 @@ def resolve_upload(objects: ObjectStore, key_id: str | None, upload_ref: str) ->
     Whether the object exists is `checked_upload`'s question.
     """
     upload_id = upload_ref.removeprefix(UPLOAD_REF_PREFIX)
-    return upload_key(getattr(objects, "prefix", ""), key_id, upload_id)
+    return upload_key(objects.prefix, key_id, upload_id)
 
 
 def checked_upload(

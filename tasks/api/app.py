@@ -62,12 +62,18 @@ def create_app(
         responses={400: {"description": "Malformed or oversized request line or headers."}},
     )
     app.state.kiln = ctx
-    for routes in (job_routes, event_routes, system_routes, pipeline_routes, batch_routes):
+    for routes in (
+        job_routes,
+        event_routes,
+        system_routes,
+        pipeline_routes,
+        batch_routes,
+        batch_control_routes,
+        batch_event_routes,
+        admin_routes,
+        upload_routes,
+    ):
         app.include_router(routes)
-    app.include_router(batch_control_routes)
-    app.include_router(batch_event_routes)
-    app.include_router(admin_routes)
-    app.include_router(upload_routes)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StorageUnavailable, storage_unavailable)
     app.add_exception_handler(IdempotencyConflict, idempotency_conflict)

@@ -46,6 +46,9 @@ class LineChecks:
         if violation is not None:
             loc = (violation.field,) if violation.field else ()
             return [_error(loc, violation.message, LIMIT_ERROR)]
+        bad = self.submitter.bad_inputs(request)
+        if bad is not None:
+            return [_error(bad.loc(), bad.message, bad.kind)]
         if request.webhook is not None:
             problem = self._webhook_problem(request.webhook.url)
             if problem is not None:

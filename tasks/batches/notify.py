@@ -52,13 +52,15 @@ class BatchNotifier:
         """Queue a `batch.progress` webhook if asked for, due, and lines finished since the last."""
         if batch.final or not _asks(batch, "progress"):
             return
+        sent_at, sent_done = self._last.get(batch.id, (float("-inf"), 0))
+        now = time.monotonic()
+        if now - sent_at < self.settings.batch_progress_interval_s:
+            return  # checked before the view is built: most visits stop here
         view = batch_view(batch)
         done = finished_lines(view)
-        sent_at, sent_done = self._last.get(batch.id, (float("-inf"), 0))
-        interval = self.settings.batch_progress_interval_s
-        if done == sent_done or time.monotonic() - sent_at < interval:
+        if done == sent_done:
             return
-        self._last[batch.id] = (time.monotonic(), done)
+        self._last[batch.id] = (now, done)
         self._queue(batch, BatchEvent.progress, view)
 
     def finished(self, batch: FedBatch) -> None:

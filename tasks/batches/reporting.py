@@ -48,11 +48,11 @@ class ResultWriter:
 
     def report(self, batch: FedBatch, lease: Lease) -> None:
         """Write the lines of the batch's finished open jobs as one part (when a flush is due)."""
-        open_items = self.feeding.open_items(batch.id)
-        if not open_items:
-            return
         due = time.monotonic() - self._flushed_at.get(batch.id, 0.0)
         if batch.status in ("running", "paused") and due < self.settings.batch_results_flush_s:
+            return  # before reading the open set: most visits stop here
+        open_items = self.feeding.open_items(batch.id)
+        if not open_items:
             return
         states = self.feeding.job_states([job_id for job_id, _ in open_items])
         done = [

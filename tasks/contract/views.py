@@ -138,7 +138,7 @@ def job_view(
     says so in `waiting_for` (it waits in its queue until such a node starts). `estimate`: the
     queued job's position and expected start (tasks.queue.positions).
     """
-    queued = record.state == JobState.QUEUED and estimate is not None
+    queued = estimate if record.state == JobState.QUEUED else None
     return JobView(
         id=record.id,
         status=record.state,
@@ -155,8 +155,8 @@ def job_view(
         batch_id=record.batch_id,
         metadata=dict(record.metadata),
         waiting_for=_waiting_for(record, served),
-        queue_position=estimate.position if queued and estimate else None,
-        estimated_start_s=estimate.estimated_start_s if queued and estimate else None,
+        queue_position=queued.position if queued else None,
+        estimated_start_s=queued.estimated_start_s if queued else None,
     )
 
 

@@ -1,6 +1,6 @@
 """Operator controls on one node (docs/operations.md §10): queue pauses and its drain request.
 
-The maintenance loop polls both from Redis (`apply_controls`, every `CONTROL_POLL_S`) and applies
+The maintenance loop polls both from Redis (`NodeControls.poll`, every `CONTROL_POLL_S`) and applies
 them to this node's own Celery worker through Celery's remote control, `cancel_consumer` and
 `add_consumer` addressed to the worker's node name: a paused queue is no longer consumed, a
 resumed one is again; a draining node consumes nothing. A message fetched before the change
@@ -179,7 +179,3 @@ class NodeControls:
         log.info("node %s: drained; exiting", self.node.node_id)
         self.on_exit()
 
-
-def apply_controls(controls: NodeControls) -> None:
-    """One poll of the operator controls (the maintenance loop's step)."""
-    controls.poll()

@@ -60,11 +60,6 @@ class HeldDeliveries:
         with self._lock:
             self._write_locked()
 
-    def job_ids(self) -> list[str]:
-        """The jobs whose messages are held now (sorted, each once)."""
-        with self._lock:
-            return sorted(set(self._jobs.values()))
-
     def _write_locked(self) -> None:
         if self._publish is None:
             return

@@ -24,10 +24,10 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kiln.storage.errors import JobNotFound, StorageError
+from kiln.storage.errors import StorageError
 from kiln.storage.status import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
-from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls, apply_controls
+from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls
 from kiln.tasks.node.node import JobStopReason, Node
 
 log = logging.getLogger(__name__)
@@ -96,20 +96,19 @@ def sweep_unpublished(node: Node) -> int:
     Those whose publish was never confirmed, and those whose message a dead node held
     (tasks/node/held.py): still queued, they would wait for the broker's visibility timeout.
     """
-    job_ids = node.store.unpublished_jobs(node.settings.sweeper_age_s)
-    for job_id in job_ids:
-        node.submitter.publish(node.store.get(job_id))
-    orphaned = 0
-    for job_id in node.store.claim_lapsed_held():
-        try:
-            record = node.store.get(job_id)
-        except JobNotFound:  # expired away since
-            continue
-        if record.state == JobState.QUEUED:
-            node.submitter.publish(record)
-            orphaned += 1
-            log.info("job %s: its message was held by a node that died; published again", job_id)
-    return len(job_ids) + orphaned
+    unconfirmed = publish_queued(node, node.store.unpublished_jobs(node.settings.sweeper_age_s))
+    orphaned = publish_queued(node, node.store.claim_lapsed_held())
+    if orphaned:
+        log.info("%d job(s) whose message a dead node held: published again", orphaned)
+    return unconfirmed + orphaned
+
+
+def publish_queued(node: Node, job_ids: list[str]) -> int:
+    """Publish again those of `job_ids` still queued (one read for all); returns how many."""
+    queued = [r for r in node.store.get_many(job_ids) if r and r.state == JobState.QUEUED]
+    for record in queued:
+        node.submitter.publish(record)
+    return len(queued)
 
 
 def republish_after_restart(node: Node, queues: list[str]) -> int:
@@ -121,17 +120,11 @@ def republish_after_restart(node: Node, queues: list[str]) -> int:
     published again. A duplicate message is harmless (the lease and the state run a job once).
     """
     published = 0
+    run_id = node.store.server_run_id()
     for queue in queues:
-        if not node.store.server_changed(queue):
+        if not node.store.server_changed(queue, run_id):
             continue
-        for job_id in node.store.queued_ids(queue, RESTART_REPUBLISH_LIMIT):
-            try:
-                record = node.store.get(job_id)
-            except JobNotFound:
-                continue
-            if record.state == JobState.QUEUED:
-                node.submitter.publish(record)
-                published += 1
+        published += publish_queued(node, node.store.queued_ids(queue, RESTART_REPUBLISH_LIMIT))
         log.warning("Redis restarted: the queued jobs of %s published again", queue)
     return published
 
@@ -170,8 +163,7 @@ class Maintenance:
             ("cancels", CANCEL_POLL_S, lambda: watch_cancels(self.node)),
         ]
         if self.controls is not None:
-            poll = functools.partial(apply_controls, self.controls)
-            loops.append(("controls", CONTROL_POLL_S, poll))
+            loops.append(("controls", CONTROL_POLL_S, self.controls.poll))
             restarts = functools.partial(republish_after_restart, self.node, self.controls.queues)
             loops.append(("restarts", settings.reaper_interval_s, restarts))
         feeder = BatchFeeder(

@@ -26,7 +26,7 @@ def queue_name(lane: str, pipeline: str) -> str:
 
 def node_queues(lanes: Sequence[str], pipelines: Sequence[str]) -> list[str]:
     """Every queue a node serving these pipelines consumes, interactive lanes before bulk."""
-    ordered = sorted(lanes, key=lambda lane: LANES.index(lane) if lane in LANES else len(LANES))
+    ordered = sorted(lanes, key=_lane_rank)  # a bare lane name ranks as its queue would
     return [queue_name(lane, pipeline) for lane in ordered for pipeline in pipelines]
 
 

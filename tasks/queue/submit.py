@@ -78,8 +78,8 @@ def celery_publisher(app: Any) -> Publish:
 
 
 def job_queue(record: JobRecord) -> str:
-    """The queue a job's record belongs on."""
-    return queue_name(record.lane, str(record.request.get("pipeline", "default")))
+    """The queue a job's record belongs on (as stored; derived for records that predate it)."""
+    return record.queue or queue_name(record.lane, str(record.request.get("pipeline", "default")))
 
 
 def new_job_id() -> str:

@@ -24,7 +24,7 @@ from celery import Celery, shared_task
 from kiln.tasks.contract.backoff import scheduled_delay
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
-from kiln.tasks.webhooks.delivery import send
+from kiln.tasks.webhooks.delivery import hop_seconds, send
 from kiln.tasks.webhooks.message import signed_headers
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def _worker_settings() -> KilnSettings:
 
 def run_batch_delivery(app: Celery, settings: KilnSettings, delivery: BatchDelivery) -> None:
     """Wait out `not_before` in hops (half the visibility timeout), else attempt once."""
-    hop = max(1.0, settings.visibility_timeout_s / 2)
+    hop = hop_seconds(settings)
     wait = (delivery.not_before or 0.0) - time.time()
     if wait > 0.05:
         publish_batch_delivery(app, delivery, countdown=min(wait, hop))

@@ -241,3 +241,8 @@ def _record(
         "next_attempt_at": following.not_before if following else None,
     }
     store.record_webhook_attempt(delivery.job_id, attempt)
+
+
+def hop_seconds(settings: KilnSettings) -> float:
+    """Longest countdown one message may carry (half the visibility timeout)."""
+    return max(1.0, settings.visibility_timeout_s / 2)

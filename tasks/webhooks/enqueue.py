@@ -28,7 +28,13 @@ from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
 
 # imported for its Celery task: the webhook worker's app includes this module only
 from kiln.tasks.webhooks import batch_hooks  # noqa: F401
-from kiln.tasks.webhooks.delivery import Delivery, WebhookDeps, deliver_once, event_from_kwargs
+from kiln.tasks.webhooks.delivery import (
+    Delivery,
+    WebhookDeps,
+    deliver_once,
+    event_from_kwargs,
+    hop_seconds,
+)
 from kiln.tasks.webhooks.message import find_event
 
 log = logging.getLogger(__name__)
@@ -156,11 +162,6 @@ def _worker_deps() -> WebhookDeps:
         store=JobStore.from_settings(storage_settings),
         objects=open_object_store(storage_settings),
     )
-
-
-def hop_seconds(settings: KilnSettings) -> float:
-    """Longest countdown one message may carry (half the visibility timeout)."""
-    return max(1.0, settings.visibility_timeout_s / 2)
 
 
 def run_delivery(app: Celery, deps: WebhookDeps, delivery: Delivery) -> None:

@@ -26,10 +26,13 @@ def restartable(tmp_path: Path) -> Iterator[tuple[PrivateRedis, JobStore]]:
 
 def test_each_queue_sees_a_restart_once(restartable: tuple[PrivateRedis, JobStore]) -> None:
     server, store = restartable
-    assert not store.server_changed("bulk.tiny")  # first sight: nothing to compare with
-    assert not store.server_changed("bulk.tiny")
+    first = store.server_run_id()
+    assert not store.server_changed("bulk.tiny", first)  # first sight: nothing to compare with
+    assert not store.server_changed("bulk.tiny", first)
     server.restart(down_s=0.1)
     store.redis.connection_pool.disconnect()
-    assert store.server_changed("bulk.tiny")
-    assert not store.server_changed("bulk.tiny")  # a second node serving it: already handled
-    assert not store.server_changed("interactive.tiny")  # never seen before the restart
+    second = store.server_run_id()
+    assert second != first
+    assert store.server_changed("bulk.tiny", second)
+    assert not store.server_changed("bulk.tiny", second)  # a second node serving it: handled
+    assert not store.server_changed("interactive.tiny", second)  # never seen before

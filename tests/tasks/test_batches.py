@@ -25,6 +25,7 @@ from kiln.tasks.client import KilnClient, ValidationFailed
 from kiln.tasks.contract.batches import BatchResult, BatchSummary
 from kiln.tasks.queue.submit import Submitter
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success, finish_with_success, start_job
+from tests.tasks.test_inputs import announce
 
 LINE = {"prompt": "a kiln at dusk", "width": 64, "height": 64, "steps": 2}
 
@@ -424,3 +425,14 @@ def test_the_end_of_the_completion_window_expires_what_has_not_started(api: Api)
     assert (done["counts"]["succeeded"], done["counts"]["expired"]) == (1, 5)
     statuses = sorted(line["status"] for line in results(api, batch_id)[:-1])
     assert statuses == ["expired"] * 5 + ["succeeded"]
+
+
+def test_a_line_whose_inputs_no_node_takes_is_refused_as_post_jobs_would(api: Api) -> None:
+    announce(api)  # a node serving `tiny` with its input schema
+    body = jsonl([{**LINE, "custom_id": "ok", "pipeline": "tiny"},
+                  {**LINE, "custom_id": "odd", "pipeline": "tiny", "inputs": {"clip_skipp": 1}}])
+    refused = post_batch(api, body)
+    assert refused.status_code == 422, refused.text
+    (error,) = refused.json()["detail"][1:]
+    assert (error["line"], error["type"]) == (2, "unknown_input")
+    assert error["loc"] == ["body", "line", 2, "inputs", "clip_skipp"]
