@@ -20,7 +20,6 @@ from typing import Any
 from celery import signals
 
 from kiln.storage.errors import StorageError
-from kiln.tasks.queue.app import RUN_JOB_TASK
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +68,31 @@ class HeldDeliveries:
             log.warning("held deliveries not recorded (%s)", exc)
 
 
-def track_held_deliveries(held: HeldDeliveries) -> None:
-    """Keep `held` up to date from this worker process's Celery signals."""
+def held_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+    """Celery's default task strategy, with each message listed as held before it is handled.
 
-    def on_received(request: Any, **_: Any) -> None:
-        if request.name == RUN_JOB_TASK and request.args:
-            held.received(request.id, str(request.args[0]))
+    The `run_job` task names this as its `Strategy`: the message is listed the moment the worker
+    has it, before Celery logs and signals its receipt (a node killed in between would otherwise
+    leave the message to the visibility timeout). `task.kiln_held` is the node's list.
+    """
+    from celery.worker.strategy import default
+
+    handle = default(task, app, consumer, **kwargs)
+    held: HeldDeliveries = task.kiln_held
+
+    def on_message(message: Any, body: Any, *args: Any, **more: Any) -> Any:
+        try:
+            job_args = message.decode()[0] if body is None else body[0]
+            held.received(str(message.headers["id"]), str(job_args[0]))
+        except (KeyError, IndexError, TypeError, ValueError):
+            log.warning("held deliveries: a run_job message without a job id")
+        return handle(message, body, *args, **more)
+
+    return on_message
+
+
+def track_held_deliveries(held: HeldDeliveries) -> None:
+    """Drop finished messages from `held` (this worker process's Celery signals)."""
 
     def on_postrun(task_id: str, **_: Any) -> None:
         held.finished(task_id)
@@ -84,7 +102,6 @@ def track_held_deliveries(held: HeldDeliveries) -> None:
             held.finished(request.id)
 
     # weak=False: the receivers are closures that nothing else keeps alive
-    signals.task_received.connect(on_received, weak=False)
     signals.task_postrun.connect(on_postrun, weak=False)
     signals.task_revoked.connect(on_dropped, weak=False)
     signals.task_rejected.connect(on_dropped, weak=False)

@@ -386,6 +386,9 @@ def register_run_job(app: Celery, node: Node) -> None:
         acks_on_failure=True,
         reject_on_worker_lost=True,
         throws=(JobFailedError,),  # a failed job is not an error of the worker: logged at INFO
+        # each message is listed as held the moment the worker has it (tasks/node/held.py)
+        Strategy="kiln.tasks.node.held:held_strategy",
+        kiln_held=node.held,
     )
     def run_job(self: Any, job_id: str) -> str:
         """One delivery of `job_id`; its Celery state says what it did (node/outcomes.py)."""
