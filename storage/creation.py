@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 from kiln.storage.base import StoreBase, dumps
 from kiln.storage.boundary import redis_boundary, translate
-from kiln.storage.errors import BatchNotFound, IdempotencyConflict
+from kiln.storage.errors import BatchNotFound, IdempotencyConflict, StorageError
+from kiln.storage.queues import QueueSnapshot, snapshot_call, snapshot_from
 from kiln.storage.records import JobRecord, NewJob
+from kiln.storage.scripts import ScriptName, source
 from kiln.storage.states import JobState
 
 # jobs per pipelined round trip in create_jobs: large enough to amortise the round trip
@@ -21,10 +26,36 @@ DEFAULT_CHUNK = 1000
 _JOBS_PER_SCRIPT = 100
 
 
+class QueueFull(StorageError):
+    """As many jobs are queued in all as `max_depth` allows; nothing was written."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__(f"{depth} jobs are queued, the most allowed")
+        self.depth = depth
+
+
 def request_fingerprint(request: dict[str, Any]) -> str:
     """sha256 of the request's canonical JSON (used when NewJob.fingerprint is not given)."""
     canonical = json.dumps(request, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The queues a snapshot of a queued job's place reads, as `queue_snapshot` takes them."""
+
+    queue: str
+    other: str | None  # the other lane's queue, whose size counts
+    rate_queues: Sequence[str]  # the queues whose completions make the rate
+
+
+def _cap(limit: int | None) -> int | str:
+    return "" if limit is None else limit
+
+
+@functools.cache
+def _sha(name: ScriptName) -> str:
+    return hashlib.sha1(source(name).encode()).hexdigest()  # how Redis names a script
 
 
 class CreationOps(StoreBase):
@@ -86,19 +117,104 @@ class CreationOps(StoreBase):
         ]
 
     @redis_boundary
-    def create_job(self, new: NewJob, max_queued: int | None = None) -> tuple[JobRecord, bool]:
+    def create_job(
+        self,
+        new: NewJob,
+        max_queued: int | None = None,
+        *,
+        max_depth: int | None = None,
+        message: tuple[str, str] | None = None,
+    ) -> tuple[JobRecord, bool]:
         """Write a `queued` record (event 1, indexes, counters); returns (record, created).
 
         With an idempotency key already bound to the same fingerprint, or an id that exists,
         the existing record comes back with created=False; another fingerprint raises
         IdempotencyConflict. BatchNotFound if `batch_id` names no batch. QuotaExceeded if the
-        job has an owner with `max_queued` queued jobs already (checked in the same step).
+        job has an owner with `max_queued` queued jobs already, QueueFull if `max_depth` jobs
+        are queued in all (both checked in the same step). `message`: (Redis list, payload)
+        of the job's broker message, pushed with the record when it is created, which is then
+        marked published.
         """
-        keys = self._shared_keys() + self._job_keys(new)
-        cap = "" if max_queued is None else max_queued
-        settings = [self.keys.job_prefix, self.settings.event_stream_maxlen, cap]
-        status, record = self._run("create", keys, [*self._create_fields(new), *settings])
+        keys, args = self.create_call(new, max_queued, max_depth, message)
+        return self.created(new, self._run("create", keys, args))
+
+    def create_call(
+        self,
+        new: NewJob,
+        max_queued: int | None = None,
+        max_depth: int | None = None,
+        message: tuple[str, str] | None = None,
+    ) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV of create.lua for `create_job`'s arguments."""
+        list_key, payload = message or ("", "")
+        keys = [*self._shared_keys(), *self._job_keys(new), list_key]
+        settings = [
+            self.keys.job_prefix,
+            self.settings.event_stream_maxlen,
+            _cap(max_queued),
+            _cap(max_depth),
+            payload,
+        ]
+        return keys, [*self._create_fields(new), *settings]
+
+    def created(self, new: NewJob, reply: list[Any]) -> tuple[JobRecord, bool]:
+        """(record, created) from create.lua's reply; QueueFull for its refusal."""
+        status, record = reply
+        if status == "FULL":
+            raise QueueFull(int(record))
         return self._record(new.id, record), status == 1
+
+    @redis_boundary
+    def create_and_place(
+        self,
+        new: NewJob,
+        *,
+        max_queued: int | None = None,
+        max_depth: int | None = None,
+        message: tuple[str, str] | None = None,
+        place: Placement | None = None,
+    ) -> tuple[JobRecord, bool, QueueSnapshot | None]:
+        """`create_job`, and the created job's `queue_snapshot` of `place`: one round trip.
+
+        The snapshot is None without `place` or when no job was created (an idempotent hit is
+        another job: ask `queue_snapshot` about it).
+        """
+        keys, args = self.create_call(new, max_queued, max_depth, message)
+        calls: list[tuple[ScriptName, list[str], list[Any]]] = [("create", keys, args)]
+        if place is not None:
+            calls.append(
+                (
+                    "queue_snapshot",
+                    *snapshot_call(self.keys, new.id, place.queue, place.other, place.rate_queues),
+                )
+            )
+        replies = self._pipelined(calls)
+        record, created = self.created(new, replies[0])
+        if len(replies) < 2 or not created:
+            return record, created, None
+        return record, created, snapshot_from(replies[1])
+
+    def _pipelined(self, calls: list[tuple[ScriptName, list[str], list[Any]]]) -> list[Any]:
+        """Run scripts in one pipeline, by sha: a script Redis lost is loaded and run again.
+
+        (redis-py's pipelines check every script with SCRIPT EXISTS first: another round trip.)
+        """
+        for attempt in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            for name, keys, args in calls:
+                pipe.evalsha(_sha(name), len(keys), *keys, *args)
+            replies = pipe.execute(raise_on_error=False)
+            failure = next((r for r in replies if isinstance(r, Exception)), None)
+            if failure is None:
+                return list(replies)
+            lost = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            if not lost or attempt:
+                raise failure
+            for name, _keys, _args in calls:
+                self.redis.script_load(source(name))
+            if lost[0] > 0:  # the ones before it ran: run only the rest again
+                return [*replies[: lost[0]], *self._pipelined(calls[lost[0] :])]
+        raise AssertionError("unreachable")
 
     @redis_boundary
     def create_jobs(self, news: Iterable[NewJob], chunk_size: int = DEFAULT_CHUNK) -> None:

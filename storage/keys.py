@@ -250,7 +250,12 @@ class Keys:
 
     @property
     def held_deliveries(self) -> str:
-        """Hash: node id -> its heartbeat deadline (ms) and the job messages it holds; no TTL."""
+        """Hash: node id -> "deadline_ms/written_ms/incarnation job_id ..."; no TTL.
+
+        The node's heartbeat deadline, its last write and its process token, then the jobs whose
+        messages it holds; an earlier process's entry under the same id sits at `<id>~<token>`
+        until claimed (storage/lua/_held.lua).
+        """
         return f"{self.ns}:nodes:held"
 
     # --- API keys ------------------------------------------------------------------------------

@@ -38,8 +38,8 @@ def _os_errors(key: str) -> Iterator[None]:
         raise ObjectStoreError(f"local object store failed for {key!r}: {exc}") from exc
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    # readers see the old file or the new one, never a partial write
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`: readers see the old file or the new one, never a partial one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -95,8 +95,8 @@ class LocalObjectStore:
         }
         with _os_errors(key):
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomically(path, data)
-            _write_atomically(self._sidecar(path), json.dumps(sidecar).encode())
+            write_atomically(path, data)
+            write_atomically(self._sidecar(path), json.dumps(sidecar).encode())
         return stored
 
     def head(self, key: str) -> StoredObject | None:
@@ -124,6 +124,18 @@ class LocalObjectStore:
         with _os_errors(key):
             self._sidecar(path).unlink(missing_ok=True)
             path.unlink(missing_ok=True)
+
+    def list_keys(self, folder: str) -> Iterator[str]:
+        """Every complete object under `folder/` (its sidecar written), in key order."""
+        base = self._path(folder)
+        if not base.is_dir():
+            return
+        with _os_errors(folder):
+            sidecars = sorted(base.rglob("*" + _SIDECAR_SUFFIX))
+        for sidecar in sidecars:
+            path = sidecar.with_name(sidecar.name.removesuffix(_SIDECAR_SUFFIX))
+            if path.is_file():  # a sidecar whose object was deleted since does not count
+                yield path.relative_to(self.root).as_posix()
 
     def url(self, key: str, expires_s: int | None = None) -> str:
         """`file://` URL of the object (`expires_s` does not apply)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,6 +95,10 @@ class ObjectStore(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove `key` (no error if absent)."""
+        ...
+
+    def list_keys(self, folder: str) -> Iterator[str]:
+        """Every key under `folder/` (a key inside the prefix, as a folder), in key order."""
         ...
 
     def url(self, key: str, expires_s: int | None = None) -> str:

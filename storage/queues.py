@@ -14,7 +14,7 @@ from typing import Any
 
 from kiln.storage.base import StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.keys import valid_queue
+from kiln.storage.keys import Keys, valid_queue
 from kiln.storage.transitions import COMPLETION_WINDOW_S
 
 MAX_NODE_ID = 256
@@ -57,6 +57,33 @@ class DrainRequest:
 def _check_queue(queue: str) -> None:
     if not valid_queue(queue):
         raise ValueError(f"invalid queue name {queue!r}")
+
+
+def snapshot_call(
+    keys: Keys, job_id: str, queue: str, other: str | None, rate_queues: Sequence[str]
+) -> tuple[list[str], list[Any]]:
+    """The KEYS and ARGV of queue_snapshot.lua (also pipelined by CreationOps.create_and_place)."""
+    script_keys = [
+        keys.paused_queues,
+        keys.queue_index(queue),
+        keys.queue_index(other) if other else "",
+        *(keys.completions(q) for q in rate_queues),
+    ]
+    return script_keys, [job_id, queue, other or "", COMPLETION_WINDOW_S]
+
+
+def snapshot_from(reply: list[Any]) -> QueueSnapshot:
+    """queue_snapshot.lua's reply as a QueueSnapshot."""
+    rank, other_size, paused, other_paused, finished, earliest, now_ms = map(int, reply)
+    return QueueSnapshot(
+        rank=rank if rank >= 0 else None,
+        other_size=other_size,
+        paused=bool(paused),
+        other_paused=bool(other_paused),
+        finished=finished,
+        earliest_start=earliest / 1000.0 if earliest else None,
+        now=now_ms / 1000.0,
+    )
 
 
 class QueueOps(StoreBase):
@@ -111,25 +138,8 @@ class QueueOps(StoreBase):
             if name:
                 _check_queue(name)
         self._require_id(job_id)
-        k = self.keys
-        keys = [
-            k.paused_queues,
-            k.queue_index(queue),
-            k.queue_index(other) if other else "",
-            *(k.completions(q) for q in rate_queues),
-        ]
-        args = [job_id, queue, other or "", COMPLETION_WINDOW_S]
-        reply = self._run("queue_snapshot", keys, args)
-        rank, other_size, paused, other_paused, finished, earliest, now_ms = map(int, reply)
-        return QueueSnapshot(
-            rank=rank if rank >= 0 else None,
-            other_size=other_size,
-            paused=bool(paused),
-            other_paused=bool(other_paused),
-            finished=finished,
-            earliest_start=earliest / 1000.0 if earliest else None,
-            now=now_ms / 1000.0,
-        )
+        keys, args = snapshot_call(self.keys, job_id, queue, other, rate_queues)
+        return snapshot_from(self._run("queue_snapshot", keys, args))
 
     # --- pauses ----------------------------------------------------------------------------------
     @redis_boundary

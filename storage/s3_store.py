@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -171,6 +172,15 @@ class S3ObjectStore:
         check_key(self.prefix, key)
         with s3_errors(key):
             self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    def list_keys(self, folder: str) -> Iterator[str]:
+        """Every key under `folder/`, page by page (S3 lists keys in UTF-8 binary order)."""
+        check_key(self.prefix, folder)
+        pages = self.client.get_paginator("list_objects_v2")
+        with s3_errors(folder):
+            for page in pages.paginate(Bucket=self.bucket, Prefix=folder + "/"):
+                for entry in page.get("Contents", ()):
+                    yield entry["Key"]
 
     def url(self, key: str, expires_s: int | None = None) -> str:
         """A presigned GET URL valid for `expires_s` (default: the store's presign expiry)."""

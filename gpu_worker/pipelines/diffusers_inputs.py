@@ -26,20 +26,16 @@ only when the pipeline has a component (`ip_adapter_image` needs an image encode
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import logging
-import types
-import typing
-import warnings
-from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 from kiln.gpu_worker.inputs import FIELD_KEY, IMAGE_KEY, REQUEST_FIELDS, InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.pipelines.diffusers_schedulers import SCHEDULER_INPUT
 from kiln.gpu_worker.pipelines.image_pipelines import REQUIRED_IMAGES
+from kiln.gpu_worker.pipelines.signature_kinds import json_kind, json_scalar
 
-SCHEDULER_INPUT = "scheduler"
 SEED_MAX = (1 << 63) - 1
 MAX_TEXT = 4000  # the job schema's own longest prompt
 MIN_SIDE = 64  # the job schema's own smallest side
@@ -91,8 +87,6 @@ NEEDS_COMPONENT = {
     "guidance_scale_2": "transformer_2",
 }
 
-_TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string"}
-
 
 def derive_input_schema(
     pipe: Any,
@@ -104,29 +98,8 @@ def derive_input_schema(
     schedulers: list[str],
 ) -> InputSchema:
     """The JSON Schema of what `pipe` takes (see the module docstring for the rules)."""
-    properties: dict[str, Any] = {}
-    for name, parameter in parameters.items():
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        prop = _request_field(name, limits, is_video=is_video)
-        if prop is None and _allowed(pipe, name):
-            prop = _extra_input(pipe, name, parameter)
-        if prop is not None:
-            properties[name] = prop
-    properties["seed"] = {
-        "type": "integer",
-        "minimum": 0,
-        "maximum": SEED_MAX,
-        FIELD_KEY: "seed",
-        "description": "Seed of the first output; output i uses seed + i.",
-    }
-    if schedulers:
-        properties[SCHEDULER_INPUT] = {
-            "type": "string",
-            "enum": schedulers,
-            "default": schedulers[0],
-            "description": "The denoising scheduler, built from the pipeline's own config.",
-        }
+    properties = _call_properties(pipe, parameters, limits, is_video=is_video)
+    properties.update(_kiln_properties(schedulers))
     schema: InputSchema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": title,
@@ -139,6 +112,47 @@ def derive_input_schema(
     if required:  # an img2img, inpaint or image-to-video pipeline cannot run without them
         schema["required"] = required
     return schema
+
+
+def _call_properties(
+    pipe: Any,
+    parameters: Mapping[str, inspect.Parameter],
+    limits: DeclaredLimits,
+    *,
+    is_video: bool,
+) -> dict[str, Any]:
+    """The `__call__` parameters that become inputs: request fields first, else allowed extras."""
+    properties: dict[str, Any] = {}
+    for name, parameter in parameters.items():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        prop = _request_field(name, limits, is_video=is_video)
+        if prop is None and _allowed(pipe, name):
+            prop = _extra_input(pipe, name, parameter)
+        if prop is not None:
+            properties[name] = prop
+    return properties
+
+
+def _kiln_properties(schedulers: list[str]) -> dict[str, Any]:
+    """Inputs Kiln adds to every pipeline's: the seed, and the scheduler where there is a choice."""
+    properties: dict[str, Any] = {
+        "seed": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": SEED_MAX,
+            FIELD_KEY: "seed",
+            "description": "Seed of the first output; output i uses seed + i.",
+        }
+    }
+    if schedulers:
+        properties[SCHEDULER_INPUT] = {
+            "type": "string",
+            "enum": schedulers,
+            "default": schedulers[0],
+            "description": "The denoising scheduler, built from the pipeline's own config.",
+        }
+    return properties
 
 
 def _request_field(name: str, limits: DeclaredLimits, *, is_video: bool) -> dict[str, Any] | None:
@@ -207,7 +221,7 @@ def _extra_input(pipe: Any, name: str, parameter: inspect.Parameter) -> dict[str
             prop.update(_number_range(pipe, name, default))
         elif kind == "string":
             prop["maxLength"] = MAX_TEXT
-    if default is not None and _json_scalar(default):
+    if default is not None and json_scalar(default):
         prop["default"] = default
     return prop
 
@@ -231,84 +245,3 @@ def _number_range(pipe: Any, name: str, default: object) -> dict[str, Any]:
         assert isinstance(default, (int, float))
         return {"minimum": 0, "maximum": DEFAULT_FACTOR * default}
     return {"minimum": 0}
-
-
-def call_parameters(cls: type) -> dict[str, inspect.Parameter]:
-    """The parameters of `cls.__call__`, string annotations resolved where they can be."""
-    try:
-        return dict(inspect.signature(cls.__call__, eval_str=True).parameters)
-    except Exception:  # an annotation naming what its module cannot resolve: judged by default
-        return dict(inspect.signature(cls.__call__).parameters)
-
-
-def json_kind(annotation: object, default: object) -> str | list[Any] | None:
-    """The JSON type of a parameter: a type name, `image`, an enum's values, or None (unsafe)."""
-    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
-        return _TYPE_NAMES.get(type(default)) if default is not None else None
-    members = _members(annotation)
-    if any(_is_image(member) for member in members):
-        return "image"
-    literals = [m for m in members if typing.get_origin(m) is Literal]
-    if literals:
-        values = [v for m in literals for v in typing.get_args(m)]
-        return values if len(literals) == len(members) and all(map(_json_scalar, values)) else None
-    kinds: set[str] = set()
-    for member in members:
-        if typing.get_origin(member) is list and typing.get_args(member) == (str,):
-            continue  # `str | list[str]`: one prompt per request
-        if member not in _TYPE_NAMES:
-            return None
-        kinds.add(_TYPE_NAMES[member])
-    if kinds == {"integer", "number"}:
-        return "number"
-    return kinds.pop() if len(kinds) == 1 else None
-
-
-def _members(annotation: object) -> list[Any]:
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union or origin is types.UnionType:
-        return [m for m in typing.get_args(annotation) if m is not type(None)]
-    return [annotation]
-
-
-def _is_image(annotation: object) -> bool:
-    if typing.get_origin(annotation) in (list, typing.Union, types.UnionType):
-        return any(_is_image(arg) for arg in typing.get_args(annotation))
-    return getattr(annotation, "__module__", "").startswith("PIL.")
-
-
-def _json_scalar(value: object) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def compatible_schedulers(scheduler: Any) -> dict[str, Any]:
-    """Class name → class of the schedulers `scheduler` is compatible with, its own first.
-
-    Only those that can be built from its config and set their timesteps here: a compatible
-    class whose optional dependency is missing (scipy, torchsde) is left out.
-    """
-    if scheduler is None:
-        return {}
-    found: dict[str, Any] = {type(scheduler).__name__: type(scheduler)}
-    with quiet_diffusers():
-        for cls in sorted(getattr(scheduler, "compatibles", []), key=lambda c: c.__name__):
-            try:
-                cls.from_config(scheduler.config).set_timesteps(4)
-            except Exception:  # a scheduler that cannot be built here is not offered
-                continue
-            found.setdefault(cls.__name__, cls)
-    return found
-
-
-@contextlib.contextmanager
-def quiet_diffusers() -> Iterator[None]:
-    """Only errors from diffusers' loggers inside (building a scheduler warns about its keys)."""
-    logger = logging.getLogger("diffusers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():  # numpy deprecations inside schedulers' own setup
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)

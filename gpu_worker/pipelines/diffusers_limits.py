@@ -1,5 +1,7 @@
 """Default limits of a diffusers pipeline, derived from what the model itself says it makes.
 
+Also the model's geometry the limits and checks need: its denoiser, the size grid, the frame rule.
+
 A model's native size and frame count come from its `__call__` defaults (Wan: 832×480, 81 frames)
 or from its sample size times the VAE's scale factor (Stable Diffusion: 64 × 8 = 512). Around
 that: sides up to twice native, steps up to four times the pipeline's default, and a budget of
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from kiln.gpu_worker.limits import DeclaredLimits
 
@@ -71,3 +75,30 @@ def native_size(pipe: Any, call_defaults: Mapping[str, Any], denoiser: Any) -> t
 
 def _int_or(value: object, fallback: int) -> int:
     return value if isinstance(value, int) and value >= 1 else fallback
+
+
+def find_denoiser(pipe: Any) -> torch.nn.Module | None:
+    """The per-step module: the pipeline's transformer, else its unet; None without either."""
+    for attribute in ("transformer", "unet"):
+        module = getattr(pipe, attribute, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
+
+
+def temporal_factor(pipe: Any) -> int:
+    """Frames per latent frame: a video VAE takes 1 + temporal * k frames (Wan: 4)."""
+    return int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
+
+
+def size_multiple(pipe: Any, denoiser: Any) -> int:
+    """Pixels per latent cell times the denoiser's spatial patch.
+
+    What the pipeline would otherwise silently round a width or height down to.
+    """
+    spatial: Any = getattr(pipe, "vae_scale_factor_spatial", None)
+    spatial = spatial or getattr(pipe, "vae_scale_factor", 8)
+    patch: Any = getattr(getattr(denoiser, "config", None), "patch_size", None) or 1
+    if isinstance(patch, (tuple, list)):
+        patch = patch[-1]
+    return int(spatial) * int(patch)

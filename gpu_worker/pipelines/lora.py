@@ -2,11 +2,15 @@
 
 Adapters live on local disk as `<lora dir>/<pipeline>/<name>/pytorch_lora_weights.safetensors`
 (the file diffusers' `save_lora_weights` writes), one folder of adapters per pipeline name, so
-an adapter is only ever offered to the pipeline it was made for. A rank loads an adapter the
-first time a batch names it (`load_lora_weights(..., adapter_name=name)`) and keeps it loaded;
-past `count` adapters or `max_bytes` of adapter files it unloads the least recently used ones
-(`delete_adapters`). Before each forward the batch's adapters are activated with their scales
-(`set_adapters`); a batch without adapters runs with them disabled.
+an adapter is only ever offered to the pipeline it was made for. Adapters kept in the object
+store are fetched by the node on first use into the same layout under
+`<model cache>/lora-store` (`tasks/node/adapters.py`); the ranks look there after the lora dir.
+
+A rank loads an adapter the first time a batch names it (`load_lora_weights(...,
+adapter_name=name)`) and keeps it loaded; past `count` adapters or `max_bytes` of adapter files
+it unloads the least recently used ones (`delete_adapters`). Before each forward the batch's
+adapters are activated with their scales (`set_adapters`); a batch without adapters runs with
+them disabled.
 
 Fusing: once `fuse_after` batches in a row ran with the same adapter set, that set is folded into
 the base weights (`fuse_lora`), so while it stays hot its forwards pay no adapter cost; the
@@ -38,6 +42,7 @@ from kiln.gpu_worker.settings import GpuWorkerSettings
 logger = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "pytorch_lora_weights.safetensors"
+STORE_CACHE_FOLDER = "lora-store"  # under the model cache: adapters fetched from the store
 
 
 def adapter_weights(root: Path, pipeline: str, name: str) -> Path:
@@ -54,6 +59,20 @@ def available_adapters(root: Path | None, pipeline: str) -> list[str]:
         for entry in (root / pipeline).iterdir()
         if (entry / ADAPTER_WEIGHTS).is_file() and not entry.name.startswith(".")
     )
+
+
+def store_adapter_cache(settings: GpuWorkerSettings) -> Path:
+    """Where the node puts adapters fetched from the object store, for its ranks to load."""
+    return settings.model_cache / STORE_CACHE_FOLDER
+
+
+def find_adapter(roots: Sequence[Path], pipeline: str, name: str) -> Path | None:
+    """The weights file of adapter `name` in the first of `roots` holding it; None if none."""
+    for root in roots:
+        weights = adapter_weights(root, pipeline, name)
+        if weights.is_file():
+            return weights
+    return None
 
 
 @dataclass(frozen=True)
@@ -77,9 +96,16 @@ class AdapterLimits:
 class AdapterCache:
     """The LoRA adapters loaded into one diffusers pipeline on one rank (LRU by count and bytes)."""
 
-    def __init__(self, pipe: Any, root: Path | None, limits: AdapterLimits) -> None:
+    def __init__(
+        self,
+        pipe: Any,
+        root: Path | None,
+        limits: AdapterLimits,
+        fetched: Path | None = None,
+    ) -> None:
         self._pipe = pipe
-        self._root = root
+        # The lora dir first (the operator's own copy wins), then the node's fetched adapters.
+        self._roots = tuple(folder for folder in (root, fetched) if folder is not None)
         self._limits = limits
         self._loaded: OrderedDict[str, int] = OrderedDict()  # name -> file bytes, LRU first
         self._fused: tuple[AdapterRef, ...] = ()
@@ -92,11 +118,17 @@ class AdapterCache:
         """Raise `UnsupportedRequest` naming `loras[i].name` for an adapter this rank lacks."""
         if not request.loras:
             return
-        if self._root is None or not hasattr(self._pipe, "load_lora_weights"):
+        if not self._roots or not hasattr(self._pipe, "load_lora_weights"):
             raise UnsupportedRequest(f"loras: pipeline {request.pipeline} takes no adapters here")
         for index, ref in enumerate(request.loras):
-            if not adapter_weights(self._root, request.pipeline, ref.name).is_file():
-                known = available_adapters(self._root, request.pipeline)
+            if find_adapter(self._roots, request.pipeline, ref.name) is None:
+                known = sorted(
+                    {
+                        name
+                        for root in self._roots
+                        for name in available_adapters(root, request.pipeline)
+                    }
+                )
                 raise UnsupportedRequest(
                     f"loras[{index}].name: no adapter {ref.name!r} for {request.pipeline}; "
                     f"available: {known}"
@@ -146,8 +178,9 @@ class AdapterCache:
         if name in self._loaded:
             self._loaded.move_to_end(name)
             return
-        assert self._root is not None  # check() refused adapters without a folder
-        weights = adapter_weights(self._root, self._pipeline, name)
+        weights = find_adapter(self._roots, self._pipeline, name)
+        if weights is None:  # check() found it; only a file removed since gets here
+            raise JobFailed(f"loras: adapter {name!r} is gone from this node")
         size = weights.stat().st_size
         self._make_room(size, keep)
         try:
@@ -234,4 +267,5 @@ def no_adapters(pipe: Any) -> AdapterCache:
 
 def adapters_from_settings(pipe: Any, settings: GpuWorkerSettings) -> AdapterCache:
     """The cache the `KILN_LORA_*` settings describe, for `pipe`."""
-    return AdapterCache(pipe, settings.lora_dir, AdapterLimits.from_settings(settings))
+    limits = AdapterLimits.from_settings(settings)
+    return AdapterCache(pipe, settings.lora_dir, limits, fetched=store_adapter_cache(settings))

@@ -1,24 +1,32 @@
 -- held_claim: take the held lists of nodes whose heartbeat deadline passed (they died holding
 -- messages that only the visibility timeout would bring back). Each list is returned once: the
 -- entries are removed here, so two sweepers never both get one.
--- Returns the job ids (flat, possibly repeated).
--- KEYS[1] = held deliveries (hash: node id -> "deadline_ms job_id job_id ...")
+-- Returns {live, lapsed...}: `live` lists the job ids that live nodes hold (left empty when no
+-- node lapsed: only a lapse needs it); each lapsed entry follows as
+-- {node id, written_ms, deadline_ms, job ids...}: it died between its last write and deadline
+-- (an unreadable entry is dropped as lapsed, with 0 for both times).
+-- include: _held
+-- KEYS[1] = held deliveries (hash: node id -> "deadline_ms/written_ms/incarnation job_id ...")
 local held_key = KEYS[1]
 
 local _, now_ms = clock()
 local flat = redis.call('HGETALL', held_key)
-local out = {}
+local out = {{}}
+local live = {}
 for i = 1, #flat, 2 do
-  local node_id, value = flat[i], flat[i + 1]
-  local deadline = nil
-  for word in string.gmatch(value, '%S+') do
-    if deadline == nil then
-      deadline = tonumber(word)
-      if deadline == nil or deadline > now_ms then break end
-    else
-      out[#out + 1] = word
-    end
+  local node_id, entry = flat[i], held_entry(flat[i + 1])
+  if entry.deadline ~= nil and entry.deadline > now_ms then
+    live[#live + 1] = entry
+  else
+    local lapsed = {node_id, tostring(entry.written), tostring(entry.deadline or 0)}
+    for _, job_id in ipairs(entry.jobs) do lapsed[#lapsed + 1] = job_id end
+    out[#out + 1] = lapsed
+    redis.call('HDEL', held_key, node_id)
   end
-  if deadline == nil or deadline <= now_ms then redis.call('HDEL', held_key, node_id) end
+end
+if #out > 1 then
+  for _, entry in ipairs(live) do
+    for _, job_id in ipairs(entry.jobs) do out[1][#out[1] + 1] = job_id end
+  end
 end
 return out

@@ -15,6 +15,7 @@ from kiln.tasks.api.auth import Authenticator
 from kiln.tasks.api.sse import StreamSlots
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.submit import Submitter, celery_publisher
 from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
 
@@ -52,11 +53,15 @@ def build_context(
     """Connect the stores and the Celery producer the API uses."""
     store = JobStore.from_settings(storage_settings)
     celery = make_celery_app(settings, storage_settings)
+    # a job's message goes with its record in one script where the broker is Kiln's Redis
+    messages = (
+        CeleryMessages(celery) if CeleryMessages.usable_for(settings, storage_settings) else None
+    )
     return ApiContext(
         settings=settings,
         store=store,
         objects=open_object_store(storage_settings),
-        submitter=Submitter(store, settings, publish=celery_publisher(celery)),
+        submitter=Submitter(store, settings, publish=celery_publisher(celery), messages=messages),
         auth=Authenticator(
             ApiKeyStore(store.redis, storage_settings),
             enabled=settings.auth_enabled,

@@ -8,6 +8,7 @@ from fastapi import Header, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from kiln.storage.creation import QueueFull
 from kiln.storage.errors import QuotaExceeded
 from kiln.storage.keys import valid_id
 from kiln.storage.status import JobRecord
@@ -33,21 +34,15 @@ from kiln.tasks.contract.responses import (
 )
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.states import JobState
-from kiln.tasks.contract.views import JobView, job_view
-from kiln.tasks.queue.positions import queue_estimate
+from kiln.tasks.contract.views import JobView, QueueEstimate, job_view
+from kiln.tasks.queue.positions import estimate_from, placement, queue_estimate
 from kiln.tasks.queue.quotas import effective_cap
 from kiln.tasks.queue.submit import UnknownPipeline
 from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 from kiln.tasks.webhooks.ssrf import UnsafeUrl, check_url
 
 router = api_router()
-
-
-def _admit(ctx: ApiContext) -> None:
-    limit = ctx.settings.max_queue_depth
-    if limit is not None and ctx.store.queue_depth() >= limit:
-        retry_after = str(ctx.settings.queue_full_retry_after_s)
-        raise HTTPException(429, "queue is full; retry later", headers={"Retry-After": retry_after})
+JSON_TYPE = "application/json"
 
 
 def _check_request(ctx: ApiContext, request: JobRequest, caller: Principal) -> None:
@@ -86,26 +81,24 @@ def submit_job(
     ctx: Ctx,
     caller: Caller,
     body: JobRequest,
-    response: Response,
     idempotency_key: Annotated[
         str | None,
         Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$"),
     ] = None,
-) -> JobView:
+) -> Response:
     """Enqueue a job: 201 with its view; 200 with the same job for a repeated Idempotency-Key."""
-    _admit(ctx)
     _check_request(ctx, body, caller)
     # Keys are scoped to the API key so two callers never share one.
     scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
     max_queued = effective_cap(caller.max_queued, ctx.settings.max_queued_per_key)
+    retry_after = {"Retry-After": str(ctx.settings.queue_full_retry_after_s)}
     try:
-        record, created = ctx.submitter.submit(
-            body, owner=caller.key_id, idempotency_key=scoped_key, max_queued=max_queued
-        )
+        record, created, estimate = _submit(ctx, body, caller, scoped_key, max_queued)
+    except QueueFull as exc:
+        raise HTTPException(429, "queue is full; retry later", headers=retry_after) from exc
     except QuotaExceeded as exc:
-        retry_after = str(ctx.settings.queue_full_retry_after_s)
         detail = f"this API key has {max_queued} queued jobs, its maximum; retry later"
-        raise HTTPException(429, detail, headers={"Retry-After": retry_after}) from exc
+        raise HTTPException(429, detail, headers=retry_after) from exc
     except UnknownPipeline as exc:
         raise field_error(
             ("body", "pipeline"), str(exc), "unknown_pipeline", exc.name, known=exc.known
@@ -115,8 +108,38 @@ def submit_job(
         # _check_request: still the caller's request that is over them, so still a 422.
         errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]
         raise RequestValidationError(errors) from exc
-    response.status_code = 201 if created else 200
-    return _full_view(ctx, record)
+    view = job_view(record, ctx.objects, ctx.submitter.live_pipelines(), estimate)
+    # already a JobView: sent as it is, sparing FastAPI's validation of it all over again
+    return Response(
+        view.model_dump_json(), status_code=201 if created else 200, media_type=JSON_TYPE
+    )
+
+
+def _submit(
+    ctx: ApiContext,
+    body: JobRequest,
+    caller: Principal,
+    scoped_key: str | None,
+    max_queued: int | None,
+) -> tuple[JobRecord, bool, QueueEstimate | None]:
+    """Write the job and its message and read its place in line: one Redis round trip.
+
+    The same step checks the queue depth and the key's quota. An idempotent replay is another
+    job, whose place (and publish, if it still lacks one) takes more.
+    """
+    submitter, every = ctx.submitter, ctx.settings.bulk_share_every
+    new = submitter.prepared(body, owner=caller.key_id, idempotency_key=scoped_key)
+    record, created, snapshot = ctx.store.create_and_place(
+        new,
+        max_queued=max_queued,
+        max_depth=ctx.settings.max_queue_depth,
+        message=submitter.message_for(new),
+        place=placement(new.lane, new.queue) if new.queue else None,
+    )
+    submitter.accepted(record, created)
+    if snapshot is None:  # an idempotent replay: another job, whose place is read on its own
+        return record, created, queue_estimate(ctx.store, record, every)
+    return record, created, estimate_from(snapshot, new.lane, every)
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobView, responses=JOB_ERRORS, tags=["jobs"])

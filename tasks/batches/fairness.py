@@ -1,11 +1,12 @@
 """How much each batch may feed in one pass: a window sized from the live nodes, shared fairly.
 
 The window is what the live nodes serving a batch's pipeline can work through: their replica
-groups × max batch (outputs in one forward) × `batch_window_factor`, within `batch_window_min` and
-`batch_window` (with no node up: the floor). Jobs are consumed from a lane's queue in order, so a
-fair share of the feed is a fair share of the queue: each API key's batches together hold at most
-one window of jobs queued or running, split evenly between them, and a pass visits the keys
-round-robin (then each key's batches round-robin), one key further on each pass.
+groups × max batch (outputs in one forward) × `batch_window_factor`, plus what they finish before
+the feeder comes round again (`pace`), within `batch_window_min` and `batch_window` (with no node
+up: the floor). Jobs are consumed from a lane's queue in order, so a fair share of the feed is a
+fair share of the queue: each API key's batches together hold at most one window of jobs queued
+or running, split evenly between them, and a pass visits the keys round-robin (then each key's
+batches round-robin), one key further on each pass.
 """
 
 from __future__ import annotations
@@ -32,15 +33,21 @@ def node_capacity(node: Mapping[str, Any]) -> int:
 
 
 def window_size(
-    nodes: Iterable[Mapping[str, Any]], pipeline: str | None, settings: KilnSettings
+    nodes: Iterable[Mapping[str, Any]],
+    pipeline: str | None,
+    settings: KilnSettings,
+    refill_jobs: int = 0,
 ) -> int:
-    """The feeding window for a batch of `pipeline` (None: any) from the live nodes' heartbeats."""
+    """The feeding window for a batch of `pipeline` (None: any) from the live nodes' heartbeats.
+
+    `refill_jobs`: what the nodes finish before the feeder comes round again (`pace`), on top.
+    """
     capacity = sum(
         node_capacity(node)
         for node in nodes
         if pipeline is None or pipeline in (node.get("pipelines") or [])
     )
-    sized = math.ceil(capacity * settings.batch_window_factor)
+    sized = math.ceil(capacity * settings.batch_window_factor) + refill_jobs
     floor = min(settings.batch_window_min, settings.batch_window)
     return max(floor, min(settings.batch_window, sized))
 

@@ -4,8 +4,8 @@ Every node runs one (`node.maintenance`), and the feeder lease makes one the fee
 at a time.
 
 One pass (`tick`) plans its visits (`fairness`: API keys round-robin, each key's window shared
-between its batches, the window sized from the live nodes) and, for each batch whose lease it
-holds or can take:
+between its batches, the window sized from the live nodes and from how fast the batches' jobs
+finish between two passes, `pace`) and, for each batch whose lease it holds or can take:
 
 1. writes the result lines of its finished jobs as one part (at least every
    `batch_results_flush_s`), then drops them from the open set (`reporting`);
@@ -44,6 +44,7 @@ from kiln.storage.status import JobState, JobStore, NewJob
 from kiln.tasks.batches.fairness import plan_pass, window_size
 from kiln.tasks.batches.lines import Item, batch_job_id, parse_item
 from kiln.tasks.batches.notify import BatchNotifier
+from kiln.tasks.batches.pace import Pace
 from kiln.tasks.batches.reporting import FeederLostLease, Lease, ResultWriter
 from kiln.tasks.batches.winding import WindDown
 from kiln.tasks.contract.settings import KilnSettings
@@ -79,6 +80,7 @@ class BatchFeeder:
         self.results = ResultWriter(store, objects, self.feeding, settings)
         self.notifier = BatchNotifier(settings, app)
         self.winding = WindDown(self, app)
+        self.pace = Pace(settings.batch_feed_interval_s)
         self._turn = 0
 
     # --- the pass ----------------------------------------------------------------------------
@@ -86,6 +88,7 @@ class BatchFeeder:
         """Visit the active batches once, fairly; returns how many this feeder stepped."""
         ids = self.batches.active_batch_ids()
         if not ids:
+            self.pace.observe([])
             return 0
         found = self.batches.get_fed_many(ids)
         for batch_id, batch in zip(ids, found, strict=True):
@@ -95,9 +98,7 @@ class BatchFeeder:
         active = {batch.id for batch in live}
         self.results.forget_except(active)
         self.notifier.forget_except(active)
-        nodes = self.store.live_nodes()
-        windows = {b.id: window_size(nodes, b.pipeline, self.settings) for b in live}
-        plan = plan_pass(live, windows, self._turn)
+        plan = plan_pass(live, self._windows(live), self._turn)
         self._turn += 1
         stepped = 0
         for visit in plan:
@@ -111,6 +112,17 @@ class BatchFeeder:
             except Exception:  # one bad batch must not stop the others
                 log.exception("batch %s: feeding failed; will retry", batch_id)
         return stepped
+
+    def _windows(self, live: list[FedBatch]) -> dict[str, int]:
+        """Each batch's window: its nodes' capacity, plus what they finish in a pass or two."""
+        self.pace.observe(live)
+        nodes = self.store.live_nodes()
+        return {
+            b.id: window_size(
+                nodes, b.pipeline, self.settings, self.pace.refill_jobs(live, b.pipeline)
+            )
+            for b in live
+        }
 
     def _visit(self, batch_id: str, budget: int) -> int:
         token = self.feeding.take_feeder(batch_id, self.owner)

@@ -1,11 +1,18 @@
 """Accepting a batch file: every line validated as it streams past, valid ones stored normalized.
 
 `BatchIntake` takes the body in chunks of any size (`feed`), never more than one line at a time
-beyond the chunk it holds, and writes each valid line to the batch's input object through a
-streamed writer (`storage.object_streams`). A line must be a JSON object: a job request (the same
-rules as POST /v1/jobs: strict JSON, the schema, a known pipeline, its limits, the webhook rules)
-plus a `custom_id` unique in the file. Lines without `pipeline` or `priority` take the batch's
-defaults. Blank lines are skipped (they still count for line numbers).
+beyond the chunk it holds, and writes the valid lines to the batch's input object through a
+streamed writer (`storage.object_streams`), `WRITE_BYTES` at a time. A line must be a JSON
+object: a job request (the same rules as POST /v1/jobs: strict JSON, the schema, a known
+pipeline, its limits, the webhook rules) plus a `custom_id` unique in the file. Lines without
+`pipeline` or `priority` take the batch's defaults. Blank lines are skipped (they still count for
+line numbers).
+
+Most lines skip the strict-JSON walk (`json_screen` proves from the bytes that it would pass), and
+custom_ids are checked for repeats at the end (`unique_ids`, spilled to temporary files), so the
+API's memory stays flat however long the file: a repeat is known only once the file is read.
+Without skip_invalid it then joins the refusal; with it, the repeated lines already written are
+dropped from the committed input (`repeats`).
 
 Without `skip_invalid` one invalid line refuses the whole file: the report carries the first
 errors (line number, field, reason) and the total count, and the caller aborts the writer. With
@@ -14,7 +21,6 @@ it, each invalid line becomes an `invalid` result line of its own.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Callable
@@ -23,23 +29,32 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kiln.storage.object_base import StoredObject
+from kiln.storage.object_base import ObjectStore, StoredObject
 from kiln.storage.object_streams import ObjectWriter
 from kiln.tasks.batches.checks import Error, LineChecks
-from kiln.tasks.batches.lines import item_line
+from kiln.tasks.batches.json_screen import plain_text
+from kiln.tasks.batches.line_errors import (
+    CUSTOM_ID_MSG,
+    located,
+    plain_error,
+    repeat_error,
+    strip_body,
+    too_long,
+)
+from kiln.tasks.batches.lines import request_item_line
+from kiln.tasks.batches.repeats import drop_repeats
 from kiln.tasks.batches.results import invalid_line
-from kiln.tasks.contract.batches import CUSTOM_ID_MAX, valid_custom_id
+from kiln.tasks.batches.unique_ids import CustomIds
+from kiln.tasks.contract.batches import valid_custom_id
 from kiln.tasks.contract.schemas import DRAWN_SEED_LIMIT, JobRequest
 
 # Strict-JSON errors of one line (the API's `json_guard.body_errors`): loc starts with "body".
 JsonCheck = Callable[[bytes], list[dict[str, Any]]]
 MAX_ERRORS_SHOWN = 20
+# item lines gathered before they go to the writer at once (one digest update and write each)
+WRITE_BYTES = 256 * 1024
 # far above any valid request (4000-char prompts, 16 metadata entries, a 2 KiB webhook URL)
 DEFAULT_MAX_LINE_BYTES = 256 * 1024
-_CUSTOM_ID_MSG = (
-    f"custom_id must be 1-{CUSTOM_ID_MAX} letters, digits, '_' or '-', "
-    "starting with a letter or digit"
-)
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,7 @@ class BatchIntake:
     """Validates a batch file chunk by chunk and streams its valid lines to `items`.
 
     `invalid` receives the invalid lines' result lines (pass it for skip_invalid, else None).
+    `max_json_depth` must be the one `json_errors` checks.
     """
 
     def __init__(
@@ -99,22 +115,27 @@ class BatchIntake:
         *,
         checks: LineChecks,
         json_errors: JsonCheck,
+        objects: ObjectStore,
         items: ObjectWriter,
+        max_json_depth: int,
         invalid: ObjectWriter | None = None,
         defaults: LineDefaults | None = None,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     ) -> None:
         self.checks = checks
         self.json_errors = json_errors
+        self.objects = objects  # the writers' store: read back only to drop repeated lines
         self.items = items
         self.invalid = invalid
         self.defaults = defaults or LineDefaults()
         self.max_line_bytes = max_line_bytes
+        self.max_json_depth = max_json_depth  # `json_errors`' own: lines within skip its walk
         self.report = IntakeReport()
         self._number = 0  # physical line number of the last line seen
         self._rest = b""
         self._overlong = False  # the line being read is past max_line_bytes: skip to its end
-        self._seen: dict[bytes, int] = {}  # digest of each custom_id -> its line
+        self._ids = CustomIds()
+        self._pending = bytearray()  # item lines not handed to `items` yet
 
     @property
     def skip_invalid(self) -> bool:
@@ -129,7 +150,7 @@ class BatchIntake:
             self._line(raw)
         if len(self._rest) > self.max_line_bytes:
             if not self._overlong:
-                self._refuse(self._number + 1, None, [_too_long(self.max_line_bytes)])
+                self._refuse(self._number + 1, None, [too_long(self.max_line_bytes)])
             self._overlong, self._rest = True, b""
 
     def finish(self) -> IntakeReport:
@@ -140,6 +161,7 @@ class BatchIntake:
         if self._rest or self._overlong:
             self._line(self._rest)
             self._rest = b""
+        repeated = self._refuse_repeats()
         report = self.report
         if report.lines == 0:
             report.errors.append(
@@ -147,17 +169,23 @@ class BatchIntake:
             )
         elif report.items == 0:  # skip_invalid, every line invalid: nothing would ever run
             msg = f"no valid line: all {report.invalid} lines are invalid"
-            report.errors.append({"type": "batch_no_valid_lines", "loc": ["body"], "msg": msg,
-                                  "line": 0})
+            report.errors.append(
+                {"type": "batch_no_valid_lines", "loc": ["body"], "msg": msg, "line": 0}
+            )
         if report.refused:
             return report
+        self.items.write(bytes(self._pending))
+        self._pending.clear()
         report.items_object = self.items.commit()
+        if repeated and self.invalid is not None:  # written before they were known to repeat
+            report.items_object = drop_repeats(self.objects, report.items_object, repeated)
         if self.invalid is not None and report.invalid:
             report.invalid_object = self.invalid.commit()
         return report
 
     def abort(self) -> None:
         """Drop everything written (a refused or interrupted upload)."""
+        self._ids.close()
         self.items.abort()
         if self.invalid is not None:
             self.invalid.abort()
@@ -168,40 +196,54 @@ class BatchIntake:
             self._overlong = False
             return
         if len(raw) > self.max_line_bytes:
-            self._refuse(self._number, None, [_too_long(self.max_line_bytes)])
+            self._refuse(self._number, None, [too_long(self.max_line_bytes)])
             return
         if not raw.strip():
             return
         custom_id, outcome = self._validate(raw)
+        valid = not isinstance(outcome, list)
+        if custom_id is not None:
+            self._ids.add(self._number, custom_id, valid)
         if isinstance(outcome, list):
             self._refuse(self._number, custom_id, outcome)
             return
         assert custom_id is not None
         self.report.items += 1
         if not self.report.errors:  # a refused file writes nothing more
-            self.items.write(item_line(self._number, custom_id, outcome.model_dump(mode="json")))
+            self._pending += request_item_line(self._number, custom_id, outcome)
+            if len(self._pending) >= WRITE_BYTES:
+                self.items.write(bytes(self._pending))
+                self._pending.clear()
+
+    def _parse(self, raw: bytes) -> tuple[Any, list[Error]]:
+        """The line's JSON value, or its strict-JSON errors."""
+        text = plain_text(raw, self.max_json_depth)
+        if text is not None:
+            try:
+                return json.loads(text), []
+            except ValueError:
+                pass  # not JSON at all: `json_errors` says where
+        problems = self.json_errors(raw)
+        if problems:
+            return None, [strip_body(error) for error in problems]
+        return json.loads(raw), []
 
     def _validate(self, raw: bytes) -> tuple[str | None, JobRequest | list[Error]]:
-        json_problems = self.json_errors(raw)
-        if json_problems:
-            return None, [_strip_body(error) for error in json_problems]
-        data = json.loads(raw)
+        data, problems = self._parse(raw)
+        if problems:
+            return None, problems
         if not isinstance(data, dict):
             return None, [{"type": "dict_type", "loc": [], "msg": "a line must be a JSON object"}]
         custom_id = data.pop("custom_id", None)
         if custom_id is None:
             return None, [{"type": "missing", "loc": ["custom_id"], "msg": "Field required"}]
         if not valid_custom_id(custom_id):
-            return None, [{"type": "custom_id", "loc": ["custom_id"], "msg": _CUSTOM_ID_MSG}]
-        first = self._first_use(custom_id)
-        if first is not None:
-            msg = f"duplicate custom_id {custom_id!r}: first used on line {first}"
-            return custom_id, [{"type": "duplicate_custom_id", "loc": ["custom_id"], "msg": msg}]
+            return None, [{"type": "custom_id", "loc": ["custom_id"], "msg": CUSTOM_ID_MSG}]
         self.defaults.apply(data)
         try:
             request = JobRequest.model_validate(data)
         except ValidationError as exc:
-            return custom_id, [_plain(error) for error in exc.errors()]
+            return custom_id, [plain_error(error) for error in exc.errors()]
         problems = self.checks.errors(request)
         if problems:
             return custom_id, problems
@@ -209,37 +251,46 @@ class BatchIntake:
             request = request.model_copy(update={"seed": random.randrange(DRAWN_SEED_LIMIT)})
         return custom_id, request
 
-    def _first_use(self, custom_id: str) -> int | None:
-        digest = hashlib.blake2b(custom_id.encode(), digest_size=16).digest()
-        first = self._seen.get(digest)
-        if first is None:
-            self._seen[digest] = self._number
-        return first
+    def _refuse_repeats(self) -> set[int]:
+        """Refuse the lines whose custom_id repeats an earlier one's; their numbers.
 
-    def _refuse(self, number: int, custom_id: str | None, errors: list[Error]) -> None:
+        A repeated line refused for its own reasons already is not counted again (without
+        skip_invalid its repeat is listed beside those reasons). Without skip_invalid the repeats
+        join the first errors in line order; with it, the lines returned were written as items
+        and must be dropped from the input.
+        """
+        report, shown, dropped = self.report, list[Error](), set[int]()
+        try:
+            for repeat in self._ids.repeats():
+                if not repeat.valid:  # counted already: the repeat only adds its reason
+                    if not self.skip_invalid and len(shown) < MAX_ERRORS_SHOWN:
+                        shown.append(located(repeat.line, repeat_error(repeat)))
+                    continue
+                report.items -= 1
+                if self.skip_invalid:
+                    dropped.add(repeat.line)
+                self._refuse(repeat.line, repeat.custom_id, [repeat_error(repeat)], shown)
+        finally:
+            self._ids.close()
+        if shown:
+            report.errors = sorted(report.errors + shown, key=lambda e: e["line"])
+            del report.errors[MAX_ERRORS_SHOWN:]
+        return dropped
+
+    def _refuse(
+        self,
+        number: int,
+        custom_id: str | None,
+        errors: list[Error],
+        shown: list[Error] | None = None,
+    ) -> None:
+        """Count the line invalid: its result line (skip_invalid), else its errors in `shown`."""
         report = self.report
         report.invalid += 1
         if self.invalid is not None:
             self.invalid.write(invalid_line(number, custom_id, errors))
             return
+        shown = report.errors if shown is None else shown
         for error in errors:
-            if len(report.errors) < MAX_ERRORS_SHOWN:
-                report.errors.append(
-                    {**error, "loc": ["body", "line", number, *error["loc"]], "line": number}
-                )
-
-
-def _too_long(limit: int) -> Error:
-    return {"type": "line_too_long", "loc": [], "msg": f"the line is over {limit} bytes"}
-
-
-def _strip_body(error: dict[str, Any]) -> Error:
-    loc = list(error.get("loc", ()))
-    if loc and loc[0] == "body":
-        loc = loc[1:]
-    return {"type": error["type"], "loc": loc, "msg": error["msg"]}
-
-
-def _plain(error: Any) -> Error:
-    # only what encodes as JSON whatever the input held: type, location, message
-    return {"type": str(error["type"]), "loc": list(error["loc"]), "msg": str(error["msg"])}
+            if len(shown) < MAX_ERRORS_SHOWN:
+                shown.append(located(number, error))

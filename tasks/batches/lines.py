@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.storage.base import dumps
+from kiln.tasks.contract.schemas import JobRequest
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,25 @@ class Item:
 def item_line(line: int, custom_id: str, request: dict[str, Any]) -> bytes:
     """The stored line of one valid input line (newline included)."""
     return (dumps({"n": line, "c": custom_id, "r": request}) + "\n").encode()
+
+
+def request_item_line(line: int, custom_id: str, request: JobRequest) -> bytes:
+    """`item_line` of a validated request, its JSON written by pydantic (no dict in between).
+
+    The custom_id goes in as it is: a valid one (`contract.batches.valid_custom_id`) holds only
+    letters, digits, `_` and `-`, nothing JSON would escape.
+    """
+    body = request.__pydantic_serializer__.to_json(request)
+    return b'{"n":%d,"c":"%s","r":%s}\n' % (line, custom_id.encode(), body)
+
+
+def item_number(raw: bytes) -> int:
+    """The input line number of a stored item line, read from its start (`{"n":<line>,`)."""
+    if raw.startswith(b'{"n":'):
+        end = raw.find(b",", 5)
+        if end > 5 and raw[5:end].isdigit():
+            return int(raw[5:end])
+    return parse_item(raw).line  # written by some other writer: parse it whole
 
 
 def parse_item(raw: bytes) -> Item:

@@ -75,9 +75,11 @@ class BatchService:
         return BatchIntake(
             checks=checks,
             json_errors=self.json_errors,
+            objects=self.objects,
             items=items,
             invalid=invalid,
             defaults=options.defaults,
+            max_json_depth=self.settings.max_json_depth,
         )
 
     def accept(self, batch_id: str, report: IntakeReport, options: BatchOptions) -> FedBatch:

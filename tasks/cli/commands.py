@@ -89,6 +89,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     }
     if args.inputs:
         fields["inputs"] = parse_inputs(args.inputs, upload=lambda path: upload_file(args, path))
+    if args.loras:
+        fields["loras"] = parse_loras(args.loras)
     request = JobRequest.model_validate(fields)
     backend = backend_for(args)
     view = backend.submit(request, idempotency_key=args.idempotency_key)
@@ -96,6 +98,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
         _show(args, [view], ids_only=True)
         return 0
     return _wait_and_show(args, backend, [view.id])
+
+
+def parse_loras(values: list[str]) -> list[dict[str, Any]]:
+    """`--lora NAME[:SCALE]` options as a request's `loras` (the contract checks the rest)."""
+    loras: list[dict[str, Any]] = []
+    for value in values:
+        name, sep, scale = value.partition(":")
+        lora: dict[str, Any] = {"name": name.strip()}
+        if sep:
+            try:
+                lora["scale"] = float(scale)
+            except ValueError:
+                raise UsageError(f"--lora {value}: SCALE must be a number") from None
+        loras.append(lora)
+    return loras
 
 
 def parse_inputs(values: list[str], upload: Callable[[str], str] | None = None) -> dict[str, Any]:

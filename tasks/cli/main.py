@@ -64,6 +64,15 @@ def _add_submit(sub: Any) -> None:
         "VALUE is read as JSON when it parses, else as text (GET /v1/pipelines/NAME lists a "
         "pipeline's inputs); image=@PATH uploads the file, image=https://... passes a URL",
     )
+    p.add_argument(
+        "--lora",
+        dest="loras",
+        action="append",
+        default=[],
+        metavar="NAME[:SCALE]",
+        help="a LoRA adapter to apply (repeatable), at SCALE (default 1); GET "
+        "/v1/pipelines/NAME lists a pipeline's adapters",
+    )
     p.add_argument("--idempotency-key")
     p.add_argument("--wait", action="store_true", help="show progress and wait for the outputs")
     p.add_argument("--timeout", type=float, help="seconds to wait with --wait")

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar, Token
 from datetime import UTC, datetime
@@ -164,8 +165,9 @@ class StdioCapture:
             os.dup2(saved, fd)
             os.close(saved)
         self._saved.clear()
+        deadline = time.monotonic() + timeout_s  # one wait for both streams, not one each
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _pump(self, read_fd: int, logger: logging.Logger, level: int) -> None:
         with open(read_fd, "rb") as pipe:

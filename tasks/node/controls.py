@@ -153,6 +153,13 @@ class NodeControls:
     def _apply(self) -> None:
         if self.switch is None:
             return
+        # Once SIGTERM (or a finished drain) stops the worker, Celery's warm shutdown stops every
+        # consumer itself and answers no remote control: a cancel sent then would only wait out
+        # its reply timeout, once per queue, and hold the node's exit back by as much.
+        if self.node.controls.shutting_down:
+            self._consuming.clear()
+            self._publish_consuming()
+            return
         wanted = set(self._wanted())
         for queue in [q for q in self.queues if q in self._consuming - wanted]:
             if self.switch.cancel(queue):
@@ -168,9 +175,9 @@ class NodeControls:
         self.node.controls.consuming = tuple(q for q in self.queues if q in self._consuming)
 
     def _exit_when_drained(self) -> None:
-        drain = self.node.controls.drain
-        if drain is None or not drain.exit or self.exiting or self.node.tracked_jobs():
-            return
+        drain, stopping = self.node.controls.drain, self.node.controls.shutting_down
+        if drain is None or not drain.exit or self.exiting or stopping or self.node.tracked_jobs():
+            return  # (a second SIGTERM would cut Celery's warm shutdown short)
         if self._consuming or (self.switch is not None and not self.switch.is_ready()):
             return  # consumption not stopped yet, or Celery not up to handle SIGTERM
         self.exiting = True
@@ -178,4 +185,3 @@ class NodeControls:
         self.node.store.withdraw_drain(self.node.node_id)
         log.info("node %s: drained; exiting", self.node.node_id)
         self.on_exit()
-

@@ -5,15 +5,16 @@ until it is due, and every message waits a moment before its task takes the job'
 node is killed then, the broker gives the message back only after its visibility timeout (an hour
 by default), and the job would sit `queued` that long. So the node records the ids of the jobs
 whose messages it holds as each arrives and at each heartbeat (storage/nodes.py `record_held`),
-and a live node's sweeper
-publishes again the still-queued jobs of a node whose heartbeat lapsed
-(tasks/node/maintenance.py `sweep_unpublished`).
+and a live node's sweeper publishes again the still-queued jobs of a node whose heartbeat lapsed
+(tasks/node/maintenance.py `sweep_unpublished`). kombu has recorded a delivery a moment before
+the strategy below lists it; a node killed in that moment is covered by tasks/node/unacked.py.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,9 @@ class HeldDeliveries:
         self._lock = threading.Lock()
         self._jobs: dict[str, str] = {}
         self._publish: Callable[[list[str]], None] | None = None
+        # this process's token in the node's entry: a node restarted with a fixed --node-id must
+        # not overwrite what its previous life held (storage/lua/held_record.lua)
+        self.incarnation = uuid.uuid4().hex[:12]
 
     def publish_with(self, publish: Callable[[list[str]], None]) -> None:
         """Write the list with `publish` from now on (the node's heartbeat store call)."""
@@ -73,7 +77,8 @@ def held_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
 
     The `run_job` task names this as its `Strategy`: the message is listed the moment the worker
     has it, before Celery logs and signals its receipt (a node killed in between would otherwise
-    leave the message to the visibility timeout). `task.kiln_held` is the node's list.
+    leave the message to the visibility timeout; killed before this runs, it is found in kombu's
+    unacked deliveries: tasks/node/unacked.py). `task.kiln_held` is the node's list.
     """
     from celery.worker.strategy import default
 

@@ -5,8 +5,9 @@ is published again after `lease_busy_delay_s`; a running job whose lease is gone
 taken over. A queued job past its `start_by`, out of attempts or over this node's limits is
 ended without running. Otherwise the node takes the lease and runs the job. Every write after
 that is fenced by the lease token, so a node that lost its lease can never overwrite the work of
-the node that took over. Each delivery is acknowledged once, whatever it did; the Celery state
-it ends in says what that was (tasks/node/outcomes.py: SUCCESS, FAILURE, REVOKED, RETRY).
+the node that took over (the attempt itself: tasks/node/attempt.py). Each delivery is
+acknowledged once, whatever it did; the Celery state it ends in says what that was
+(tasks/node/outcomes.py: SUCCESS, FAILURE, REVOKED, RETRY).
 
 In JSON logs every line of a delivery carries its `job_id`, and once the job runs its `attempt`
 and `batch_id`; the node metrics count each attempt's stages (tasks/node/metrics.py).
@@ -22,37 +23,31 @@ from typing import Any
 
 from celery import Celery
 
-from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
-from kiln.gpu_worker.protocol import GenerationResult, StepProgress
-from kiln.storage.errors import (
-    IllegalTransition,
-    JobNotFound,
-    LeaseHeld,
-    QuotaExceeded,
-    StaleLease,
-    StorageError,
-)
+from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, QuotaExceeded
 from kiln.storage.status import TERMINAL_STATES, JobRecord, JobState
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
 from kiln.tasks.contract.logs import log_context
-from kiln.tasks.node.compute import generation_request, run_metrics
-from kiln.tasks.node.image_inputs import (
-    FetchedImage,
-    ImageInputRejected,
-    fetch_job_images,
-    input_facts,
-    with_images,
-)
-from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
+from kiln.tasks.node.attempt import LeasedAttempt
+from kiln.tasks.node.compute import generation_request
+from kiln.tasks.node.node import Node
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, JobFailedError, settle_task
-from kiln.tasks.node.progress_writer import PendingProgress
-from kiln.tasks.node.uploads import encode_and_upload
 from kiln.tasks.queue.app import RUN_JOB_TASK
-from kiln.tasks.queue.policy import error_dict, retry_delay
 from kiln.tasks.queue.submit import job_queue
 from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 
 log = logging.getLogger(__name__)
+
+# An attempt that ends in one of these moved the job on in one script, which also dropped its
+# lease (storage/lua/_machine.lua): releasing it again would only cost a round trip.
+ENDED_WITH_A_TRANSITION = frozenset(
+    {
+        Delivery.SUCCEEDED,
+        Delivery.FAILED,
+        Delivery.CANCELED,
+        Delivery.RETRYING,
+        Delivery.HANDED_BACK,
+    }
+)
 
 
 class JobRunner:
@@ -188,8 +183,13 @@ class JobRunner:
                 self.node.metrics.observe_stage("queue", record.started_at - record.created_at)
             self._notify("started")
             with self.node.tracking(self.job_id, token) as tracked:
-                self._run_leased(record, tracked)
-            self.store.release_lease(self.job_id, token)
+                attempt = LeasedAttempt(
+                    self.node, record, tracked, self._notify, progress_webhooks=bool(self.webhook)
+                )
+                self.outcome = attempt.run()
+            self.node.progress.settle(self.job_id)  # once more: a lost lease ends on no transition
+            if self.outcome.kind not in ENDED_WITH_A_TRANSITION:
+                self.store.release_lease(self.job_id, token)
 
     def _held_back(self, record: JobRecord) -> bool:
         """A paused queue or an operator's drain: nothing starts here (tasks/node/controls.py)."""
@@ -203,145 +203,6 @@ class JobRunner:
         self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
         self.outcome = DeliveryOutcome(Delivery.DEFERRED)
         log.info("job %s not started now (%s); re-published", self.job_id, reason)
-
-    def _run_leased(self, record: JobRecord, tracked: TrackedJob) -> None:
-        try:
-            self._generate_and_store(record, tracked)
-        except JobStopped:
-            self._stopped(tracked)
-        except GpuWorkerError as exc:
-            if isinstance(exc, OutOfMemory):
-                self.node.metrics.count_oom(str(record.request.get("pipeline")))
-            self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
-        except StaleLease:
-            log.warning("job %s: lease lost to another node; leaving it to them", self.job_id)
-            self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
-        except StorageError as exc:
-            self._failed(record, tracked, error_dict(exc), retryable=exc.retryable)
-        except ImageInputRejected as exc:  # the job's own input: fails it, no traceback
-            self._failed(record, tracked, error_dict(exc), retryable=False)
-        except Exception as exc:  # a bug or a bad request: fail the job, never loop on it
-            log.exception("job %s failed unexpectedly", self.job_id)
-            self._failed(record, tracked, error_dict(exc), retryable=False)
-
-    def _generate_and_store(self, record: JobRecord, tracked: TrackedJob) -> None:
-        images = fetch_job_images(self.node, record)  # before compute: a refusal runs nothing
-        result = self._generate(record, tracked, images)
-        if tracked.stop_reason is not None:
-            raise JobStopped(tracked.stop_reason)
-        report = encode_and_upload(
-            self.node.objects,
-            self.job_id,
-            record.request,
-            result.outputs,
-            retry_for_s=self.settings.upload_retry_s,
-            on_stage=lambda stage, step, total: self._progress(
-                tracked, stage, step, total, on_task_thread=True
-            ),
-            on_retry=self.node.metrics.count_upload_retry,
-            verify=self.settings.upload_verify,
-        )
-        self.node.metrics.observe_stage("encode", report.encode_s)
-        self.node.metrics.observe_stage("upload", report.upload_s)
-        metrics: dict[str, Any] = {**run_metrics(record, result, report.encode_s, report.upload_s)}
-        metrics.update(input_facts(images))  # what each image input was: sha256, size, source
-        self.node.progress.discard(self.job_id)  # the terminal state supersedes it
-        self.store.succeed(self.job_id, tracked.lease_token, report.outputs, metrics)
-        self.outcome = DeliveryOutcome(Delivery.SUCCEEDED)
-        log.info("job %s succeeded: %s", self.job_id, metrics)
-        self._notify("completed")
-
-    def _generate(
-        self, record: JobRecord, tracked: TrackedJob, images: dict[str, FetchedImage]
-    ) -> GenerationResult:
-        decoding_at: list[float] = []  # when the ranks reported the last denoising step
-
-        # Both callbacks run on the coordinator's threads between steps: memory only, no I/O.
-        def on_progress(progress: StepProgress) -> None:
-            if progress.stage == "decoding" and not decoding_at:
-                decoding_at.append(time.monotonic())
-            self._progress(tracked, progress.stage, progress.step, progress.total)
-
-        def should_stop() -> bool:
-            return tracked.stop_reason is not None  # set by heartbeat, cancel watch or drain
-
-        max_run = record.request.get("max_run_seconds")
-        submitted = time.monotonic()
-        future = self.node.submit(
-            with_images(generation_request(record), images),
-            on_progress=on_progress,
-            should_stop=should_stop,
-            max_run_seconds=float(max_run) if max_run else None,
-        )
-        result = future.result()
-        self._observe_compute(result, time.monotonic() - submitted, decoding_at)
-        return result
-
-    def _observe_compute(
-        self, result: GenerationResult, total_s: float, decoding_at: list[float]
-    ) -> None:
-        """Split the group's part of the attempt into load, denoise and decode."""
-        if result.metrics is None:
-            return
-        # run_s is the forward on the ranks (denoising and decoding); the rest of the time since
-        # the submit is "load": waiting for the group and the batch to start.
-        run_s = min(result.metrics.run_s, total_s)
-        decode_s = min(time.monotonic() - decoding_at[0], run_s) if decoding_at else 0.0
-        self.node.metrics.observe_stage("load", total_s - run_s)
-        self.node.metrics.observe_stage("denoise", run_s - decode_s)
-        self.node.metrics.observe_stage("decode", decode_s)
-        self.node.metrics.observe_wake(result.metrics.wake_s)
-
-    def _progress(
-        self, tracked: TrackedJob, stage: str, step: int, total: int, on_task_thread: bool = False
-    ) -> None:
-        tracked.last_progress_at = time.time()
-        changed = stage != tracked.last_stage or step == total
-        tracked.last_stage = stage
-        after_write = (lambda: self._notify("progress")) if self.webhook else None
-        pending = PendingProgress(
-            tracked.lease_token, {"stage": stage, "step": step, "total": total}, after_write
-        )
-        if on_task_thread:  # encoding/uploading: off the compute path, so written right away
-            self.node.progress.write_now(self.job_id, pending)
-        else:
-            self.node.progress.update(self.job_id, pending, urgent=changed)
-
-    def _stopped(self, tracked: TrackedJob) -> None:
-        self.node.progress.discard(self.job_id)
-        token = tracked.lease_token
-        if tracked.stop_reason == JobStopReason.CANCELED:
-            self.store.finish_canceled(self.job_id, token)
-            self.outcome = DeliveryOutcome(Delivery.CANCELED)
-            log.info("job %s canceled while running", self.job_id)
-            self._notify("completed")
-        elif tracked.stop_reason == JobStopReason.HANDED_BACK:
-            error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
-            self.node.submitter.publish(self.store.requeue(self.job_id, token, error))
-            self.outcome = DeliveryOutcome(Delivery.HANDED_BACK, error)
-            log.info("job %s handed back to the queue (the node is draining)", self.job_id)
-        else:
-            log.warning("job %s stopped after its lease was lost", self.job_id)
-            self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
-
-    def _failed(
-        self, record: JobRecord, tracked: TrackedJob, error: dict[str, Any], *, retryable: bool
-    ) -> None:
-        self.node.progress.discard(self.job_id)
-        token = tracked.lease_token
-        attempts = record.attempts  # the record `start` returned: this run is counted
-        if retryable and attempts < self.settings.max_attempts:
-            requeued = self.store.requeue(self.job_id, token, error)
-            delay = retry_delay(attempts, self.settings)
-            self.node.submitter.publish(requeued, countdown=delay)
-            self.outcome = DeliveryOutcome(Delivery.RETRYING, error, delay)
-            log.info("job %s: retryable failure, retry %d in %.1fs", self.job_id, attempts, delay)
-            return
-        error = {**error, "retryable": False} if retryable else error
-        self.store.fail(self.job_id, token, error)
-        self.outcome = DeliveryOutcome(Delivery.FAILED, error)
-        log.warning("job %s failed: %s: %s", self.job_id, error.get("type"), error.get("message"))
-        self._notify("completed")
 
     def _transition_quietly(self, transition: Callable[[], object]) -> bool:
         """Run a transition out of `queued`; False when someone else moved the job first."""

@@ -29,6 +29,7 @@ from kiln.storage.status import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls
 from kiln.tasks.node.node import JobStopReason, Node
+from kiln.tasks.node.unacked import orphaned_jobs
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +94,12 @@ def prune_indexes(node: Node) -> int:
 def sweep_unpublished(node: Node) -> int:
     """Publish queued records whose message is missing; returns how many.
 
-    Those whose publish was never confirmed, and those whose message a dead node held
-    (tasks/node/held.py): still queued, they would wait for the broker's visibility timeout.
+    Those whose publish was never confirmed, and those whose message a dead node held, listed
+    or not (tasks/node/held.py, tasks/node/unacked.py): still queued, they would wait for the
+    broker's visibility timeout.
     """
     unconfirmed = publish_queued(node, node.store.unpublished_jobs(node.settings.sweeper_age_s))
-    orphaned = publish_queued(node, node.store.claim_lapsed_held())
+    orphaned = publish_queued(node, orphaned_jobs(node.store, node.celery_app))
     if orphaned:
         log.info("%d job(s) whose message a dead node held: published again", orphaned)
     return unconfirmed + orphaned
@@ -153,7 +155,9 @@ class Maintenance:
         settings = self.node.settings
         node = self.node
         node.held.publish_with(
-            lambda job_ids: node.store.record_held(node.node_id, job_ids, heartbeat_ttl(node))
+            lambda job_ids: node.store.record_held(
+                node.node_id, job_ids, heartbeat_ttl(node), node.held.incarnation
+            )
         )
         loops: list[tuple[str, float, Callable[[], object]]] = [
             ("heartbeat", settings.heartbeat_interval_s, lambda: heartbeat(self.node)),

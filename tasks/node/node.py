@@ -36,7 +36,7 @@ from kiln.storage.status import JobStore
 from kiln.tasks.contract.inputs import InputViolation, first_input_violation
 from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, RequestShape
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.node.adapters import heartbeat_adapters
+from kiln.tasks.node.adapters import AdapterSources
 from kiln.tasks.node.held import HeldDeliveries
 from kiln.tasks.node.metrics import NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
@@ -153,6 +153,8 @@ class Node:
         self.storage_settings = storage_settings
         self.store = JobStore.from_settings(storage_settings)
         self.objects: ObjectStore = open_object_store(storage_settings)
+        # LoRA adapters: the lora dir's and, with KILN_LORA_PREFIX, the store's (fetched on use)
+        self.adapter_sources = AdapterSources.for_node(group.settings, self.objects)
         self.celery_app = celery_app
         self.submitter = Submitter(self.store, settings, publish or celery_publisher(celery_app))
         self.group_size = group_size or len(group.world())
@@ -255,9 +257,7 @@ class Node:
 
     def adapters(self, stats: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
         """Per served pipeline, its LoRA adapters: available, loaded, fused (from `stats`)."""
-        settings = self.group_config.settings
-        lora_dir = settings.lora_dir if settings is not None else None
-        return heartbeat_adapters(self.group_config.pipelines, lora_dir, stats)
+        return self.adapter_sources.heartbeat(self.group_config.pipelines, stats)
 
     def health(self) -> dict[str, object]:
         """What the heartbeat publishes about this node."""

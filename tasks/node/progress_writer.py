@@ -5,6 +5,11 @@ round trip there would idle the GPU. Callbacks only record the latest progress o
 and one writer thread flushes what is pending. Stage changes and last steps wake it at once; other
 steps wait for the throttle interval. Only the newest progress of a job matters, so updates that
 arrive before a flush simply replace each other.
+
+The stages a job's own task thread announces (encoding, uploading) are each written, in order, by
+a second thread (`write_soon`): the round trip overlaps the work it announces instead of delaying
+it, and every stage still gets its event. `settle` waits for them before the job's terminal
+transition, so no stage event can follow the terminal one.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +48,9 @@ class ProgressWriter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-progress", daemon=True)
+        # one thread: the stages handed over are written in the order they were announced
+        self._ordered = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-progress-stage")
+        self._handed_over: dict[str, list[Future[None]]] = {}
 
     def start(self) -> None:
         """Start the writer thread."""
@@ -49,6 +58,7 @@ class ProgressWriter:
 
     def stop(self) -> None:
         """Flush what is pending and stop."""
+        self._ordered.shutdown(wait=True)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
@@ -73,6 +83,27 @@ class ProgressWriter:
         with self._write_lock:
             self.discard(job_id)
             self._write(job_id, pending)
+
+    def write_soon(self, job_id: str, pending: PendingProgress) -> None:
+        """Have a job's progress written next, after the stages handed over before it.
+
+        Like `write_now` (it supersedes anything pending for the job), without the wait: for the
+        job's task thread, whose next step (encode, upload) then overlaps the write.
+        """
+        try:
+            future = self._ordered.submit(self.write_now, job_id, pending)
+        except RuntimeError:  # stopped (the node is going down): write it here, as before
+            self.write_now(job_id, pending)
+            return
+        with self._lock:
+            self._handed_over.setdefault(job_id, []).append(future)
+
+    def settle(self, job_id: str) -> None:
+        """Before a job's terminal transition: wait for its handed-over stages, drop the rest."""
+        with self._lock:
+            handed_over = self._handed_over.pop(job_id, [])
+        wait(handed_over)
+        self.discard(job_id)
 
     def flush(self) -> None:
         """Write everything pending now (one Lua call per job)."""

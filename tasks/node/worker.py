@@ -8,12 +8,11 @@ worker exits within the grace and no job is lost.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -22,8 +21,15 @@ from celery.signals import worker_ready, worker_shutting_down
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.worker_logs import start_worker_logging
+from kiln.tasks.node.worker_options import (
+    WorkerOptions,
+    parse_lanes,
+    parse_pipelines,
+    split_devices,
+    worker_queues,
+)
 from kiln.tasks.queue.app import make_celery_app
-from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, node_queues
+from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE, node_queues
 
 if TYPE_CHECKING:  # the node's modules load torch; a webhooks-only worker never imports them
     from kiln.gpu_worker.config import GroupConfig
@@ -33,111 +39,13 @@ if TYPE_CHECKING:  # the node's modules load torch; a webhooks-only worker never
 
 log = logging.getLogger(__name__)
 
+# `kiln worker`'s options live in tasks/node/worker_options.py; these are imported from here too
+__all__ = ["WorkerOptions", "group_settings", "parse_lanes", "parse_pipelines", "run_worker"]
+
 WEBHOOKS_ONLY_NOTICE = (
     "kiln worker: no --pipeline given, so this worker serves no pipeline and only delivers "
     f"webhooks (queue {WEBHOOKS_QUEUE!r})"
 )
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """What `kiln worker` was asked to run."""
-
-    pipelines: dict[str, str] = field(default_factory=dict)
-    devices: str = "cpu:1"
-    lanes: tuple[str, ...] = LANES
-    max_batch: int = 4
-    batch_window_ms: float = 0.0
-    parallel: str = "auto"
-    concurrency: int | None = None
-    webhooks: bool = False
-    node_id: str | None = None
-    loglevel: str = "INFO"
-    group_size: int | None = None  # ranks per replica group; None: one group over every device
-    # Over the KILN_ settings of the same names when given (gpu_worker/settings.py).
-    idle_sleep_s: float | None = None
-    sleep_mode: str | None = None
-    compile: bool | None = None
-    warmup: tuple[str, ...] = ()
-    lora_dir: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.pipelines:  # a webhooks-only worker has no group, and must not import torch
-            check_group_options(self.devices, self.parallel, self.group_size)
-            check_sleep_and_warmup(self.idle_sleep_s, self.warmup)
-
-
-def check_sleep_and_warmup(idle_sleep_s: float | None, warmup: Sequence[str]) -> None:
-    """Refuse, naming the flag, a non-positive idle time and a malformed warm-up shape."""
-    from kiln.gpu_worker.warmup import parse_warmup_shape  # plain parsing, no torch
-
-    if idle_sleep_s is not None and not idle_sleep_s > 0:
-        raise ValueError(f"--idle-sleep-s {idle_sleep_s}: must be a positive number of seconds")
-    for text in warmup:
-        try:
-            parse_warmup_shape(text)
-        except ValueError as exc:
-            raise ValueError(f"--warmup {text}: {exc}") from exc
-
-
-def check_group_options(devices: str, parallel: str, group_size: int | None = None) -> None:
-    """Refuse, naming the flag, devices this machine lacks and a parallel mode that wastes them.
-
-    Raised while the options are built, before Celery or any rank starts (ValueError: the CLI
-    prints it as one line).
-    """
-    from kiln.gpu_worker.config import check_devices, check_parallel
-    from kiln.gpu_worker.parallel import ParallelSpec
-
-    try:
-        world = check_devices(split_devices(devices))
-    except ValueError as exc:
-        raise ValueError(f"--devices {devices}: {exc}") from exc
-    if group_size is not None and (group_size < 1 or len(world) % group_size):
-        raise ValueError(
-            f"--group-size {group_size}: {len(world)} device(s) do not split into groups of that "
-            "many ranks"
-        )
-    try:  # the ranks of one group share its jobs
-        check_parallel(ParallelSpec(mode=parallel), group_size or len(world))  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise ValueError(f"--parallel {parallel}: {exc}") from exc
-
-
-def split_devices(devices: str) -> list[str]:
-    """`cuda:0, cuda:1` → ['cuda:0', 'cuda:1']."""
-    return [device.strip() for device in devices.split(",")]
-
-
-def parse_pipelines(values: Sequence[str]) -> dict[str, str]:
-    """`tiny` → {tiny: tiny}; `default=tiny` → {default: tiny}; `x=diffusers:/m` likewise."""
-    pipelines: dict[str, str] = {}
-    for value in values:
-        name, sep, spec = value.partition("=")
-        if not sep:
-            spec = name
-            name = name.split(":", 1)[0] if name.startswith(("diffusers:", "python:")) else name
-        if not name or not spec:
-            raise ValueError(f"--pipeline {value!r}: expected NAME or NAME=SPEC")
-        pipelines[name] = spec
-    return pipelines
-
-
-def parse_lanes(value: str) -> tuple[str, ...]:
-    """`interactive,bulk` → lanes, refusing unknown names."""
-    lanes = tuple(part.strip() for part in value.split(",") if part.strip())
-    unknown = [lane for lane in lanes if lane not in LANES]
-    if unknown or not lanes:
-        raise ValueError(f"--queues: unknown lane(s) {unknown}; use {', '.join(LANES)}")
-    return lanes
-
-
-def worker_queues(options: WorkerOptions) -> list[str]:
-    """The queues this worker consumes, in priority order."""
-    queues = node_queues(options.lanes, list(options.pipelines))
-    if options.webhooks or not options.pipelines:
-        queues.append(WEBHOOKS_QUEUE)
-    return queues
 
 
 def run_worker(options: WorkerOptions) -> None:
@@ -147,12 +55,17 @@ def run_worker(options: WorkerOptions) -> None:
         from kiln.tasks.node.node import default_node_id  # loads torch: nodes only
 
         options = replace(options, node_id=default_node_id())  # one id for logs, ranks, metrics
-    capture = start_worker_logging(settings.log_format, options.loglevel, options.node_id)
+    capture = start_worker_logging(
+        settings.log_format, options.loglevel, options.node_id, spawns_ranks=bool(options.pipelines)
+    )
     try:
         _run_worker(options, settings, storage_settings)
     finally:
         if capture is not None:
             capture.stop()
+        # The process exits next. Its final garbage collection would walk every object torch,
+        # Celery and the pipelines left behind (1-2 s on a node); frozen, they are skipped.
+        gc.freeze()
 
 
 def _run_worker(

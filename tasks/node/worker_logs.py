@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextvars import Token
+from multiprocessing import resource_tracker
 from types import MappingProxyType
 from typing import Any
 
@@ -30,11 +31,17 @@ _tokens: dict[tuple[str, int], Token[MappingProxyType[str, Any]]] = {}
 
 
 def start_worker_logging(
-    log_format: str, loglevel: str, node_id: str | None
+    log_format: str, loglevel: str, node_id: str | None, *, spawns_ranks: bool = True
 ) -> StdioCapture | None:
     """Set JSON logging up for this worker and its ranks; None in text mode (Celery's own)."""
     if log_format != "json":
         return None
+    if spawns_ranks:
+        # multiprocessing's resource tracker, started at the first rank spawn, outlives the
+        # node until this process exits. Started after the capture, it would inherit the
+        # captured fds 1 and 2 and keep their pipes open, and `capture.stop()` would wait out
+        # its timeout for an end of file that cannot come. Started first, it holds the real ones.
+        resource_tracker.ensure_running()
     capture = start_json_logging(loglevel, static={"node_id": node_id})
     setup_logging.connect(_keep_kiln_handlers, weak=False)
     task_prerun.connect(_bind_task, weak=False)

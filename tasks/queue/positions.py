@@ -15,6 +15,8 @@ lately) or a paused queue: no estimate.
 
 from __future__ import annotations
 
+from kiln.storage.creation import Placement
+from kiln.storage.queues import QueueSnapshot
 from kiln.storage.status import JobRecord, JobState, JobStore
 from kiln.tasks.contract.schemas import Lane
 from kiln.tasks.contract.views import QueueEstimate
@@ -32,21 +34,32 @@ def jobs_ahead(lane: str, rank: int, other_lane_size: int, bulk_share_every: int
     return rank + min(other_lane_size, rank // bulk_share_every)
 
 
+def placement(lane: str, queue: str) -> Placement:
+    """The queues a snapshot of a job in `queue` (lane `lane`) asks about."""
+    pipeline = queue.partition(".")[2]
+    other = next((q for q in LANES if q != lane), None)
+    return Placement(
+        queue=queue,
+        other=queue_name(other, pipeline) if other else None,
+        rate_queues=[queue_name(each, pipeline) for each in LANES],
+    )
+
+
 def queue_estimate(
     store: JobStore, record: JobRecord, bulk_share_every: int
 ) -> QueueEstimate | None:
     """The queued job's position and expected start; None if it is not queued (or predates them)."""
     if record.state != JobState.QUEUED or not record.queue:
         return None
-    lane = record.lane
-    pipeline = record.queue.partition(".")[2]
-    other = next((q for q in LANES if q != lane), None)
-    snapshot = store.queue_snapshot(
-        record.id,
-        record.queue,
-        queue_name(other, pipeline) if other else None,
-        [queue_name(each, pipeline) for each in LANES],
-    )
+    where = placement(record.lane, record.queue)
+    snapshot = store.queue_snapshot(record.id, where.queue, where.other, where.rate_queues)
+    return estimate_from(snapshot, record.lane, bulk_share_every)
+
+
+def estimate_from(
+    snapshot: QueueSnapshot, lane: str, bulk_share_every: int
+) -> QueueEstimate | None:
+    """The position and expected start a snapshot of a queued job in lane `lane` shows."""
     if snapshot.rank is None:
         return None
     # a paused other lane lets nothing through; while the job's own queue is paused too, the

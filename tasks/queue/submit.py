@@ -2,7 +2,9 @@
 
 A job is accepted once its `queued` record is written; publishing comes second. If publishing
 fails the record stays `published=False` and a node's sweeper re-publishes it later, so an accepted
-job is never lost and the caller still gets its id.
+job is never lost and the caller still gets its id. With `CeleryMessages` (the API, when the
+broker is Kiln's Redis) the two are one step: the creation script pushes the message Celery built
+along with the record, so `submit` costs one Redis round trip.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from kombu.exceptions import OperationalError
+from redis.exceptions import RedisError
 
 from kiln.storage.errors import StorageError
 from kiln.storage.status import JobRecord, JobStore, NewJob, request_fingerprint
@@ -35,6 +40,7 @@ from kiln.tasks.contract.schemas import DRAWN_SEED_LIMIT, JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from kiln.tasks.queue.lanes import queue_name
+from kiln.tasks.queue.messages import CeleryMessages
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +101,15 @@ class Submitter:
         store: JobStore,
         settings: KilnSettings,
         publish: Publish | None = None,
+        messages: CeleryMessages | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         if publish is None:
             publish = celery_publisher(make_celery_app(settings, store.settings))
         self._publish = publish
+        # when given, `submit` hands each new job's message to the creation script instead
+        self._messages = messages
         self._served: tuple[float, Served] = (0.0, Served())
 
     def known_pipelines(self) -> list[str]:
@@ -166,20 +175,54 @@ class Submitter:
         idempotency_key: str | None = None,
         batch_id: str | None = None,
         max_queued: int | None = None,
+        max_depth: int | None = None,
     ) -> tuple[JobRecord, bool]:
         """Accept one job; returns its record and whether it was created (vs an idempotent hit).
 
-        `max_queued`: QuotaExceeded (nothing written) while `owner` has that many queued jobs.
+        `max_queued`: QuotaExceeded (nothing written) while `owner` has that many queued jobs;
+        `max_depth`: QueueFull (nothing written) while that many jobs are queued in all.
         """
+        new = self.prepared(
+            request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id
+        )
+        record, created = self.store.create_job(
+            new, max_queued=max_queued, max_depth=max_depth, message=self.message_for(new)
+        )
+        self.accepted(record, created)
+        return record, created
+
+    def prepared(
+        self,
+        request: JobRequest,
+        *,
+        owner: str | None = None,
+        idempotency_key: str | None = None,
+        batch_id: str | None = None,
+    ) -> NewJob:
+        """The job `submit` would write for `request`, checked against what nodes serve."""
         # Refusals: UnknownPipeline, or a pydantic ValidationError naming the pipeline limit the
         # request is over or the input the pipeline refuses (what JobRequest's callers already
         # handle as an invalid request).
         self._check_pipeline(request.pipeline)
         self._check_limits(request)
-        new = self._new_job(
+        return self._new_job(
             request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id
         )
-        record, created = self.store.create_job(new, max_queued=max_queued)
+
+    def message_for(self, new: NewJob) -> tuple[str, str] | None:
+        """The new job's broker message for its creation script to push; None: publish after."""
+        if self._messages is None or not new.queue:
+            return None
+        try:
+            return self._messages.run_job(new.id, new.queue)
+        except (RedisError, OperationalError, OSError) as exc:
+            # Celery's first message of a queue needs the broker: without it, the write that
+            # follows says whether Redis is down (503), or the job is published after it
+            log.warning("building job %s's message failed (%s); publishing after", new.id, exc)
+            return None
+
+    def accepted(self, record: JobRecord, created: bool) -> None:
+        """After the record is written: log a new job, publish one not published yet."""
         if created:
             log.info(
                 "job %s accepted on %s",
@@ -187,9 +230,8 @@ class Submitter:
                 job_queue(record),
                 extra={"job_id": record.id},
             )
-        if created or not record.published:
+        if not record.published:  # created without its message, or a replay of such a job
             self.publish(record)
-        return record, created
 
     def submit_many(
         self,

@@ -1,9 +1,16 @@
 """Job submissions per second: through the HTTP API, through KilnClient, and the storage ceiling.
 
-Run: `.venv/bin/python tests/benchmarks/bench_api.py [--jobs 2000] [--concurrency 8]`.
-Needs Redis (KILN_TEST_REDIS_URL or 127.0.0.1:6379). The API runs in its own process (uvicorn,
-auth on, one key) so the load generator does not share its interpreter; everything writes to a
-random namespace that is deleted at the end.
+Run: `.venv/bin/python tests/benchmarks/bench_api.py [--jobs 2000] [--concurrency 8]
+[--baseline DIR] [--rounds 3]`. Needs Redis (KILN_TEST_REDIS_URL or 127.0.0.1:6379). The API
+runs in its own process (uvicorn, auth on, one key) so the load generator does not share its
+interpreter; everything writes to random namespaces that are deleted at the end.
+
+Two load generators: httpx (`concurrency` threads in this process, one keep-alive client each:
+what a Python caller does, and itself about as costly per request as the API) and a light one
+(tests/benchmarks/http_load.py: `concurrency` keep-alive connections in one asyncio loop, as
+`wrk` would). `--baseline DIR` runs a second API from another tree of the code (e.g. the commit
+before: `git archive HEAD | tar -x -C DIR`) side by side, the two measured in turn each round,
+and prints both with their ratio; on a shared machine only such interleaved ratios mean much.
 """
 
 from __future__ import annotations
@@ -11,12 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -32,6 +41,7 @@ from kiln.tasks.api.auth import hash_api_key, new_api_key  # noqa: E402
 from kiln.tasks.cli.embedded import free_port, wait_for_port  # noqa: E402
 from kiln.tasks.client.client import KilnClient  # noqa: E402
 from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
+from tests.benchmarks.http_load import post_many  # noqa: E402
 
 BODY = JobRequest(prompt="a kiln at dusk", width=64, height=64, steps=4, seed=1).to_record()
 
@@ -75,17 +85,116 @@ def client_submitter(url: str, key: str) -> Callable[[int], None]:
     return submit_some
 
 
-def start_api(env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
-    code = (
-        "from kiln.storage.settings import StorageSettings; "
-        "from kiln.tasks.contract.settings import KilnSettings; "
-        "from kiln.tasks.api.app import serve_api; "
-        f"serve_api(KilnSettings(), StorageSettings(), '127.0.0.1', {port}, "
-        "log_level='warning', access_log=False)"
+@dataclass
+class Api:
+    """One API process under test: the tree it runs, its port, its key and namespace."""
+
+    label: str
+    root: Path
+    namespace: str
+    key: str = ""
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    rates: dict[str, list[float]] = field(default_factory=dict)
+    cpu_ms: dict[str, list[float]] = field(default_factory=dict)  # server CPU per job
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, redis_url: str) -> None:
+        storage = StorageSettings(redis_url=redis_url, redis_namespace=self.namespace)
+        store = JobStore.from_settings(storage)
+        self.key = new_api_key()
+        ApiKeyStore(store.redis, storage).create(hash_api_key(self.key), "bench", admin=False)
+        self.port = free_port()
+        env = {
+            **os.environ,
+            "KILN_REDIS_URL": redis_url,
+            "KILN_REDIS_NAMESPACE": self.namespace,
+            "KILN_MAX_QUEUE_DEPTH": str(10**9),
+            "KILN_AUTH_ENABLED": "true",
+        }
+        code = (
+            f"import sys; sys.path.insert(0, {str(self.root)!r}); "
+            "from kiln.storage.settings import StorageSettings; "
+            "from kiln.tasks.contract.settings import KilnSettings; "
+            "from kiln.tasks.api.app import serve_api; "
+            f"serve_api(KilnSettings(), StorageSettings(), '127.0.0.1', {self.port}, "
+            "log_level='warning', access_log=False)"
+        )
+        # stderr dropped: the API logs a line per accepted job
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=self.root, env=env, stderr=subprocess.DEVNULL
+        )
+        wait_for_port(self.port, timeout_s=60)
+        http_submitter(self.url, self.key)(20)  # warm up
+
+    def measure(self, label: str, jobs: int, run: Callable[[], None]) -> None:
+        cpu_before = self.cpu_s()
+        self.rates.setdefault(label, []).append(rate(f"{self.label}: {label}", jobs, run))
+        per_job = (self.cpu_s() - cpu_before) / jobs * 1000
+        self.cpu_ms.setdefault(label, []).append(per_job)
+        print(f"{'':<48} server CPU {per_job:.2f} ms/job", flush=True)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the API process used so far (user + system, from /proc).
+
+        Unlike jobs/s, barely moved by what else the machine runs: 1 / (CPU per job) is what
+        the API would reach on a core of its own.
+        """
+        assert self.process is not None
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+def light_load(api: Api, jobs: int, concurrency: int) -> None:
+    """`jobs` submissions from the light generator (tests/benchmarks/http_load.py)."""
+    post_many(api.port, api.key, jobs, concurrency)
+
+
+def measure_round(api: Api, jobs: int, concurrency: int) -> None:
+    """One round on one API: both generators, `concurrency` clients."""
+    api.measure(
+        f"httpx, {concurrency} threads",
+        jobs,
+        lambda: spread(jobs, concurrency, http_submitter(api.url, api.key)),
     )
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
-    wait_for_port(port, timeout_s=60)
-    return process
+    api.measure(
+        f"light, {concurrency} connections",
+        jobs,
+        lambda: light_load(api, jobs, concurrency),
+    )
+
+
+def _spread_of(values: list[float], fmt: str) -> str:
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:{fmt}} ({low:{fmt}}-{high:{fmt}})"
+
+
+def summary(apis: list[Api]) -> None:
+    """Medians per API and generator, and the candidate's ratio to the baseline."""
+
+    def rates(api: Api) -> dict[str, list[float]]:
+        return api.rates
+
+    def cpu(api: Api) -> dict[str, list[float]]:
+        return api.cpu_ms
+
+    for title, of, fmt in (("jobs/s", rates, ".0f"), ("server CPU ms/job", cpu, ".2f")):
+        print(f"\nmedian (min-max) {title} over the rounds:", flush=True)
+        for label, first in of(apis[0]).items():
+            cells = [f"{api.label} {_spread_of(of(api)[label], fmt)}" for api in apis]
+            line = f"  {label:<26} " + "   ".join(cells)
+            if len(apis) == 2:
+                ratios = [c / b for c, b in zip(first, of(apis[1])[label], strict=True)]
+                line += f"   ratio {_spread_of(ratios, '.2f')}"
+            print(line, flush=True)
 
 
 def submitter_rate(store: JobStore, jobs: int) -> None:
@@ -114,60 +223,49 @@ def storage_ceiling(store: JobStore, jobs: int) -> None:
 
 
 def main() -> None:
-    """Run every measurement and print one line each."""
+    """Run every measurement and print one line each, then the medians."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, help="another tree of the code, run alongside")
     args = parser.parse_args()
     redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    namespace = f"kiln-bench-{secrets.token_hex(4)}"
-    storage = StorageSettings(redis_url=redis_url, redis_namespace=namespace)
-    store = JobStore.from_settings(storage)
-    key = new_api_key()
-    ApiKeyStore(store.redis, storage).create(hash_api_key(key), "bench", admin=False)
-    port = free_port()
-    env = {
-        **os.environ,
-        "KILN_REDIS_URL": redis_url,
-        "KILN_REDIS_NAMESPACE": namespace,
-        "KILN_MAX_QUEUE_DEPTH": str(10**9),
-        "KILN_AUTH_ENABLED": "true",
-    }
-    api = start_api(env, port)
-    url = f"http://127.0.0.1:{port}"
+    apis = [Api("this tree", ROOT, f"kiln-bench-{secrets.token_hex(4)}")]
+    if args.baseline:
+        apis.append(Api("baseline", args.baseline.resolve(), f"kiln-bench-{secrets.token_hex(4)}"))
     try:
+        for api in apis:
+            api.start(redis_url)
         print(
-            f"{args.jobs} jobs per line; API: 1 uvicorn process, auth on; "
+            f"{args.jobs} jobs per line; each API: 1 uvicorn process, auth on; "
             f"{os.cpu_count()} CPUs shared by server and load",
             flush=True,
         )
-        http_submitter(url, key)(20)  # warm up
+        for round_index in range(args.rounds):
+            # alternate which API goes first: neither always meets the same machine state
+            ordered = apis if round_index % 2 == 0 else apis[::-1]
+            for api in ordered:
+                measure_round(api, args.jobs, args.concurrency)
+        summary(apis)
+        candidate = apis[0]
         rate(
-            "API: httpx keep-alive, 1 connection",
+            "KilnClient.submit, 1 client",
             args.jobs,
-            lambda: http_submitter(url, key)(args.jobs),
+            lambda: client_submitter(candidate.url, candidate.key)(args.jobs),
         )
-        rate(
-            f"API: httpx keep-alive, {args.concurrency} concurrent",
-            args.jobs,
-            lambda: spread(args.jobs, args.concurrency, http_submitter(url, key)),
-        )
-        rate(
-            "KilnClient.submit, 1 client", args.jobs, lambda: client_submitter(url, key)(args.jobs)
-        )
-        rate(
-            f"KilnClient.submit, {args.concurrency} concurrent",
-            args.jobs,
-            lambda: spread(args.jobs, args.concurrency, client_submitter(url, key)),
+        store = JobStore.from_settings(
+            StorageSettings(redis_url=redis_url, redis_namespace=candidate.namespace)
         )
         submitter_rate(store, args.jobs)
         storage_ceiling(store, args.jobs)
     finally:
-        api.terminate()
-        api.wait(timeout=30)
+        for api in apis:
+            api.stop()
         client = redis.Redis.from_url(redis_url)
-        for batch_key in client.scan_iter(match=f"{namespace}:*", count=1000):
-            client.delete(batch_key)
+        for api in apis:
+            for key in client.scan_iter(match=f"{api.namespace}:*", count=1000):
+                client.delete(key)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Overnight batches: acceptance rate and API memory, Redis memory while feeding, group busy ratio.
 
 Run: `.venv/bin/python tests/benchmarks/bench_batches.py [--only accept,redis,busy]
-[--accept 10000,100000] [--redis 10000,1000000] [--redis-finish 20000] [--busy-jobs 160]`.
+[--accept 10000,100000] [--redis 10000,100000] [--million] [--redis-finish 20000]
+[--busy-jobs 160]`. `--million` adds a 1,000,000-line file to accept and redis (about 110 MB;
+each takes a minute or two to accept on 2 shared cores).
 
 1. accept: a JSONL file POSTed to /v1/batches through `KilnClient.submit_batch` (streamed), the
    API in its own uvicorn process; lines/s, and the API's peak RSS (VmHWM) after each size.
    Flat memory means the peak after the big file is no higher than after the small one.
-2. redis: a batch accepted (in-process `BatchService.submit_lines`, the CLI's path) and fed by a
-   real `BatchFeeder`, its jobs run to success by hand as fast as the store allows (no node);
-   Redis `used_memory` above the empty baseline, peak while it runs, per line of the batch. The
-   big batch runs until `--redis-finish` lines are done (a full 1M would take too long by hand).
+2. redis: a batch accepted the same way (HTTP, an API process of its own) and fed by a real
+   `BatchFeeder`, its jobs run to success by hand as fast as the store allows (no node); Redis
+   `used_memory` above the empty baseline right after acceptance and at its peak while feeding,
+   per line of the batch. A batch runs until `--redis-finish` lines are done (a full 1M would
+   take too long by hand).
    Finished job records are kept for `KILN_BATCH_ITEM_RETENTION_S`; it is set to 0 here, so the
    figure is what feeding itself holds (with retention on, finished records add up until expiry).
 3. busy: two `kiln worker` nodes serving the `busy` fixture pipeline (sleeps per request); the
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from unittest.mock import patch
 
@@ -41,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
 from kiln.storage.batch_feeding import BatchFeeding  # noqa: E402
+from kiln.storage.batch_store import BatchStore  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
 from kiln.storage.states import JobState  # noqa: E402
 from kiln.storage.status import JobStore  # noqa: E402
@@ -101,9 +106,9 @@ def peak_rss_mb(pid: int) -> float:
 
 
 # --- 1. accepting a file through the API ----------------------------------------------------
-def bench_accept(sizes: list[int], folder: Path) -> None:
-    server, redis_url = start_redis(folder)
-    env = {**base_env(redis_url, folder), "KILN_AUTH_ENABLED": "true"}
+@contextmanager
+def api_process(env: dict[str, str]) -> Iterator[tuple[KilnClient, subprocess.Popen[bytes]]]:
+    """The API in a uvicorn process of its own, and a client with a fresh key."""
     key = new_api_key()
     with patch.dict(os.environ, clear=True, values=env):
         storage = StorageSettings()
@@ -122,13 +127,30 @@ def bench_accept(sizes: list[int], folder: Path) -> None:
         wait_for_port(port, timeout_s=60)
         with KilnClient(f"http://127.0.0.1:{port}", key, timeout=3600) as client:
             client.submit_batch(iter([{**LINE, "custom_id": "warm"}]), pipeline="tiny")
+            yield client, api
+    finally:
+        api.terminate()
+        api.wait(30)
+
+
+def accept_file(client: KilnClient, path: Path, lines: int) -> tuple[str, float]:
+    """POST the file (streamed); the batch id and the seconds it took."""
+    started = time.perf_counter()
+    view = client.submit_batch(path, pipeline="tiny")
+    elapsed = time.perf_counter() - started
+    assert view.counts.total == lines
+    return view.id, elapsed
+
+
+def bench_accept(sizes: list[int], folder: Path) -> None:
+    server, redis_url = start_redis(folder)
+    env = {**base_env(redis_url, folder), "KILN_AUTH_ENABLED": "true"}
+    try:
+        with api_process(env) as (client, api):
             print(f"accept: API peak RSS before any file {peak_rss_mb(api.pid):8.1f} MB")
             for lines in sizes:
                 path = write_batch(folder / f"accept-{lines}.jsonl", lines)
-                started = time.perf_counter()
-                view = client.submit_batch(path, pipeline="tiny")
-                elapsed = time.perf_counter() - started
-                assert view.counts.total == lines
+                _, elapsed = accept_file(client, path, lines)
                 size_mb = path.stat().st_size / 1e6
                 print(
                     f"accept: {lines:>9} lines ({size_mb:6.1f} MB) {elapsed:7.2f} s "
@@ -137,8 +159,6 @@ def bench_accept(sizes: list[int], folder: Path) -> None:
                 )
                 path.unlink()
     finally:
-        api.terminate()
-        api.wait(30)
         server.terminate()
         server.wait(10)
 
@@ -147,60 +167,59 @@ def bench_accept(sizes: list[int], folder: Path) -> None:
 def bench_redis(sizes: list[int], finish_at_most: int, folder: Path) -> None:
     for lines in sizes:
         server, redis_url = start_redis(folder)
+        env = {**base_env(redis_url, folder), "KILN_AUTH_ENABLED": "true"}
+        client = redis.Redis.from_url(redis_url)
         try:
-            peak, done, total = feed_and_measure(lines, finish_at_most, redis_url, folder)
+            with api_process(env) as (api_client, _api):
+                empty = int(client.info("memory")["used_memory"])
+                path = write_batch(folder / f"redis-{lines}.jsonl", lines)
+                batch_id, accept_s = accept_file(api_client, path, lines)
+                path.unlink()
+                accepted = int(client.info("memory")["used_memory"]) - empty
+                started = time.perf_counter()
+                peak, done = feed_and_measure(batch_id, finish_at_most, env, client, empty)
+                feed_s = time.perf_counter() - started
         finally:
             server.terminate()
             server.wait(10)
         print(
-            f"redis: batch of {lines:>9} lines, {done:>7} run to success: Redis peak "
-            f"{peak / 1e6:8.2f} MB above empty = {peak / total:8.1f} bytes/line of the batch",
+            f"redis: {lines:>9} lines accepted via HTTP in {accept_s:6.1f} s "
+            f"({lines / accept_s:6.0f} lines/s), Redis +{accepted / 1e6:5.2f} MB; "
+            f"{done:>6} fed and run in {feed_s:6.1f} s: Redis peak {peak / 1e6:6.2f} MB "
+            f"above empty = {peak / lines:7.1f} bytes/line of the batch",
             flush=True,
         )
 
 
-def feed_and_measure(lines: int, finish: int, redis_url: str, folder: Path) -> tuple[int, int, int]:
+def feed_and_measure(
+    batch_id: str, finish: int, env: dict[str, str], client: redis.Redis[bytes], empty: int
+) -> tuple[int, int]:
+    """Feed the batch with a real feeder, running its queued jobs to success by hand."""
     from kiln.storage.objects import open_object_store
     from kiln.tasks.batches.feeder import BatchFeeder
-    from kiln.tasks.batches.intake import LineDefaults
-    from kiln.tasks.batches.service import BatchOptions, BatchService
     from kiln.tasks.contract.settings import KilnSettings
     from kiln.tasks.queue.submit import Submitter
     from tests.tasks.helpers import drive_to_success
 
-    with patch.dict(os.environ, clear=True, values=base_env(redis_url, folder)):
+    with patch.dict(os.environ, clear=True, values=env):
         storage, settings = StorageSettings(), KilnSettings()
     settings = settings.model_copy(
         update={"batch_item_retention_s": 0, "batch_results_flush_s": 0.5}
     )
     store, objects = JobStore.from_settings(storage), open_object_store(storage)
-    client = redis.Redis.from_url(redis_url)
-    empty = int(client.info("memory")["used_memory"])
     submitter = Submitter(store, settings, publish=lambda *_a, **_k: None)
-    service = BatchService(store, objects, submitter, settings, lambda _raw: [])
-    path = write_batch(folder / f"redis-{lines}.jsonl", lines)
-    batch, _ = service.submit_lines(
-        file_chunks(path), BatchOptions(LineDefaults(pipeline="tiny"), 24 * 3600)
-    )
-    path.unlink()
-    assert batch is not None
     feeder = BatchFeeder(store, objects, submitter, settings, "bench")
     feeding = BatchFeeding(store.redis, store.settings)
+    total = BatchStore(store.redis, store.settings).get_fed(batch_id).items
     peak, done = 0, 0
-    while done < min(lines, finish):
+    while done < min(total, finish):
         feeder.tick()
-        for job_id, _line in feeding.open_items(batch.id):
+        for job_id, _line in feeding.open_items(batch_id):
             if store.get(job_id).state == JobState.QUEUED:
                 drive_to_success(store, job_id, steps=1)
                 done += 1
         peak = max(peak, int(client.info("memory")["used_memory"]) - empty)
-    return peak, done, lines
-
-
-def file_chunks(path: Path) -> Iterator[bytes]:
-    with path.open("rb") as handle:
-        while chunk := handle.read(256 * 1024):
-            yield chunk
+    return peak, done
 
 
 # --- 3. busy ratio of two nodes fed by a batch -----------------------------------------------
@@ -233,6 +252,9 @@ def bench_busy(jobs: int, sleep_s: float, folder: Path) -> None:
 
 def busy_run(cluster: Cluster, mode: str, jobs: int, run: Path) -> float:
     lines = [{**LINE, "seed": n, "custom_id": f"b{n:05d}"} for n in range(jobs)]
+    # each node's warm-up forward at start-up is no job's: counting it put the nodes' start-up
+    # skew and the time until the first job exists into the wall (bench_batch_busy.py `raw`)
+    submitted_at = time.time()
     if mode == "batch":
         path = run / "batch.jsonl"
         path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -248,8 +270,9 @@ def busy_run(cluster: Cluster, mode: str, jobs: int, run: Path) -> float:
         for job_id in ids:
             cluster.wait_for(job_id, timeout_s=3600)
     spans = [
-        tuple(map(float, row.split()[:2]))
+        span
         for row in (run / "forwards.txt").read_text().splitlines()
+        if (span := tuple(map(float, row.split()[:2])))[0] >= submitted_at
     ]
     busy = sum(end - start for start, end in spans)
     wall = max(end for _, end in spans) - min(start for start, _ in spans)
@@ -261,19 +284,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", default="accept,redis,busy")
     parser.add_argument("--accept", default="10000,100000")
-    parser.add_argument("--redis", default="10000,1000000")
+    parser.add_argument("--redis", default="10000,100000")
+    parser.add_argument(
+        "--million", action="store_true", help="add a 1,000,000-line file to accept and redis"
+    )
     parser.add_argument("--redis-finish", type=int, default=20_000)
     parser.add_argument("--busy-jobs", type=int, default=160)
     parser.add_argument("--busy-sleep", type=float, default=0.2)
     args = parser.parse_args()
     only = set(args.only.split(","))
+    million = [1_000_000] if args.million else []
     print(f"{os.cpu_count()} CPUs (shared); private redis-server per part", flush=True)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-batches-") as tmp:
         folder = Path(tmp)
         if "accept" in only:
-            bench_accept([int(n) for n in args.accept.split(",")], folder)
+            bench_accept([int(n) for n in args.accept.split(",")] + million, folder)
         if "redis" in only:
-            bench_redis([int(n) for n in args.redis.split(",")], args.redis_finish, folder)
+            sizes = [int(n) for n in args.redis.split(",")] + million
+            bench_redis(sizes, args.redis_finish, folder)
         if "busy" in only:
             bench_busy(args.busy_jobs, args.busy_sleep, folder)
 

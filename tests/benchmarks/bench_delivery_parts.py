@@ -9,22 +9,28 @@ shared machine slows both alike; the table prints the p50 of each and their rati
 1. delivery: `acquire_lease` + `start` (two scripts) vs `acquire_and_start` (one);
 2. upload of a 2 KiB PNG-sized object: put + HEAD read-back (`KILN_UPLOAD_VERIFY=head`) vs put
    whose echoed checksum is trusted (`checksum`);
-3. the API's key lookup: a Redis read per request (`KILN_API_KEY_CACHE_S=0`) vs the cache.
+3. the API's key lookup: a Redis read per request (`KILN_API_KEY_CACHE_S=0`) vs the cache;
+4. a job's encode + upload (64x64 PNG, trusted checksum) with its `encoding` and `uploading`
+   progress written on the task thread, each waited for (`write_now`), vs handed to the progress
+   writer's stage thread (`write_soon`), the task thread waiting only before the terminal
+   transition (`settle`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
+import numpy as np
 import redis
 from moto.server import ThreadedMotoServer
 from pydantic import SecretStr
@@ -38,7 +44,8 @@ from kiln.storage.s3_store import S3ObjectStore  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
 from kiln.storage.status import JobStore, NewJob  # noqa: E402
 from kiln.tasks.api.auth import Authenticator, hash_api_key, new_api_key  # noqa: E402
-from kiln.tasks.node.uploads import UploadVerify, put_verified  # noqa: E402
+from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter  # noqa: E402
+from kiln.tasks.node.uploads import UploadVerify, encode_and_upload, put_verified  # noqa: E402
 
 Timed = Callable[[int], object]
 
@@ -84,7 +91,9 @@ def delivery(store: JobStore, rounds: int) -> None:
     compare("delivery: acquire+start vs one script", two_scripts, one_script, rounds)
 
 
-def uploads(rounds: int) -> None:
+@contextlib.contextmanager
+def moto_objects() -> Iterator[S3ObjectStore]:
+    """An object store on a moto server of this process, bucket created."""
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -105,6 +114,13 @@ def uploads(rounds: int) -> None:
         aws_access_key_id="bench",
         aws_secret_access_key="bench",
     ).create_bucket(Bucket="kiln-bench")
+    try:
+        yield store
+    finally:
+        server.stop()
+
+
+def uploads(store: S3ObjectStore, rounds: int) -> None:
     data = secrets.token_bytes(2048)
 
     def put(verify: UploadVerify) -> Timed:
@@ -114,10 +130,45 @@ def uploads(rounds: int) -> None:
 
         return run
 
+    compare("upload: put + HEAD vs trusted checksum", put("head"), put("checksum"), rounds)
+
+
+def stage_progress(jobs: JobStore, objects: S3ObjectStore, rounds: int) -> None:
+    writer = ProgressWriter(jobs, interval_s=60.0)
+    writer.start()
+    frames = np.random.default_rng(0).integers(0, 255, (1, 64, 64, 3), dtype=np.uint8)
+    request = {"output_format": "png", "fps": 8, "seed": 0}
+
+    def running_jobs() -> list[tuple[str, int]]:
+        news = [NewJob(id=secrets.token_hex(8), request={}) for _ in range(rounds)]
+        jobs.create_jobs(news)
+        return [(new.id, jobs.acquire_and_start(new.id, "bench")[0]) for new in news]
+
+    started = {False: running_jobs(), True: running_jobs()}
+
+    def encode_upload(handed_over: bool) -> Timed:
+        write = writer.write_soon if handed_over else writer.write_now
+
+        def run(index: int) -> None:
+            job_id, token = started[handed_over][index]
+
+            def on_stage(stage: str, step: int, total: int) -> None:
+                progress = {"stage": stage, "step": step, "total": total}
+                write(job_id, PendingProgress(token, progress))
+
+            encode_and_upload(
+                objects, job_id, request, [frames], retry_for_s=10.0, on_stage=on_stage,
+                verify="checksum",
+            )  # fmt: skip
+            writer.settle(job_id)  # what the task thread waits for before `succeed`
+
+        return run
+
     try:
-        compare("upload: put + HEAD vs trusted checksum", put("head"), put("checksum"), rounds)
+        compare("encode+upload: stage writes waited/not", encode_upload(False),
+                encode_upload(True), rounds)  # fmt: skip
     finally:
-        server.stop()
+        writer.stop()
 
 
 def key_lookups(store: JobStore, settings: StorageSettings, rounds: int) -> None:
@@ -136,7 +187,7 @@ def key_lookups(store: JobStore, settings: StorageSettings, rounds: int) -> None
 
 
 def main() -> None:
-    """Run the three comparisons and print one line each."""
+    """Run the four comparisons and print one line each."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=300)
     args = parser.parse_args()
@@ -147,7 +198,9 @@ def main() -> None:
     print(f"{'p50 per call, ' + str(args.rounds) + ' rounds':<40} {'old':>11} {'new':>11}")
     try:
         delivery(store, args.rounds)
-        uploads(args.rounds)
+        with moto_objects() as objects:
+            uploads(objects, args.rounds)
+            stage_progress(store, objects, args.rounds)
         key_lookups(store, settings, args.rounds)
     finally:
         client = redis.Redis.from_url(redis_url)

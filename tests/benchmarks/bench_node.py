@@ -350,9 +350,11 @@ TIMELINE = [
     "queued -> running (publish, broker, task, lease)",
     "running -> forward starts on rank 0",
     "forward on rank 0 (compute + per-step sync)",
-    "forward ends -> frames on task thread",
-    "encode + 'uploading' progress write",
-    "upload (put, verify) + succeed",
+    # The task thread hands the 'encoding' and 'uploading' stages to the progress writer, which
+    # writes them while it encodes and uploads: the next three end when those events landed.
+    "forward ends -> 'encoding' event written",
+    "-> 'uploading' event written (encode)",
+    "-> succeeded (rest of upload, succeed)",
     "succeeded -> client sees event (XREAD)",
 ]
 

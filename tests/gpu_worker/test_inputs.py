@@ -30,8 +30,9 @@ from kiln.gpu_worker.inputs import (
 )
 from kiln.gpu_worker.limits import TINY_LIMITS
 from kiln.gpu_worker.pipelines import load_pipeline
-from kiln.gpu_worker.pipelines.diffusers_inputs import call_parameters, derive_input_schema
+from kiln.gpu_worker.pipelines.diffusers_inputs import derive_input_schema
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+from kiln.gpu_worker.pipelines.signature_kinds import call_parameters
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
 

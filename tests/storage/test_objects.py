@@ -137,3 +137,26 @@ def test_open_object_store_by_url(
     assert s3.prefix == "outputs"
     relative = StorageSettings(storage_url="file://./somewhere")
     assert relative.storage_url == "file://" + str(Path("somewhere").resolve())
+
+
+def test_list_keys_gives_every_object_under_a_folder_page_by_page(store: ObjectStore) -> None:
+    folder = f"{store.prefix}/loras/tiny" if store.prefix else "loras/tiny"
+    # nested keys count; a sibling folder whose name starts the same does not
+    names = [f"{folder}/a{i:02d}/w.bin" for i in range(12)] + [f"{folder}/b/deep/w.bin"]
+    for key in names:
+        store.put(key, b"x", "application/octet-stream")
+    store.put(f"{folder}-other/w.bin", b"x", "application/octet-stream")
+    assert list(store.list_keys(folder)) == sorted(names)
+    store.delete(names[0])
+    assert list(store.list_keys(folder)) == sorted(names[1:])
+    assert list(store.list_keys(f"{folder}/none")) == []
+    with pytest.raises(InvalidObjectKey):
+        list(store.list_keys("../escape"))
+
+
+def test_s3_list_keys_follows_continuation_tokens(s3_settings: StorageSettings) -> None:
+    store = S3ObjectStore.from_settings(s3_settings)
+    keys = [f"outputs/many/{i:04d}" for i in range(1005)]  # moto answers 1000 keys a page
+    for key in keys:
+        store.client.put_object(Bucket=store.bucket, Key=key, Body=b"")
+    assert list(store.list_keys("outputs/many")) == keys

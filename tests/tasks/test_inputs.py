@@ -23,7 +23,8 @@ from kiln.tasks.cli.commands import parse_inputs
 from kiln.tasks.cli.exits import UsageError
 from kiln.tasks.cli.main import EXIT_USAGE, main
 from kiln.tasks.client.client import KilnClient, ValidationFailed
-from kiln.tasks.contract.inputs import INPUT_ALIASES, input_violation, value_violation
+from kiln.tasks.contract.input_values import value_violation
+from kiln.tasks.contract.inputs import INPUT_ALIASES, input_violation
 from kiln.tasks.contract.limits import TINY_IMAGE
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.queue.submit import Submitter

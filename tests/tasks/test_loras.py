@@ -1,4 +1,4 @@
-"""A job's `loras`: the field's own rules, and the API's check against announced adapters.
+"""A job's `loras`: the field's own rules, the API's check against announced adapters, the CLI.
 
 Adapters are announced in node heartbeats (real Redis) as `Node.health()` writes them; the API
 (real uvicorn) refuses an adapter no live node serving the pipeline offers, naming
@@ -7,6 +7,8 @@ Adapters are announced in node heartbeats (real Redis) as `Node.health()` writes
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import httpx
@@ -14,6 +16,9 @@ import pytest
 from pydantic import ValidationError
 
 from kiln.storage.status import request_fingerprint
+from kiln.tasks.cli.commands import parse_loras
+from kiln.tasks.cli.exits import UsageError
+from kiln.tasks.cli.main import EXIT_JOB_FAILED, EXIT_USAGE
 from kiln.tasks.contract.loras import MAX_LORA_SCALE, MAX_LORAS, LoraSpec
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.node.adapters import heartbeat_adapters
@@ -106,3 +111,41 @@ def test_the_heartbeat_merges_replica_groups_and_lists_every_pipeline() -> None:
         "tiny": {"available": [], "loaded": ["ember", "frost"], "fused": ["ember"]},
         "tiny-video": {"available": [], "loaded": [], "fused": []},
     }
+
+
+# --- the CLI: kiln submit --lora NAME[:SCALE] --------------------------------------------------
+
+
+def test_cli_loras_are_names_with_an_optional_scale() -> None:
+    assert parse_loras(["ember", "frost:0.5", "smoke:-1"]) == [
+        {"name": "ember"}, {"name": "frost", "scale": 0.5}, {"name": "smoke", "scale": -1.0},
+    ]  # fmt: skip
+    with pytest.raises(UsageError, match="SCALE"):
+        parse_loras(["ember:strong"])
+
+
+def kiln(*args: str) -> subprocess.CompletedProcess[str]:
+    """`kiln ARGS` in its own process, as a user runs it."""
+    command = [sys.executable, "-m", "kiln.tasks.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_cli_submits_loras_through_the_api(api: Api) -> None:
+    announce(api, "node-a", ["ember", "frost"])
+    base = ["submit", "a fox", "--pipeline", "tiny", "--width", "64", "--height", "64",
+            "--api", api.url, "--api-key", api.keys["alice"]]  # fmt: skip
+    submitted = kiln(*base, "--lora", "ember:0.5", "--lora", "frost")
+    assert submitted.returncode == 0, submitted.stderr
+    assert api.store.get(submitted.stdout.strip()).request["loras"] == [
+        {"name": "ember", "scale": 0.5}, {"name": "frost", "scale": 1.0},
+    ]  # fmt: skip
+    # The API's refusal of an adapter no node offers: one line naming it, no traceback.
+    refused = kiln(*base, "--lora", "smoke")
+    assert refused.returncode == EXIT_JOB_FAILED  # as every refusal the API answers
+    assert refused.stderr.strip() == (
+        "kiln: HTTP 422: body.loras.0.name: no adapter 'smoke' for pipeline tiny; "
+        "available: ember, frost"
+    )
+    twice = kiln(*base, "--lora", "ember", "--lora", "ember:2")  # refused before any request
+    assert twice.returncode == EXIT_USAGE
+    assert "an adapter must not be named twice" in twice.stderr

@@ -172,6 +172,22 @@ def test_a_sigterm_drain_is_not_undone_by_the_operator(harness: NodeHarness) -> 
     assert list(harness.node.controls.consuming) == []
 
 
+def test_a_shutting_down_node_sends_its_worker_no_commands(harness: NodeHarness) -> None:
+    """SIGTERM: Celery's warm shutdown stops consuming and answers no remote control.
+
+    A cancel sent then would only wait out its reply timeout, per queue, holding the exit back.
+    """
+    controls, switch, exits = controls_for(harness)
+    controls.start_queues()
+    harness.node.controls.shutting_down = True  # what SIGTERM sets, with the drain
+    harness.node.draining.set()
+    harness.store.request_drain(harness.node.node_id, exit=True)  # and an operator's drain-exit
+    controls.poll()
+    assert switch.calls == []
+    assert list(harness.node.controls.consuming) == []
+    assert exits == []  # a second SIGTERM would cut the warm shutdown short
+
+
 def test_the_running_cap_defers_a_start(make_node: NodeFactory) -> None:
     harness = make_node(max_running_per_key=1)
     first, second, other = (owned_job(harness, o) for o in ("key_a", "key_a", "key_b"))

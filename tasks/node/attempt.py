@@ -1,0 +1,199 @@
+"""One attempt of a job whose lease a delivery of `run_job` holds (tasks/node/jobs.py).
+
+The attempt fetches the job's image inputs, has the node's group generate, encodes and uploads
+the outputs, and ends the job: succeeded; canceled, handed back or left to the lease's new holder
+when it was told to stop; failed, or re-queued for a retry while attempts are left. Every write
+is fenced by the lease token, so an attempt that lost its lease never overwrites the work of the
+node that took over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
+from kiln.gpu_worker.protocol import GenerationResult, StepProgress
+from kiln.storage.errors import StaleLease, StorageError
+from kiln.storage.status import JobRecord
+from kiln.tasks.node.compute import generation_request, run_metrics
+from kiln.tasks.node.image_inputs import (
+    FetchedImage,
+    ImageInputRejected,
+    fetch_job_images,
+    input_facts,
+    with_images,
+)
+from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
+from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome
+from kiln.tasks.node.progress_writer import PendingProgress
+from kiln.tasks.node.uploads import encode_and_upload
+from kiln.tasks.queue.policy import error_dict, retry_delay
+
+log = logging.getLogger(__name__)
+
+
+class LeasedAttempt:
+    """Runs one started attempt to its end; `run()` returns what the delivery did."""
+
+    def __init__(
+        self,
+        node: Node,
+        record: JobRecord,
+        tracked: TrackedJob,
+        notify: Callable[[str], None],
+        *,
+        progress_webhooks: bool,
+    ) -> None:
+        self.node = node
+        self.store = node.store
+        self.settings = node.settings
+        self.job_id = record.id
+        self.record = record  # as `start` returned it: this attempt is counted
+        self.tracked = tracked
+        self.notify = notify  # the job's webhook events (a no-op without a webhook)
+        self.progress_webhooks = progress_webhooks
+        self.outcome = DeliveryOutcome(Delivery.DROPPED)
+
+    def run(self) -> DeliveryOutcome:
+        """Generate and store the outputs; any failure ends the job (it never raises for it)."""
+        record = self.record
+        try:
+            self._generate_and_store()
+        except JobStopped:
+            self._stopped()
+        except GpuWorkerError as exc:
+            if isinstance(exc, OutOfMemory):
+                self.node.metrics.count_oom(str(record.request.get("pipeline")))
+            self._failed(error_dict(exc), retryable=exc.retryable)
+        except StaleLease:
+            log.warning("job %s: lease lost to another node; leaving it to them", self.job_id)
+            self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
+        except StorageError as exc:
+            self._failed(error_dict(exc), retryable=exc.retryable)
+        except ImageInputRejected as exc:  # the job's own input: fails it, no traceback
+            self._failed(error_dict(exc), retryable=False)
+        except Exception as exc:  # a bug or a bad request: fail the job, never loop on it
+            log.exception("job %s failed unexpectedly", self.job_id)
+            self._failed(error_dict(exc), retryable=False)
+        return self.outcome
+
+    def _generate_and_store(self) -> None:
+        record, tracked = self.record, self.tracked
+        images = fetch_job_images(self.node, record)  # before compute: a refusal runs nothing
+        self.node.adapter_sources.fetch(generation_request(record))  # store adapters, first use
+        result = self._generate(images)
+        if tracked.stop_reason is not None:
+            raise JobStopped(tracked.stop_reason)
+        report = encode_and_upload(
+            self.node.objects,
+            self.job_id,
+            record.request,
+            result.outputs,
+            retry_for_s=self.settings.upload_retry_s,
+            on_stage=lambda stage, step, total: self._progress(
+                stage, step, total, on_task_thread=True
+            ),
+            on_retry=self.node.metrics.count_upload_retry,
+            verify=self.settings.upload_verify,
+        )
+        self.node.metrics.observe_stage("encode", report.encode_s)
+        self.node.metrics.observe_stage("upload", report.upload_s)
+        metrics: dict[str, Any] = {**run_metrics(record, result, report.encode_s, report.upload_s)}
+        metrics.update(input_facts(images))  # what each image input was: sha256, size, source
+        self.node.progress.settle(self.job_id)  # stages written; the terminal state ends them
+        self.store.succeed(self.job_id, tracked.lease_token, report.outputs, metrics)
+        self.outcome = DeliveryOutcome(Delivery.SUCCEEDED)
+        log.info("job %s succeeded: %s", self.job_id, metrics)
+        self.notify("completed")
+
+    def _generate(self, images: dict[str, FetchedImage]) -> GenerationResult:
+        decoding_at: list[float] = []  # when the ranks reported the last denoising step
+        tracked = self.tracked
+
+        # Both callbacks run on the coordinator's threads between steps: memory only, no I/O.
+        def on_progress(progress: StepProgress) -> None:
+            if progress.stage == "decoding" and not decoding_at:
+                decoding_at.append(time.monotonic())
+            self._progress(progress.stage, progress.step, progress.total)
+
+        def should_stop() -> bool:
+            return tracked.stop_reason is not None  # set by heartbeat, cancel watch or drain
+
+        max_run = self.record.request.get("max_run_seconds")
+        submitted = time.monotonic()
+        future = self.node.submit(
+            with_images(generation_request(self.record), images),
+            on_progress=on_progress,
+            should_stop=should_stop,
+            max_run_seconds=float(max_run) if max_run else None,
+        )
+        result = future.result()
+        self._observe_compute(result, time.monotonic() - submitted, decoding_at)
+        return result
+
+    def _observe_compute(
+        self, result: GenerationResult, total_s: float, decoding_at: list[float]
+    ) -> None:
+        """Split the group's part of the attempt into load, denoise and decode."""
+        if result.metrics is None:
+            return
+        # run_s is the forward on the ranks (denoising and decoding); the rest of the time since
+        # the submit is "load": waiting for the group and the batch to start.
+        run_s = min(result.metrics.run_s, total_s)
+        decode_s = min(time.monotonic() - decoding_at[0], run_s) if decoding_at else 0.0
+        self.node.metrics.observe_stage("load", total_s - run_s)
+        self.node.metrics.observe_stage("denoise", run_s - decode_s)
+        self.node.metrics.observe_stage("decode", decode_s)
+        self.node.metrics.observe_wake(result.metrics.wake_s)
+
+    def _progress(self, stage: str, step: int, total: int, on_task_thread: bool = False) -> None:
+        tracked = self.tracked
+        tracked.last_progress_at = time.time()
+        changed = stage != tracked.last_stage or step == total
+        tracked.last_stage = stage
+        after_write = (lambda: self.notify("progress")) if self.progress_webhooks else None
+        pending = PendingProgress(
+            tracked.lease_token, {"stage": stage, "step": step, "total": total}, after_write
+        )
+        if on_task_thread:  # encoding/uploading: each written, in order, as the work goes on
+            self.node.progress.write_soon(self.job_id, pending)
+        else:
+            self.node.progress.update(self.job_id, pending, urgent=changed)
+
+    def _stopped(self) -> None:
+        self.node.progress.settle(self.job_id)
+        token = self.tracked.lease_token
+        reason = self.tracked.stop_reason
+        if reason == JobStopReason.CANCELED:
+            self.store.finish_canceled(self.job_id, token)
+            self.outcome = DeliveryOutcome(Delivery.CANCELED)
+            log.info("job %s canceled while running", self.job_id)
+            self.notify("completed")
+        elif reason == JobStopReason.HANDED_BACK:
+            error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
+            self.node.submitter.publish(self.store.requeue(self.job_id, token, error))
+            self.outcome = DeliveryOutcome(Delivery.HANDED_BACK, error)
+            log.info("job %s handed back to the queue (the node is draining)", self.job_id)
+        else:
+            log.warning("job %s stopped after its lease was lost", self.job_id)
+            self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
+
+    def _failed(self, error: dict[str, Any], *, retryable: bool) -> None:
+        self.node.progress.settle(self.job_id)
+        token = self.tracked.lease_token
+        attempts = self.record.attempts
+        if retryable and attempts < self.settings.max_attempts:
+            requeued = self.store.requeue(self.job_id, token, error)
+            delay = retry_delay(attempts, self.settings)
+            self.node.submitter.publish(requeued, countdown=delay)
+            self.outcome = DeliveryOutcome(Delivery.RETRYING, error, delay)
+            log.info("job %s: retryable failure, retry %d in %.1fs", self.job_id, attempts, delay)
+            return
+        error = {**error, "retryable": False} if retryable else error
+        self.store.fail(self.job_id, token, error)
+        self.outcome = DeliveryOutcome(Delivery.FAILED, error)
+        log.warning("job %s failed: %s: %s", self.job_id, error.get("type"), error.get("message"))
+        self.notify("completed")

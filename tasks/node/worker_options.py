@@ -1,0 +1,115 @@
+"""What `kiln worker` is asked to run: its options, parsed and checked before anything starts.
+
+Refusals are ValueErrors naming the flag (the CLI prints them as one line), raised while the
+options are built: before Celery, torch or any rank starts. Nothing here imports torch (a
+webhooks-only worker never loads it); the group checks import gpu_worker's plain parsing only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, node_queues
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What `kiln worker` was asked to run."""
+
+    pipelines: dict[str, str] = field(default_factory=dict)
+    devices: str = "cpu:1"
+    lanes: tuple[str, ...] = LANES
+    max_batch: int = 4
+    batch_window_ms: float = 0.0
+    parallel: str = "auto"
+    concurrency: int | None = None
+    webhooks: bool = False
+    node_id: str | None = None
+    loglevel: str = "INFO"
+    group_size: int | None = None  # ranks per replica group; None: one group over every device
+    # Over the KILN_ settings of the same names when given (gpu_worker/settings.py).
+    idle_sleep_s: float | None = None
+    sleep_mode: str | None = None
+    compile: bool | None = None
+    warmup: tuple[str, ...] = ()
+    lora_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.pipelines:  # a webhooks-only worker has no group, and must not import torch
+            check_group_options(self.devices, self.parallel, self.group_size)
+            check_sleep_and_warmup(self.idle_sleep_s, self.warmup)
+
+
+def check_sleep_and_warmup(idle_sleep_s: float | None, warmup: Sequence[str]) -> None:
+    """Refuse, naming the flag, a non-positive idle time and a malformed warm-up shape."""
+    from kiln.gpu_worker.warmup import parse_warmup_shape  # plain parsing, no torch
+
+    if idle_sleep_s is not None and not idle_sleep_s > 0:
+        raise ValueError(f"--idle-sleep-s {idle_sleep_s}: must be a positive number of seconds")
+    for text in warmup:
+        try:
+            parse_warmup_shape(text)
+        except ValueError as exc:
+            raise ValueError(f"--warmup {text}: {exc}") from exc
+
+
+def check_group_options(devices: str, parallel: str, group_size: int | None = None) -> None:
+    """Refuse, naming the flag, devices this machine lacks and a parallel mode that wastes them.
+
+    Raised while the options are built, before Celery or any rank starts (ValueError: the CLI
+    prints it as one line).
+    """
+    from kiln.gpu_worker.config import check_devices, check_parallel
+    from kiln.gpu_worker.parallel import ParallelSpec
+
+    try:
+        world = check_devices(split_devices(devices))
+    except ValueError as exc:
+        raise ValueError(f"--devices {devices}: {exc}") from exc
+    if group_size is not None and (group_size < 1 or len(world) % group_size):
+        raise ValueError(
+            f"--group-size {group_size}: {len(world)} device(s) do not split into groups of that "
+            "many ranks"
+        )
+    try:  # the ranks of one group share its jobs
+        check_parallel(ParallelSpec(mode=parallel), group_size or len(world))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"--parallel {parallel}: {exc}") from exc
+
+
+def split_devices(devices: str) -> list[str]:
+    """`cuda:0, cuda:1` → ['cuda:0', 'cuda:1']."""
+    return [device.strip() for device in devices.split(",")]
+
+
+def parse_pipelines(values: Sequence[str]) -> dict[str, str]:
+    """`tiny` → {tiny: tiny}; `default=tiny` → {default: tiny}; `x=diffusers:/m` likewise."""
+    pipelines: dict[str, str] = {}
+    for value in values:
+        name, sep, spec = value.partition("=")
+        if not sep:
+            spec = name
+            name = name.split(":", 1)[0] if name.startswith(("diffusers:", "python:")) else name
+        if not name or not spec:
+            raise ValueError(f"--pipeline {value!r}: expected NAME or NAME=SPEC")
+        pipelines[name] = spec
+    return pipelines
+
+
+def parse_lanes(value: str) -> tuple[str, ...]:
+    """`interactive,bulk` → lanes, refusing unknown names."""
+    lanes = tuple(part.strip() for part in value.split(",") if part.strip())
+    unknown = [lane for lane in lanes if lane not in LANES]
+    if unknown or not lanes:
+        raise ValueError(f"--queues: unknown lane(s) {unknown}; use {', '.join(LANES)}")
+    return lanes
+
+
+def worker_queues(options: WorkerOptions) -> list[str]:
+    """The queues this worker consumes, in priority order."""
+    queues = node_queues(options.lanes, list(options.pipelines))
+    if options.webhooks or not options.pipelines:
+        queues.append(WEBHOOKS_QUEUE)
+    return queues

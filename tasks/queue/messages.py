@@ -1,0 +1,175 @@
+"""`run_job` messages built by Celery itself, for the job's creation script to push.
+
+Publishing through kombu costs each job another Redis round trip after its record is written
+(and one more to mark it published), and a window in which the record exists
+but its message does not (closed later by the sweeper). `CeleryMessages` instead lets Celery
+build the message exactly as `send_task` would (headers, properties, body encoding, priority
+and the list key the Redis transport would push to), but on a channel whose `_put` hands the
+serialized message back instead of sending it: the creation script (storage/lua/create.lua)
+then pushes it in the same step that writes the record. Workers see the very message kombu would
+have sent (tests/tasks/test_submit_messages.py runs a real `celery worker` on them).
+
+Only where the broker is the Redis that holds Kiln's records and task events are off: otherwise
+the ordinary publish (`usable_for`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from kombu import Connection, Producer
+from kombu.transport import redis as redis_transport
+from kombu.utils.json import dumps
+
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.app import RUN_JOB_TASK
+
+
+class _CapturingChannel(redis_transport.Channel):
+    """A Redis transport channel that keeps the messages it would push instead of pushing them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.captured: list[tuple[str, str]] = []
+
+    def _put(self, queue: str, message: dict[str, Any], **_kwargs: Any) -> None:
+        # (the stubs of kombu's Redis channel lack these attributes)
+        if self._expires and queue in self._expires:  # type: ignore[attr-defined]
+            raise ValueError(f"queue {queue!r} expires: its messages are published by kombu")
+        priority = self._get_message_priority(message, reverse=False)
+        key = self._q_for_pri(queue, priority)  # type: ignore[attr-defined]
+        self.captured.append((self.global_keyprefix + key, dumps(message)))
+
+
+class _CapturingTransport(redis_transport.Transport):
+    Channel = _CapturingChannel
+
+
+class CeleryMessages:
+    """Builds `kiln.run_job` messages: (Redis list key, message) as kombu would push them.
+
+    Celery builds each queue's message once (`celery_built`, a placeholder job and task id);
+    every job's message is that one with its own ids put in: letting Celery build every message
+    costs ~300 us of CPU per job, a third of the API's whole budget at 1,000 jobs/s. What
+    depends on the job is the task id (header `id` and `root_id`, property `correlation_id`),
+    the argument (the base64 JSON body and header `argsrepr`) and kombu's delivery tag;
+    tests/tasks/test_submit_messages.py holds the result equal to Celery's own message.
+    """
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self._connection = Connection(
+            app.conf.broker_url,
+            transport=_CapturingTransport,
+            transport_options=dict(app.conf.broker_transport_options or {}),
+        )
+        self._channel: _CapturingChannel | None = None
+        self._producer: Producer | None = None
+        self._lock = threading.Lock()  # a kombu channel is one thread's at a time
+        self._templates: dict[str, _Template] = {}
+
+    @staticmethod
+    def usable_for(settings: KilnSettings, storage_settings: StorageSettings) -> bool:
+        """Whether jobs' messages may go with their records (else kombu publishes them).
+
+        The broker must be the Redis that holds the records, and task events off: a producer
+        sends each message's `task-sent` event for Flower, which only Celery's publish does.
+        """
+        same_redis = settings.broker_url in (None, "", storage_settings.redis_url)
+        return same_redis and not settings.task_events
+
+    def run_job(self, job_id: str, queue: str, task_id: str | None = None) -> tuple[str, str]:
+        """The list key and serialized message of `run_job(job_id)` on `queue`, sent now."""
+        task_id = task_id or str(uuid.uuid4())
+        if not _PLAIN_ID.fullmatch(job_id):
+            return self.celery_built(job_id, queue, task_id)
+        template = self._templates.get(queue)
+        if template is None:
+            template = self._templates[queue] = _Template.of(
+                self.celery_built(_PLACEHOLDER_JOB, queue, _PLACEHOLDER_TASK)
+            )
+        return template.key, template.fill(job_id, task_id)
+
+    def celery_built(
+        self, job_id: str, queue: str, task_id: str, countdown: float = 0.0
+    ) -> tuple[str, str]:
+        """The message as Celery's `send_task` builds it, captured before it is pushed."""
+        with self._lock:
+            channel, producer = self._open()
+            try:
+                self.app.send_task(
+                    RUN_JOB_TASK,
+                    args=[job_id],
+                    task_id=task_id,
+                    queue=queue,
+                    countdown=countdown or None,
+                    producer=producer,
+                )
+                (captured,) = channel.captured  # the queue's own exchange routes to it alone
+            finally:
+                channel.captured.clear()
+        return captured
+
+    def _open(self) -> tuple[_CapturingChannel, Producer]:
+        if self._channel is None or self._producer is None:
+            channel = self._connection.channel()
+            assert isinstance(channel, _CapturingChannel)
+            self._channel, self._producer = channel, Producer(channel)
+        return self._channel, self._producer
+
+    def close(self) -> None:
+        """Release the channel's Redis connections."""
+        self._connection.release()
+
+
+# job ids the template takes as they are: nothing in them needs escaping in JSON or a repr
+_PLAIN_ID = re.compile(r"[0-9A-Za-z_-]{1,128}")
+_PLACEHOLDER_JOB = "kilnjobplaceholder"
+_PLACEHOLDER_TASK = "00000000-0000-4000-8000-00000000cafe"
+
+
+@dataclass(frozen=True)
+class _Template:
+    """One queue's Celery-built message with the placeholders' positions known."""
+
+    key: str
+    message: str  # serialized, with _PLACEHOLDER_TASK, _PLACEHOLDER_JOB (argsrepr) and the tag
+    body_json: str  # the decoded body, with _PLACEHOLDER_JOB as the one argument
+    body: str  # as it stands in `message` (base64)
+    delivery_tag: str
+
+    @classmethod
+    def of(cls, built: tuple[str, str]) -> _Template:
+        key, message = built
+        parsed = json.loads(message)
+        body = parsed["body"]
+        tag = parsed["properties"]["delivery_tag"]
+        if parsed["properties"].get("body_encoding") != "base64":
+            raise ValueError("kombu no longer encodes Redis message bodies as base64")
+        # where each placeholder stands must be unambiguous, else a fill would put ids elsewhere
+        expected = {_PLACEHOLDER_TASK: 3, _PLACEHOLDER_JOB: 1, body: 1, tag: 1}
+        found = {text: message.count(text) for text in expected}
+        if found != expected:
+            raise ValueError(f"unexpected Celery message layout: {found} != {expected}")
+        body_json = base64.b64decode(body).decode()
+        if body_json.count(f'"{_PLACEHOLDER_JOB}"') != 1:
+            raise ValueError("unexpected Celery message body")
+        return cls(key, message, body_json, body, tag)
+
+    def fill(self, job_id: str, task_id: str) -> str:
+        body_json = self.body_json.replace(f'"{_PLACEHOLDER_JOB}"', f'"{job_id}"')
+        body = base64.b64encode(body_json.encode()).decode()
+        return (
+            self.message.replace(_PLACEHOLDER_TASK, task_id)
+            .replace(self.body, body)
+            .replace(self.delivery_tag, str(uuid.uuid4()))
+            .replace(_PLACEHOLDER_JOB, job_id)
+        )

@@ -1,0 +1,72 @@
+"""Stages a job's task thread hands to the progress writer: in order, never waited for."""
+
+from __future__ import annotations
+
+import threading
+
+from kiln.storage.status import JobStore, NewJob
+from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
+
+
+def running_job(store: JobStore, job_id: str) -> int:
+    store.create_job(NewJob(id=job_id, request={"pipeline": "tiny"}))
+    token = store.acquire_lease(job_id, "node/1")
+    store.start(job_id, token)
+    return token
+
+
+def stages(store: JobStore, job_id: str) -> list[str]:
+    return [e.payload["stage"] for e in store.events(job_id) if e.type == "progress"]
+
+
+def test_handed_over_stages_are_written_in_order_and_settle_waits_for_them(
+    job_store: JobStore,
+) -> None:
+    token = running_job(job_store, "s1")
+    writer = ProgressWriter(job_store, interval_s=60.0)
+    writer.start()
+    gate = threading.Event()
+
+    def held_at_the_gate() -> None:
+        gate.wait(30)
+
+    try:
+        stage = {"stage": "encoding", "step": 1, "total": 1}
+        encoding = PendingProgress(token, stage, held_at_the_gate)
+        writer.write_soon("s1", encoding)  # its write then blocks in `after_write` until the gate
+        uploading = PendingProgress(token, {"stage": "uploading", "step": 1, "total": 1})
+        writer.write_soon("s1", uploading)  # returns at once: the task thread never waits here
+        assert stages(job_store, "s1") in ([], ["encoding"])
+        gate.set()
+        writer.settle("s1")
+        assert stages(job_store, "s1") == ["encoding", "uploading"]
+        assert job_store.get("s1").progress == {"stage": "uploading", "step": 1, "total": 1}
+    finally:
+        gate.set()
+        writer.stop()
+
+
+def test_settle_drops_unwritten_step_progress_after_the_stages(job_store: JobStore) -> None:
+    token = running_job(job_store, "s2")
+    writer = ProgressWriter(job_store, interval_s=60.0)
+    writer.start()
+    try:
+        writer.write_soon("s2", PendingProgress(token, {"stage": "encoding", "step": 1}))
+        writer.settle("s2")
+        writer.update("s2", PendingProgress(token, {"stage": "decoding", "step": 4}), False)
+        writer.settle("s2")  # the terminal transition follows: nothing may be written after it
+        writer.flush()
+        assert stages(job_store, "s2") == ["encoding"]
+    finally:
+        writer.stop()
+
+
+def test_a_stage_handed_over_after_stop_is_written_on_the_callers_thread(
+    job_store: JobStore,
+) -> None:
+    token = running_job(job_store, "s3")
+    writer = ProgressWriter(job_store, interval_s=60.0)
+    writer.start()
+    writer.stop()  # the node is going down while a job still uploads
+    writer.write_soon("s3", PendingProgress(token, {"stage": "uploading", "step": 1}))
+    assert stages(job_store, "s3") == ["uploading"]
