@@ -88,6 +88,25 @@ class GpuWorkerSettings(BaseSettings):
         "it (no per-step adapter cost while it stays hot); unset = never fuse.",
     )
 
+    lora_prefix: str | None = Field(
+        default=None,
+        description="Folder of the object store (under the storage URL's prefix) holding "
+        "adapters as <folder>/<pipeline>/<name>/pytorch_lora_weights.safetensors, fetched on "
+        "first use; unset = none.",
+    )
+    lora_list_interval_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How often the heartbeat lists the store's adapters again (one LIST per "
+        "served pipeline); 0 = at every heartbeat.",
+    )
+
+    @field_validator("lora_prefix")
+    @classmethod
+    def _plain_folder(cls, value: str | None) -> str | None:
+        # the node checks the folder against the store's key rules (tasks/node/adapters.py)
+        return value.strip("/") or None if value is not None else None
+
     @field_validator("model_cache", "compile_cache_dir", "lora_dir")
     @classmethod
     def _expand_cache(cls, value: Path | None) -> Path | None:

@@ -258,6 +258,11 @@ class Keys:
         """
         return f"{self.ns}:nodes:held"
 
+    @property
+    def queued_audits(self) -> str:
+        """Hash: queue -> when a node last claimed its audit of lost messages (Redis ms)."""
+        return f"{self.ns}:nodes:audits"
+
     # --- API keys ------------------------------------------------------------------------------
     @property
     def api_key_prefix(self) -> str:

@@ -111,6 +111,21 @@ class QueryOps(StoreBase):
         )
         return seen
 
+    def prune_due_indexes(self, limit: int = 1000, max_calls: int = 100) -> int:
+        """`prune_indexes` until nothing more is due; returns how many entries were seen.
+
+        One call drops at most `limit` entries, so no script holds Redis for long; a batch can
+        finish thousands of lines a minute, and pruning a fixed 1,000 per pass would let the
+        indexes grow with the batch instead of its window. `max_calls` bounds one pass.
+        """
+        total = 0
+        for _ in range(max_calls):
+            seen = self.prune_indexes(limit)
+            total += seen
+            if seen < limit:
+                break
+        return total
+
     def _pick_index(self, owner: str | None, state: JobState | None, batch_id: str | None) -> str:
         # the narrowest index drives the scan; the other filters are checked on the records
         if batch_id is not None:

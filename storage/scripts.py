@@ -61,6 +61,8 @@ ScriptName = Literal[
     "batch_pause",
     "held_record",
     "held_claim",
+    "held_jobs",
+    "audit_claim",
 ]
 SCRIPT_NAMES: tuple[ScriptName, ...] = get_args(ScriptName)
 PRELUDE = "_prelude"

@@ -6,6 +6,7 @@ this module assembles the store from its parts, one per concept.
 
 from __future__ import annotations
 
+from kiln.storage.audit import AuditOps
 from kiln.storage.base import StoreBase, redis_client
 from kiln.storage.batches import BatchOps
 from kiln.storage.creation import DEFAULT_CHUNK, CreationOps, request_fingerprint
@@ -42,6 +43,7 @@ class JobStore(
     BatchOps,
     DeliveryOps,
     NodeOps,
+    AuditOps,
     StoreBase,
 ):
     """Every Redis read and write of Kiln's job state goes through here."""

@@ -11,6 +11,7 @@ runs with.
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 import uvicorn
@@ -94,9 +95,15 @@ def serve_api(
     storage_settings: StorageSettings,
     host: str | None = None,
     port: int | None = None,
+    *,
+    fd: int | None = None,
     **uvicorn_options: Any,
 ) -> None:
-    """Run the API under uvicorn until interrupted (what `kiln api` calls)."""
+    """Run the API under uvicorn until interrupted (what `kiln api` calls).
+
+    With `fd`, serve on that inherited listening socket instead of binding host:port (a child of
+    `api.supervisor`, one of `kiln api --workers N`).
+    """
     # Logging first (KILN_LOG_FORMAT): in JSON, uvicorn's loggers propagate to Kiln's handler.
     capture = start_json_logging("INFO") if settings.log_format == "json" else None
     if capture is None:
@@ -109,7 +116,9 @@ def serve_api(
             uvicorn_options["host"] = host
         if port is not None:
             uvicorn_options["port"] = port
-        uvicorn.Server(uvicorn_config(app, settings, **uvicorn_options)).run()
+        server = uvicorn.Server(uvicorn_config(app, settings, **uvicorn_options))
+        # socket(fileno=) reads the family (IPv4/6) from the fd; uvicorn's `fd=` assumes AF_UNIX
+        server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
     finally:
         if capture is not None:
             capture.stop()

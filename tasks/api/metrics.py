@@ -7,12 +7,17 @@
   round trips): messages waiting in each Celery queue (`lane.pipeline` for every known pipeline,
   and `webhooks`), and job records per state. A scrape while Redis is down leaves them out.
 
-Each app has its own registry (several apps may live in one test process).
+Each app has its own registry (several apps may live in one test process). Under `kiln api
+--workers N` the supervisor sets `PROMETHEUS_MULTIPROC_DIR`: the counters and the histogram then
+live in files there, and `/metrics` sums every process's (`MultiProcessCollector`); the Redis
+gauges are read as before, and the process metrics (`process_*`) are left out, one process's
+being no measure of the API.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 
@@ -26,6 +31,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -38,6 +44,7 @@ from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, queue_name
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's; set by api.supervisor
 SUBMIT_ROUTE = ("POST", "/v1/jobs")
 SUBMIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -47,20 +54,26 @@ class ApiMetrics:
 
     def __init__(self, ctx: ApiContext) -> None:
         self.registry = CollectorRegistry()
+        shared_dir = os.environ.get(MULTIPROC_ENV)
+        # Several processes: the metrics write to files, which the registry's collector sums.
+        own = None if shared_dir else self.registry
         self.requests = Counter(
             "kiln_api_requests",
             "HTTP requests answered, by route template and status code.",
             ["route", "status"],
-            registry=self.registry,
+            registry=own,
         )
         self.submit_seconds = Histogram(
             "kiln_api_submit_duration_seconds",
             "Time to answer POST /v1/jobs.",
             buckets=SUBMIT_BUCKETS,
-            registry=self.registry,
+            registry=own,
         )
         self.registry.register(QueueCollector(ctx))
-        ProcessCollector(registry=self.registry)
+        if shared_dir:
+            MultiProcessCollector(self.registry, path=shared_dir)  # type: ignore[no-untyped-call]
+        else:
+            ProcessCollector(registry=self.registry)
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         """Count one answered request."""
@@ -126,19 +139,29 @@ class RequestMetrics:
             return
         started = time.perf_counter()
         status = 500  # what the client gets when the app raises before answering
+        counted = False
+
+        def count() -> None:
+            nonlocal counted
+            counted = True
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.observe(scope["method"], route, status, time.perf_counter() - started)
 
         async def send_counted(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                # Counted before the last byte leaves: a client that got its answer and then
+                # scrapes /metrics sees its own request counted.
+                count()
             await send(message)
 
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
-            elapsed = time.perf_counter() - started
-            self.metrics.observe(scope["method"], route, status, elapsed)
+            if not counted:
+                count()
 
 
 def install_metrics(app: FastAPI, ctx: ApiContext) -> ApiMetrics:

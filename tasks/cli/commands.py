@@ -158,15 +158,30 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    """`kiln api`."""
+    """`kiln api`: one API process, or with `--workers N` (N > 1) a supervisor of N."""
     # Deferred: the API loads FastAPI, uvicorn, Celery and Redis.
     from kiln.tasks.api.app import serve_api
 
     settings = KilnSettings()
+    if args.fd is not None:  # a child of the supervisor below
+        serve_api(settings, StorageSettings(), fd=args.fd)
+        return 0
     host = args.host if args.host is not None else settings.api_host
     port = args.port if args.port is not None else settings.api_port
-    serve_api(settings, StorageSettings(), host, port)
-    return 0
+    workers = args.workers if args.workers is not None else settings.api_workers
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if workers == 1:
+        serve_api(settings, StorageSettings(), host, port)
+        return 0
+    from kiln.tasks.api.context import check_connection_budget
+    from kiln.tasks.api.supervisor import serve_workers
+    from kiln.tasks.contract.logs import configure_logging
+
+    check_connection_budget(settings, StorageSettings())  # per process; refused before any child
+    # Plain JSON lines, no stdio capture: each child captures its own output.
+    configure_logging(settings.log_format, "INFO")
+    return serve_workers(host, port, workers)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -171,6 +171,14 @@ def _add_services(sub: Any) -> None:
     a = sub.add_parser("api", help="serve the HTTP API")
     a.add_argument("--host", help="listen address (default: KILN_API_HOST, else 127.0.0.1)")
     a.add_argument("--port", type=int, help="listen port (default: KILN_API_PORT, else 8000)")
+    a.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="API processes on the one port (default: KILN_API_WORKERS, else 1)",
+    )
+    # internal: a child of `kiln api --workers N` serves on this inherited listening socket
+    a.add_argument("--fd", type=int, help=argparse.SUPPRESS)
     k = sub.add_parser("keys", help="manage API keys")
     k.add_argument("action", choices=["create", "list", "revoke"])
     k.add_argument("name_or_id", nargs="?")

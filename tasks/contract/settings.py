@@ -77,6 +77,17 @@ class KilnSettings(BaseSettings):
         default=False,
         description="Workers send Celery task events (for Flower); producers send task-sent.",
     )
+    queued_audit_interval_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="How often one node per queue audits it for queued jobs whose message is lost.",
+    )
+    queued_audit_age_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="The audit republishes a queued job whose message is in no queue, unacked or "
+        "held list only once it has been queued this long.",
+    )
 
     # --- Logging (every process) --------------------------------------------------------------
     log_format: Literal["text", "json"] = Field(
@@ -87,6 +98,11 @@ class KilnSettings(BaseSettings):
     # --- The API and webhooks -----------------------------------------------------------------
     api_host: str = Field(default="127.0.0.1", description="Address `kiln api` listens on.")
     api_port: int = Field(default=8000, ge=0, le=65535, description="Port `kiln api` listens on.")
+    api_workers: int = Field(
+        default=1,
+        ge=1,
+        description="API processes serving the one port; above 1, `kiln api` supervises them.",
+    )
     auth_enabled: bool = Field(
         default=True, description="Require bearer API keys; switch off only for local use."
     )
@@ -225,8 +241,9 @@ class KilnSettings(BaseSettings):
         default=500, ge=1, description="Most lines one feeder visit creates (or ends) per batch."
     )
     batch_results_flush_s: float = Field(
-        default=2.0, ge=0, description="A batch's finished jobs are written as a result part "
-        "at least this often.",
+        default=2.0,
+        ge=0,
+        description="A batch's finished jobs are written as a result part at least this often.",
     )
 
     @field_validator("webhook_secret")

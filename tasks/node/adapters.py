@@ -26,8 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import TypeAdapter, ValidationError
 
 from kiln.gpu_worker.errors import JobFailed
 from kiln.gpu_worker.pipelines.lora import (
@@ -46,31 +45,6 @@ from kiln.tasks.contract.loras import AdapterName
 log = logging.getLogger(__name__)
 
 _ADAPTER_NAME: TypeAdapter[str] = TypeAdapter(AdapterName)
-
-
-class AdapterStoreSettings(BaseSettings):
-    """Where a node finds LoRA adapters in the object store (env prefix `KILN_`)."""
-
-    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
-
-    lora_prefix: str | None = Field(
-        default=None,
-        description="Folder of the object store (under the storage URL's prefix) holding "
-        "adapters as <folder>/<pipeline>/<name>/pytorch_lora_weights.safetensors; unset = none.",
-    )
-    lora_list_interval_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="How often the heartbeat lists the store's adapters again (one LIST per "
-        "served pipeline); 0 = at every heartbeat.",
-    )
-
-    @field_validator("lora_prefix")
-    @classmethod
-    def _plain_folder(cls, value: str | None) -> str | None:
-        if value is None or not value.strip("/"):
-            return None
-        return check_prefix(value.strip("/"))
 
 
 def store_adapter_folder(objects: ObjectStore, lora_prefix: str, pipeline: str) -> str:
@@ -155,21 +129,15 @@ class AdapterSources:
         self.store = store
 
     @classmethod
-    def for_node(
-        cls,
-        gpu_settings: GpuWorkerSettings | None,
-        objects: ObjectStore,
-        settings: AdapterStoreSettings | None = None,
-    ) -> AdapterSources:
-        """The sources `gpu_settings` (the lora dir, the model cache) and `settings` name."""
-        gpu_settings = gpu_settings or GpuWorkerSettings()
-        settings = settings or AdapterStoreSettings()
+    def for_node(cls, settings: GpuWorkerSettings | None, objects: ObjectStore) -> AdapterSources:
+        """The sources `settings` name: the lora dir, and the store folder (`lora_prefix`)."""
+        settings = settings or GpuWorkerSettings()
         store = None
         if settings.lora_prefix is not None:
-            cache = store_adapter_cache(gpu_settings)
-            interval = settings.lora_list_interval_s
-            store = StoreAdapters(objects, settings.lora_prefix, cache, interval)
-        return cls(gpu_settings.lora_dir, store)
+            folder = check_prefix(settings.lora_prefix)  # ValueError: the node does not start
+            cache = store_adapter_cache(settings)
+            store = StoreAdapters(objects, folder, cache, settings.lora_list_interval_s)
+        return cls(settings.lora_dir, store)
 
     def available(self, pipeline: str) -> list[str]:
         """The adapters `pipeline`'s jobs may name here, from either source, sorted."""

@@ -10,6 +10,8 @@
   drain request (tasks/node/controls.py);
 - restarts (every `reaper_interval_s`, for a `kiln worker` node): after a Redis restart, publish
   the queued jobs of the node's queues again (messages being taken at the time are lost);
+- audit (every `queued_audit_interval_s`, for a `kiln worker` node): publish again the queued
+  jobs whose message is nowhere (tasks/node/audit.py), one node per queue and interval;
 - batches (every `batch_feed_interval_s`, not while draining): feed the active batches whose
   feeder lease this node holds or can take, and write their results (tasks/batches/feeder.py).
 
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from kiln.storage.errors import StorageError
 from kiln.storage.status import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
+from kiln.tasks.node.audit import lost_jobs
 from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls
 from kiln.tasks.node.node import JobStopReason, Node
 from kiln.tasks.node.unacked import orphaned_jobs
@@ -87,8 +90,8 @@ def watch_cancels(node: Node) -> None:
 
 
 def prune_indexes(node: Node) -> int:
-    """Drop index entries of finished jobs whose records have expired (retention)."""
-    return node.store.prune_indexes()
+    """Drop index entries of finished jobs whose records have expired (retention), all due."""
+    return node.store.prune_due_indexes()
 
 
 def sweep_unpublished(node: Node) -> int:
@@ -131,6 +134,26 @@ def republish_after_restart(node: Node, queues: list[str]) -> int:
     return published
 
 
+def audit_queued(node: Node, queues: list[str]) -> int:
+    """Publish again the queued jobs of `queues` whose message is lost; returns how many.
+
+    Audits those of `queues` no node audited within the interval (tasks/node/audit.py). The
+    claim's interval is a little shorter than the loop's, so a lone node's next pass is never
+    skipped for a few ms of clock difference.
+    """
+    settings = node.settings
+    due = node.store.claim_audits(queues, 0.9 * settings.queued_audit_interval_s)
+    lost = lost_jobs(node.store, node.celery_app, due, settings.queued_audit_age_s)
+    for job_id in lost:
+        log.warning(
+            "job %s: queued over %.0f s, its message in no queue, unacked or held list and no "
+            "lease (lost in a consumer's fetch): published again",
+            job_id,
+            settings.queued_audit_age_s,
+        )
+    return publish_queued(node, lost)
+
+
 def _loop(stop: threading.Event, interval_s: float, name: str, step: Callable[[], object]) -> None:
     while not stop.wait(interval_s):
         try:
@@ -170,6 +193,8 @@ class Maintenance:
             loops.append(("controls", CONTROL_POLL_S, self.controls.poll))
             restarts = functools.partial(republish_after_restart, self.node, self.controls.queues)
             loops.append(("restarts", settings.reaper_interval_s, restarts))
+            audit = functools.partial(audit_queued, self.node, self.controls.queues)
+            loops.append(("audit", settings.queued_audit_interval_s, audit))
         feeder = BatchFeeder(
             node.store, node.objects, node.submitter, settings, node.node_id, node.celery_app
         )

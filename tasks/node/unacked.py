@@ -16,8 +16,8 @@ others are deferred (lease busy) or dropped (finished) by tasks/node/jobs.py.
 Not closed from here: kombu pops a message with BRPOP and records it in `unacked` with one
 pipeline after the reply is read (`Channel._brpop_read` -> `_deliver` -> `QoS.append`). A node
 killed between the two, or a connection lost with the BRPOP reply in flight, loses the message:
-it is in neither the queue nor `unacked`, and its job stays `queued` until it is published again
-(a Redis restart's republish does it for the head of each queue; nothing else does).
+it is in neither the queue nor `unacked`: the queued-jobs audit (tasks/node/audit.py) publishes
+its job again once it has been queued longer than `queued_audit_age_s`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ what a Python caller does, and itself about as costly per request as the API) an
 `wrk` would). `--baseline DIR` runs a second API from another tree of the code (e.g. the commit
 before: `git archive HEAD | tar -x -C DIR`) side by side, the two measured in turn each round,
 and prints both with their ratio; on a shared machine only such interleaved ratios mean much.
+
+`--workers N` runs this tree's API as `kiln api --workers N` (N processes on one port under the
+supervisor; the baseline keeps 1 process unless `--baseline-workers` says otherwise). Both APIs
+then start through the `kiln api` command line, with its default logging, so that they compare
+alike; server CPU is then the supervisor's and its children's together. E.g. 1 against 2
+processes of this tree: `--workers 2 --baseline .`.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class Api:
     label: str
     root: Path
     namespace: str
+    workers: int | None = None  # None: serve_api in-process, quiet; N: `kiln api`, N processes
     key: str = ""
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
@@ -115,6 +122,22 @@ class Api:
             "KILN_MAX_QUEUE_DEPTH": str(10**9),
             "KILN_AUTH_ENABLED": "true",
         }
+        # output dropped: the API logs a line per accepted job (and uvicorn one per request)
+        self.process = subprocess.Popen(
+            self.command(),
+            cwd=self.root,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port, timeout_s=60)
+        spread(20 * (self.workers or 1), 4, http_submitter(self.url, self.key))  # warm up
+
+    def command(self) -> list[str]:
+        """The API of `root`: quiet in-process serve_api, or the `kiln api` command line."""
+        if self.workers is not None:  # `python -m` imports `kiln` from cwd, i.e. `root`
+            command = [sys.executable, "-m", "kiln.tasks.cli", "api", "--port", str(self.port)]
+            return command + (["--workers", str(self.workers)] if self.workers > 1 else [])
         code = (
             f"import sys; sys.path.insert(0, {str(self.root)!r}); "
             "from kiln.storage.settings import StorageSettings; "
@@ -123,12 +146,7 @@ class Api:
             f"serve_api(KilnSettings(), StorageSettings(), '127.0.0.1', {self.port}, "
             "log_level='warning', access_log=False)"
         )
-        # stderr dropped: the API logs a line per accepted job
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", code], cwd=self.root, env=env, stderr=subprocess.DEVNULL
-        )
-        wait_for_port(self.port, timeout_s=60)
-        http_submitter(self.url, self.key)(20)  # warm up
+        return [sys.executable, "-c", code]
 
     def measure(self, label: str, jobs: int, run: Callable[[], None]) -> None:
         cpu_before = self.cpu_s()
@@ -138,19 +156,26 @@ class Api:
         print(f"{'':<48} server CPU {per_job:.2f} ms/job", flush=True)
 
     def cpu_s(self) -> float:
-        """CPU seconds the API process used so far (user + system, from /proc).
+        """CPU seconds the API's processes used so far (user + system, from /proc).
 
         Unlike jobs/s, barely moved by what else the machine runs: 1 / (CPU per job) is what
         the API would reach on a core of its own.
         """
         assert self.process is not None
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        pid = self.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return sum(process_cpu_s(int(p)) for p in [str(pid), *children])
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.terminate()
             self.process.wait(timeout=30)
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds one process used so far (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def light_load(api: Api, jobs: int, concurrency: int) -> None:
@@ -222,6 +247,11 @@ def storage_ceiling(store: JobStore, jobs: int) -> None:
     rate("storage: JobStore.create_jobs bulk", jobs, lambda: store.create_jobs(news))
 
 
+def label(tree: str, workers: int | None) -> str:
+    """The API's name in the table, with its process count when started through `kiln api`."""
+    return tree if workers is None else f"{tree} ({workers}p)"
+
+
 def main() -> None:
     """Run every measurement and print one line each, then the medians."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -229,17 +259,24 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="another tree of the code, run alongside")
+    parser.add_argument("--workers", type=int, help="this tree: `kiln api --workers N`")
+    parser.add_argument("--baseline-workers", type=int, default=1, help="with --workers")
     args = parser.parse_args()
     redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    apis = [Api("this tree", ROOT, f"kiln-bench-{secrets.token_hex(4)}")]
+    cli = args.workers is not None
+    namespace = f"kiln-bench-{secrets.token_hex(4)}"
+    apis = [Api(label("this tree", args.workers), ROOT, namespace, args.workers)]
     if args.baseline:
-        apis.append(Api("baseline", args.baseline.resolve(), f"kiln-bench-{secrets.token_hex(4)}"))
+        workers = args.baseline_workers if cli else None
+        namespace = f"kiln-bench-{secrets.token_hex(4)}"
+        apis.append(Api(label("baseline", workers), args.baseline.resolve(), namespace, workers))
     try:
         for api in apis:
             api.start(redis_url)
         print(
-            f"{args.jobs} jobs per line; each API: 1 uvicorn process, auth on; "
-            f"{os.cpu_count()} CPUs shared by server and load",
+            f"{args.jobs} jobs per line; auth on; "
+            + ("`kiln api` command line; " if cli else "each API: 1 uvicorn process; ")
+            + f"{os.cpu_count()} CPUs shared by server and load",
             flush=True,
         )
         for round_index in range(args.rounds):

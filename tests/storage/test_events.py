@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 
@@ -130,3 +131,17 @@ def test_prune_indexes_after_expiry(storage_settings: StorageSettings) -> None:
     assert all(store.redis.zscore(index, job_id) is None for index in indexes)
     assert store.redis.zscore(keys.all_index, live) is not None
     assert store.redis.zcard(keys.retired) == 0
+
+
+def test_prune_due_indexes_drains_every_due_entry_in_chunks(job_store: JobStore) -> None:
+    # records already expired: only their index entries and retired entries are left
+    keys, redis = job_store.keys, job_store.redis
+    due = time.time() - 1
+    ids = [f"gone-{n}" for n in range(2500)]
+    redis.zadd(keys.all_index, {job_id: n for n, job_id in enumerate(ids)})
+    redis.zadd(keys.retired, {json.dumps([job_id, "", "", "succeeded"]): due for job_id in ids})
+    assert job_store.prune_indexes(limit=1000) == 1000  # one call: one chunk
+    assert job_store.prune_due_indexes(limit=1000) == 1500
+    assert redis.zcard(keys.all_index) == 0
+    assert redis.zcard(keys.retired) == 0
+    assert job_store.prune_due_indexes() == 0

@@ -35,6 +35,7 @@ NAMES = {
     "node": "ns:node:x",
     "nodes": "ns:nodes",
     "held_deliveries": "ns:nodes:held",
+    "queued_audits": "ns:nodes:audits",
     "api_key": "ns:apikey:x",
     "api_key_id": "ns:apikey_id:x",
     "api_key_ids": "ns:apikeys",

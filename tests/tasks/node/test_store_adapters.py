@@ -32,7 +32,6 @@ from kiln.storage.s3_store import S3ObjectStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.node.adapters import (
     AdapterSources,
-    AdapterStoreSettings,
     StoreAdapters,
     store_adapter_folder,
 )
@@ -170,15 +169,15 @@ def test_the_settings_name_the_store_and_the_cache(
     s3: S3ObjectStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     gpu = GpuWorkerSettings(model_cache=tmp_path / "models")
-    assert AdapterSources.for_node(gpu, s3, AdapterStoreSettings()).store is None
+    assert AdapterSources.for_node(gpu, s3).store is None
     monkeypatch.setenv("KILN_LORA_PREFIX", "/loras/")
-    sources = AdapterSources.for_node(gpu, s3)
+    sources = AdapterSources.for_node(GpuWorkerSettings(model_cache=tmp_path / "models"), s3)
     assert sources.store is not None
     put_adapter(s3, "ember", b"w")
     fetch(sources, "ember")
     assert (store_adapter_cache(gpu) / "tiny" / "ember" / ADAPTER_WEIGHTS).read_bytes() == b"w"
     with pytest.raises(ValueError, match="prefix"):
-        AdapterStoreSettings(lora_prefix="../up")
+        AdapterSources.for_node(GpuWorkerSettings(lora_prefix="../up"), s3)
 
 
 # --- the ranks load a fetched adapter as they load a local one --------------------------------
@@ -215,7 +214,7 @@ def test_an_adapter_only_in_the_store_makes_the_pixels_of_the_lora_dir_one(
     # From the lora dir first, while the node's cache is still empty.
     from_dir = pixels(GpuWorkerSettings(model_cache=models, lora_dir=lora_dir), job)
     store_only = GpuWorkerSettings(model_cache=models)  # no lora dir at all
-    sources = AdapterSources.for_node(store_only, s3, AdapterStoreSettings(lora_prefix=PREFIX))
+    sources = AdapterSources.for_node(store_only.model_copy(update={"lora_prefix": PREFIX}), s3)
     assert sources.available("tiny") == ["ember"]
     sources.fetch(job)
     from_store = pixels(store_only, job)

@@ -1,0 +1,157 @@
+"""The audit of queued jobs whose message is lost: in no queue, not unacknowledged, held by no node.
+
+kombu's Redis transport pops a message with BRPOP and records it in its `unacked` hash one
+pipeline later (tasks/node/unacked.py). A node killed between the two, or a connection lost with
+the BRPOP reply in flight, loses the message, and its job stays `queued` with `published` set:
+the sweeper (unconfirmed publishes) and the held-list recovery (a dead node's deliveries) never
+see it. So, every `queued_audit_interval_s`, one node serving a queue (storage/lua/audit_claim.lua)
+audits it. Only when its oldest queued job entered the queue over `queued_audit_age_s` ago (one
+index entry and one event read: the usual pass stops there), it reads, in this order, which is
+the order a message moves in:
+
+1. the job ids of the messages in the queue's lists (every priority list, pages of 1000);
+2. the old queued jobs of the queue's index that are not among them (the suspects);
+3. the jobs nodes listed as held, then, if suspects remain, kombu's whole `unacked` hash (pages);
+4. again for the suspects left: the held lists, kombu's deliveries recorded since the pass began
+   (a message in the BRPOP window during step 1 is recorded there a moment later), and each
+   record: still queued, published, no lease.
+
+A message moving on between two reads is seen by the later one; only one moving back (kombu
+restoring an unacked message to its list after the visibility timeout) or still in the BRPOP
+window at step 4 is missed, and then the job gets a second message. That is harmless: a queued
+job is leased and started by one delivery only (storage/lua/acquire_start.lua), the others are
+deferred or dropped (tasks/node/jobs.py). Cost per pass of an audited queue with an old job:
+O(messages in its lists + queued jobs older than the age), plus O(entries of `unacked`) once when
+suspects remain; nothing for a queue whose head is young.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kombu.transport.redis import Channel
+
+from kiln.storage.audit import AUDIT_PAGE
+from kiln.storage.status import JobState
+from kiln.tasks.node.unacked import CLOCK_SLACK_S, WINDOW_LIMIT, run_job_id, unacked_keys
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from kiln.storage.status import JobStore
+
+# the re-read of kombu's deliveries since a pass began reaches this far past its start (s)
+RECHECK_HORIZON_S = 3600.0
+
+
+def queue_list_keys(app: Celery, queue: str) -> list[str]:
+    """The Redis lists kombu keeps `queue`'s waiting messages in: one per priority step."""
+    options: dict[str, Any] = app.conf.broker_transport_options or {}
+    prefix = str(options.get("global_keyprefix", ""))
+    sep = str(options.get("sep", Channel.sep))
+    steps = options.get("priority_steps", Channel.priority_steps)
+    # kombu's Channel._q_for_pri: priority 0 is the bare queue name
+    return [prefix + (f"{queue}{sep}{step}" if step else queue) for step in steps]
+
+
+def message_job_id(raw: str) -> str | None:
+    """The job id of a queue list entry, or None (not a `run_job` message).
+
+    kombu lists the message alone and keeps an unacked one as `[message, exchange, routing key]`,
+    the form `run_job_id` decodes.
+    """
+    return run_job_id(f"[{raw}]")
+
+
+def _list_entries(store: JobStore, key: str) -> Iterator[str]:
+    start = 0
+    while page := store.list_page(key, start):
+        yield from page
+        if len(page) < AUDIT_PAGE:
+            return
+        start += len(page)  # a push at the head meanwhile makes a page overlap, never skip
+
+
+def listed_job_ids(store: JobStore, app: Celery, queue: str) -> set[str]:
+    """The job ids of the messages waiting in `queue`'s lists."""
+    ids: set[str] = set()
+    for key in queue_list_keys(app, queue):
+        ids.update(filter(None, map(message_job_id, _list_entries(store, key))))
+    return ids
+
+
+def unacked_job_ids(store: JobStore, app: Celery) -> set[str]:
+    """The job ids of every delivery kombu holds unacknowledged (its hash, scanned in pages)."""
+    _, hash_key = unacked_keys(app)
+    ids: set[str] = set()
+    cursor = 0
+    while True:
+        cursor, values = store.hash_page(hash_key, cursor)
+        ids.update(filter(None, map(run_job_id, values)))
+        if cursor == 0:
+            return ids
+
+
+def old_unlisted(store: JobStore, queue: str, before_s: float, listed: set[str]) -> set[str]:
+    """The jobs of `queue`'s index that entered it before `before_s` and are not in `listed`.
+
+    The index is in the order jobs entered the queue: the walk stops at the first younger one.
+    """
+    old: set[str] = set()
+    after: float | None = None
+    while page := store.queued_page(queue, after):
+        since = store.queued_since([job_id for job_id, _ in page])
+        for job_id, score in page:
+            after = score
+            entered = since.get(job_id)  # None: no record left (a pruned entry), not a suspect
+            if entered is not None and entered >= before_s:
+                return old
+            if entered is not None and job_id not in listed:
+                old.add(job_id)
+        if len(page) < AUDIT_PAGE:
+            break
+    return old
+
+
+def head_is_old(store: JobStore, queue: str, before_s: float) -> bool:
+    """Whether `queue`'s oldest queued job entered it before `before_s` (the cheap check)."""
+    head = store.queued_page(queue, None)[:1]
+    since = store.queued_since([job_id for job_id, _ in head])
+    return any(since.get(job_id, before_s) < before_s for job_id, _ in head)
+
+
+def still_lost(store: JobStore, app: Celery, suspects: set[str], began_s: float) -> list[str]:
+    """Of `suspects`, those still lost: read again just before they are published.
+
+    Held by no node, not delivered since `began_s`, and queued, published and not leased.
+    """
+    suspects = suspects - store.held_jobs()
+    if not suspects:
+        return []
+    index_key, hash_key = unacked_keys(app)
+    since_s = began_s - CLOCK_SLACK_S
+    recent = store.unacked_deliveries(
+        index_key, hash_key, since_s, since_s + RECHECK_HORIZON_S, WINDOW_LIMIT
+    )
+    suspects -= set(filter(None, map(run_job_id, recent)))
+    records = store.get_many(sorted(suspects))
+    queued = [r.id for r in records if r and r.state == JobState.QUEUED and r.published]
+    return sorted(set(queued) - store.leased(queued))
+
+
+def lost_jobs(store: JobStore, app: Celery, queues: Sequence[str], age_s: float) -> list[str]:
+    """The queued jobs of `queues`, in them for over `age_s`, whose message is nowhere."""
+    began_s = store.redis_now()
+    before_s = began_s - age_s
+    suspects: set[str] = set()
+    for queue in queues:
+        if head_is_old(store, queue, before_s):
+            suspects |= old_unlisted(store, queue, before_s, listed_job_ids(store, app, queue))
+    if suspects:
+        suspects -= store.held_jobs()
+    if suspects:
+        suspects -= unacked_job_ids(store, app)
+    if not suspects:
+        return []
+    return still_lost(store, app, suspects, began_s)

@@ -1,0 +1,63 @@
+"""A queued job whose message is lost is run by a real node after the audit's age, exactly once.
+
+kombu pops a message with BRPOP and records it as unacknowledged one pipeline later: a node
+killed between the two, or a connection lost with the reply in flight, loses the message while
+its job stays `queued` and published (tasks/node/audit.py). The test makes that state directly:
+the job is created with a publish that sends nothing, so its record is marked published with no
+message anywhere. No sweeper, held list or visibility timeout would bring it back; the audit does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.queue.app import transport_options
+from kiln.tasks.queue.submit import Submitter, job_queue
+from tests.e2e.cluster import SLEEPY, Cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+AUDIT_ENV = {
+    "KILN_TEST_STEP_SECONDS": "0.01",
+    "KILN_QUEUED_AUDIT_AGE_S": "2",
+    "KILN_QUEUED_AUDIT_INTERVAL_S": "1",
+}
+REQUEST = JobRequest(pipeline="sleepy", prompt="x", width=64, height=64, steps=2)
+
+
+def test_a_job_whose_message_was_lost_runs_once_after_the_audit_age(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    cluster = cluster_factory()
+    sends_nothing = Submitter(cluster.store, cluster.settings, lambda *_: None)
+    lost, _ = sends_nothing.submit(REQUEST)
+    record = cluster.store.get(lost.id)
+    assert record.published
+    options = transport_options(cluster.settings, cluster.storage_settings.redis_namespace)
+    queue_key = str(options["global_keyprefix"]) + job_queue(record)
+    assert cluster.store.redis.llen(queue_key) == 0  # the message is nowhere
+
+    # a job published twice: the second message must not run it again (acquire_start's fence)
+    twice, _ = sends_nothing.submit(REQUEST)
+    cluster.submitter.publish(twice)
+    cluster.submitter.publish(twice)
+
+    started = time.monotonic()
+    worker = cluster.start_worker(f"sleepy={SLEEPY}", extra_env=AUDIT_ENV)
+    for job_id in (lost.id, twice.id):
+        finished = cluster.wait_for(job_id, timeout_s=90)
+        assert str(finished.state) == "succeeded", finished.error
+        assert finished.attempts == 1
+        assert cluster.completion_count(job_id) == 1
+    print(f"lost message recovered {time.monotonic() - started:.1f}s after the node started")
+    log = worker.log()
+    assert f"job {lost.id}: queued over" in log
+    assert f"job {twice.id}: queued over" not in log
+    # the duplicate's leftovers are dropped, never run: still once after the audit's next passes
+    time.sleep(3)
+    assert cluster.completion_count(twice.id) == 1
+    assert cluster.completion_count(lost.id) == 1
