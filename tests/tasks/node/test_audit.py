@@ -7,36 +7,20 @@ job queued before the pass is old) or an hour (every job is young): no test wait
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from celery import Celery
 
-from kiln.storage.settings import StorageSettings
 from kiln.storage.status import JobStore
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.audit import lost_jobs, message_job_id, queue_list_keys
 from kiln.tasks.node.unacked import unacked_keys
-from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
-from kiln.tasks.queue.submit import Submitter, celery_publisher, job_queue
+from kiln.tasks.queue.app import RUN_JOB_TASK
+from kiln.tasks.queue.submit import Submitter, job_queue
 
 REQUEST = JobRequest(pipeline="tiny", prompt="x", width=64, height=64)
 QUEUE = "interactive.tiny"
 OLD = 0.0  # every job queued before the pass began is old
 YOUNG = 3600.0  # no job is
-
-
-@pytest.fixture
-def app(storage_settings: StorageSettings) -> Iterator[Celery]:
-    app = make_celery_app(KilnSettings(pipelines=["tiny"]), storage_settings)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def submitter(job_store: JobStore, app: Celery) -> Submitter:
-    return Submitter(job_store, KilnSettings(pipelines=["tiny"]), celery_publisher(app))
 
 
 def submit(submitter: Submitter) -> str:

@@ -7,35 +7,18 @@ consumer and left unacknowledged, as a worker killed before its strategy ran lea
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from celery import Celery
 from kombu import Queue
 
 from kiln.storage.nodes import LapsedHolder
-from kiln.storage.settings import StorageSettings
 from kiln.storage.status import JobStore
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.unacked import CLOCK_SLACK_S, lapse_windows, orphaned_jobs, run_job_id
-from kiln.tasks.queue.app import make_celery_app
-from kiln.tasks.queue.submit import Submitter, celery_publisher, job_queue
+from kiln.tasks.queue.submit import Submitter, job_queue
 
 LAPSE_TTL_S = 0.05
-
-
-@pytest.fixture
-def app(storage_settings: StorageSettings) -> Iterator[Celery]:
-    app = make_celery_app(KilnSettings(pipelines=["tiny"]), storage_settings)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def submitter(job_store: JobStore, app: Celery) -> Submitter:
-    return Submitter(job_store, KilnSettings(pipelines=["tiny"]), celery_publisher(app))
 
 
 def submit(submitter: Submitter) -> str:
