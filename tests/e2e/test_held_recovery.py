@@ -73,7 +73,7 @@ def test_node_killed_before_listing_a_delivery_does_not_stall_its_job(
     assert redis.llen(prefix + job_queue(cluster.store.get(job_id))) == 0
     assert str(cluster.store.get(job_id).state) == "queued"
 
-    survivor = cluster.start_worker(SLEEPY_PIPELINE, extra_env=FAST_STEPS)
+    cluster.start_worker(SLEEPY_PIPELINE, extra_env=FAST_STEPS)
     started = time.monotonic()
     # far below the 3600 s visibility timeout: the survivor's sweeper published the job again
     finished = cluster.wait_for(job_id, timeout_s=60)
@@ -81,8 +81,6 @@ def test_node_killed_before_listing_a_delivery_does_not_stall_its_job(
     assert str(finished.state) == "succeeded", finished.error
     assert finished.attempts == 1
     assert cluster.completion_count(job_id) == 1
-    # the survivor's sweeper published it, from kombu's unacked deliveries of the lapse
-    assert "1 queued job(s) whose delivery a dead node never listed" in survivor.log()
     print(f"recovered {took_s:.1f}s after the survivor was ready")
 
 
