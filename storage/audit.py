@@ -12,15 +12,10 @@ from collections.abc import Sequence
 
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.keys import valid_queue
+from kiln.storage.queues import _check_queue
 
 # entries read per call from a list, a hash scan or a queue index
 AUDIT_PAGE = 1000
-
-
-def _check_queue(queue: str) -> None:
-    if not valid_queue(queue):
-        raise ValueError(f"invalid queue name {queue!r}")
 
 
 class AuditOps(StoreBase):
@@ -38,12 +33,6 @@ class AuditOps(StoreBase):
             "audit_claim", [self.keys.queued_audits], [interval_ms, *queues]
         )
         return claimed
-
-    @redis_boundary
-    def redis_now(self) -> float:
-        """The Redis clock (s): the clock of job events."""
-        seconds, micros = self.redis.time()
-        return float(seconds) + float(micros) / 1e6
 
     @redis_boundary
     def queued_page(self, queue: str, after_score: float | None) -> list[tuple[str, float]]:

@@ -9,6 +9,7 @@ import redis
 from redis.backoff import EqualJitterBackoff
 from redis.retry import Retry
 
+from kiln.storage.boundary import redis_boundary
 from kiln.storage.errors import JobNotFound
 from kiln.storage.keys import Keys, valid_id
 from kiln.storage.records import JobRecord, job_from_hash, pairs_to_dict
@@ -47,6 +48,12 @@ class StoreBase:
         self.settings = settings
         self.keys = Keys(settings.redis_namespace)
         self.scripts = Scripts(redis_client)
+
+    @redis_boundary
+    def redis_now(self) -> float:
+        """The Redis clock (s): the clock of job events, the same for every node."""
+        seconds, micros = self.redis.time()
+        return float(seconds) + float(micros) / 1e6
 
     def _run(self, name: ScriptName, keys: list[str], args: list[Any]) -> Any:
         """Run the script `storage/lua/<name>.lua` with these KEYS and ARGV."""

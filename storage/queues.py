@@ -146,8 +146,7 @@ class QueueOps(StoreBase):
     def pause_queue(self, queue: str, by: str = "") -> bool:
         """Pause `queue` for every node; True if it was not paused before."""
         _check_queue(queue)
-        seconds, micros = self.redis.time()
-        record = dumps({"paused_at": seconds + micros / 1e6, "by": by})
+        record = dumps({"paused_at": self.redis_now(), "by": by})
         return bool(self.redis.hsetnx(self.keys.paused_queues, queue, record))
 
     @redis_boundary
@@ -167,8 +166,7 @@ class QueueOps(StoreBase):
         """Ask `node_id` to drain (it applies it at its next poll); replaces an earlier request."""
         if not node_id or len(node_id) > MAX_NODE_ID:
             raise ValueError(f"invalid node id {node_id!r}")
-        seconds, micros = self.redis.time()
-        request = DrainRequest(node_id, exit, seconds + micros / 1e6, by)
+        request = DrainRequest(node_id, exit, self.redis_now(), by)
         payload = {"exit": request.exit, "requested_at": request.requested_at, "by": by}
         self.redis.hset(self.keys.drain_requests, node_id, dumps(payload))
         return request

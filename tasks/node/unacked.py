@@ -124,4 +124,4 @@ def unclaimed_queued(store: JobStore, job_ids: set[str]) -> set[str]:
     """Those of `job_ids` that are queued without a lease (one read for all, then the few)."""
     records = store.get_many(sorted(job_ids))
     queued = [r.id for r in records if r is not None and r.state == JobState.QUEUED]
-    return {job_id for job_id in queued if store.lease_owner(job_id) is None}
+    return set(queued) - store.leased(queued)
