@@ -9,6 +9,7 @@ one huge reply), and when each old job entered `queued`: the time of its newest 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
@@ -18,21 +19,34 @@ from kiln.storage.queues import _check_queue
 AUDIT_PAGE = 1000
 
 
+@dataclass(frozen=True)
+class AuditClaim:
+    """The queues a node claimed to audit, and the deadline of the latest node lapse.
+
+    A node that lapsed may have died holding a message kombu had popped but not yet recorded:
+    a job that entered its queue before that deadline is a suspect at once, not only after the
+    audit age (tasks/node/audit.py `lost_jobs`). `lapse_deadline_s` is 0 when no node lapsed.
+    """
+
+    queues: list[str]
+    lapse_deadline_s: float
+
+
 class AuditOps(StoreBase):
     """Paged reads of queue lists, kombu's unacked hash, queue indexes and held lists."""
 
     @redis_boundary
-    def claim_audits(self, queues: Sequence[str], interval_s: float) -> list[str]:
-        """Of `queues`, those no node claimed within `interval_s`: now claimed by the caller."""
+    def claim_audits(self, queues: Sequence[str], interval_s: float) -> AuditClaim:
+        """Those of `queues` due for an audit, now claimed by the caller.
+
+        Due: no node claimed it within `interval_s`, or since the latest node lapse was claimed.
+        """
         for queue in queues:
             _check_queue(queue)
-        if not queues:
-            return []
         interval_ms = max(0, int(interval_s * 1000))
-        claimed: list[str] = self._run(
-            "audit_claim", [self.keys.queued_audits], [interval_ms, *queues]
-        )
-        return claimed
+        keys = [self.keys.queued_audits, self.keys.last_lapse]
+        lapse_ms, *claimed = self._run("audit_claim", keys, [interval_ms, *queues])
+        return AuditClaim([str(queue) for queue in claimed], int(lapse_ms) / 1000)
 
     @redis_boundary
     def queued_page(self, queue: str, after_score: float | None) -> list[tuple[str, float]]:

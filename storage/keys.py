@@ -263,6 +263,14 @@ class Keys:
         """Hash: queue -> when a node last claimed its audit of lost messages (Redis ms)."""
         return f"{self.ns}:nodes:audits"
 
+    @property
+    def last_lapse(self) -> str:
+        """Hash: `claimed_ms` and `deadline_ms` of the latest claimed node lapse (Redis ms).
+
+        Written by held_claim, read by audit_claim: a lapse makes every queue's audit due at once.
+        """
+        return f"{self.ns}:nodes:lapse"
+
     # --- API keys ------------------------------------------------------------------------------
     @property
     def api_key_prefix(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import Enum
 
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
@@ -15,6 +16,17 @@ _REAPER_BATCH = 1000
 def lease_ttl_ms(settings: StorageSettings) -> int:
     """The lease TTL as the scripts take it: whole milliseconds, at least one."""
     return max(1, int(settings.lease_ttl_s * 1000))
+
+
+class Renewal(Enum):
+    """What a lease renewal found."""
+
+    RENEWED = "renewed"
+    ENDED = "ended"  # the job reached a terminal state: nothing left to hold, nothing lost
+    LOST = "lost"  # another token is current (reaped, taken over) or the job is gone
+
+
+_RENEWALS = {1: Renewal.RENEWED, 2: Renewal.ENDED}
 
 
 class LeaseOps(StoreBase):
@@ -40,11 +52,16 @@ class LeaseOps(StoreBase):
         return int(self._run("acquire", keys, [job_id, owner, self._lease_ttl_ms]))
 
     @redis_boundary
-    def renew_lease(self, job_id: str, lease_token: int) -> bool:
-        """Extend the lease by its TTL; False if the token is no longer the job's current one."""
+    def renew_lease(self, job_id: str, lease_token: int) -> Renewal:
+        """Extend the lease by its TTL while the token is the job's current one.
+
+        ENDED when the job finished meanwhile (its holder's own last transition drops the lease
+        a moment before the holder stops renewing it), LOST for any other stale token.
+        """
         self._require_id(job_id)
         keys = self._lease_keys(job_id)
-        return bool(self._run("renew", keys, [job_id, str(lease_token), self._lease_ttl_ms]))
+        reply = int(self._run("renew", keys, [job_id, str(lease_token), self._lease_ttl_ms]))
+        return _RENEWALS.get(reply, Renewal.LOST)
 
     @redis_boundary
     def release_lease(self, job_id: str, lease_token: int) -> None:

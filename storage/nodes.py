@@ -85,7 +85,9 @@ class NodeOps(StoreBase):
     @redis_boundary
     def claim_lapsed_holders(self) -> LapsedHolds:
         """The held lists of nodes whose heartbeat lapsed, each handed out once."""
-        live, *lapsed = self._run("held_claim", [self.keys.held_deliveries], [])
+        live, *lapsed = self._run(
+            "held_claim", [self.keys.held_deliveries, self.keys.last_lapse], []
+        )
         holders = [
             LapsedHolder(str(node_id), int(written_ms), int(deadline_ms), [str(j) for j in jobs])
             for node_id, written_ms, deadline_ms, *jobs in lapsed

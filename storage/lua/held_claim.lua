@@ -5,9 +5,13 @@
 -- node lapsed: only a lapse needs it); each lapsed entry follows as
 -- {node id, written_ms, deadline_ms, job ids...}: it died between its last write and deadline
 -- (an unreadable entry is dropped as lapsed, with 0 for both times).
+-- A claimed lapse is recorded in the last-lapse hash (when it was claimed, and the latest deadline
+-- of a lapsed node): audit_claim makes every queue's audit due after it, since a node killed
+-- with a message popped but not yet recorded by kombu lost it (tasks/node/audit.py).
 -- include: _held
 -- KEYS[1] = held deliveries (hash: node id -> "deadline_ms/written_ms/incarnation job_id ...")
-local held_key = KEYS[1]
+-- KEYS[2] = last lapse (hash: claimed_ms, deadline_ms)
+local held_key, lapse_key = KEYS[1], KEYS[2]
 
 local _, now_ms = clock()
 local flat = redis.call('HGETALL', held_key)
@@ -25,6 +29,9 @@ for i = 1, #flat, 2 do
   end
 end
 if #out > 1 then
+  local deadline = tonumber(redis.call('HGET', lapse_key, 'deadline_ms') or '0') or 0
+  for i = 2, #out do deadline = math.max(deadline, tonumber(out[i][3]) or 0) end
+  redis.call('HSET', lapse_key, 'claimed_ms', now_ms, 'deadline_ms', deadline)
   for _, entry in ipairs(live) do
     for _, job_id in ipairs(entry.jobs) do out[1][#out[1] + 1] = job_id end
   end

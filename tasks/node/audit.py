@@ -4,10 +4,14 @@ kombu's Redis transport pops a message with BRPOP and records it in its `unacked
 pipeline later (tasks/node/unacked.py). A node killed between the two, or a connection lost with
 the BRPOP reply in flight, loses the message, and its job stays `queued` with `published` set:
 the sweeper (unconfirmed publishes) and the held-list recovery (a dead node's deliveries) never
-see it. So, every `queued_audit_interval_s`, one node serving a queue (storage/lua/audit_claim.lua)
-audits it. Only when its oldest queued job entered the queue over `queued_audit_age_s` ago (one
-index entry and one event read: the usual pass stops there), it reads, in this order, which is
-the order a message moves in:
+see it. So one node serving a queue (storage/lua/audit_claim.lua) audits it every
+`queued_audit_interval_s`, and again as soon as a sweeper has claimed a node's lapse
+(storage/lua/held_claim.lua records it): a node killed with a BRPOP reply unread loses that
+message, so after a lapse a job that entered its queue before the dead node's heartbeat deadline
+is a suspect at once, and the loss costs seconds rather than the audit age. A pass reads on only
+when the queue's oldest job entered it over `queued_audit_age_s` ago, or before the latest lapse
+(one index entry and one event read: the usual pass stops there); it then reads, in this order,
+which is the order a message moves in:
 
 1. the job ids of the messages in the queue's lists (every priority list, pages of 1000);
 2. the old queued jobs of the queue's index that are not among them (the suspects);
@@ -140,10 +144,20 @@ def still_lost(store: JobStore, app: Celery, suspects: set[str], began_s: float)
     return sorted(set(queued) - store.leased(queued))
 
 
-def lost_jobs(store: JobStore, app: Celery, queues: Sequence[str], age_s: float) -> list[str]:
-    """The queued jobs of `queues`, in them for over `age_s`, whose message is nowhere."""
+def lost_jobs(
+    store: JobStore,
+    app: Celery,
+    queues: Sequence[str],
+    age_s: float,
+    lapse_deadline_s: float = 0.0,
+) -> list[str]:
+    """The queued jobs of `queues` whose message is nowhere.
+
+    Suspects are those in their queue for over `age_s`, or since before `lapse_deadline_s` (the
+    latest node death, widened by the clock slack): a dead node can have lost only those.
+    """
     began_s = store.redis_now()
-    before_s = began_s - age_s
+    before_s = max(began_s - age_s, min(began_s, lapse_deadline_s + CLOCK_SLACK_S))
     suspects: set[str] = set()
     for queue in queues:
         if head_is_old(store, queue, before_s):

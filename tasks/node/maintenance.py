@@ -10,8 +10,9 @@
   drain request (tasks/node/controls.py);
 - restarts (every `reaper_interval_s`, for a `kiln worker` node): after a Redis restart, publish
   the queued jobs of the node's queues again (messages being taken at the time are lost);
-- audit (every `queued_audit_interval_s`, for a `kiln worker` node): publish again the queued
-  jobs whose message is nowhere (tasks/node/audit.py), one node per queue and interval;
+- audit (for a `kiln worker` node; due every `queued_audit_interval_s` and after each node lapse,
+  asked every `reaper_interval_s`): publish again the queued jobs whose message is nowhere
+  (tasks/node/audit.py), one node per queue and interval or lapse;
 - batches (every `batch_feed_interval_s`, not while draining): feed the active batches whose
   feeder lease this node holds or can take, and write their results (tasks/batches/feeder.py).
 
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Callable
 
 from kiln.storage.errors import StorageError
+from kiln.storage.leases import Renewal
 from kiln.storage.status import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.node.audit import lost_jobs
@@ -49,13 +51,17 @@ def renew_leases(node: Node) -> None:
     """Renew every held lease; a job whose lease is gone is told to stop."""
     for tracked in node.tracked_jobs():
         try:
-            renewed = node.store.renew_lease(tracked.job_id, tracked.lease_token)
+            renewal = node.store.renew_lease(tracked.job_id, tracked.lease_token)
         except StorageError:
             node.metrics.count_lease_renewal_failure()
             raise
-        if not renewed:
+        if renewal is Renewal.LOST:
             node.metrics.count_lease_renewal_failure()
             log.warning("lease of job %s was lost; stopping it", tracked.job_id)
+            tracked.stop_reason = JobStopReason.LEASE_LOST
+        elif renewal is Renewal.ENDED and tracked.stop_reason is None:
+            # Usually this node's own last transition, a moment before the job leaves the
+            # tracked set: no failure. Otherwise the job ended elsewhere: stop computing it.
             tracked.stop_reason = JobStopReason.LEASE_LOST
 
 
@@ -137,21 +143,33 @@ def republish_after_restart(node: Node, queues: list[str]) -> int:
 def audit_queued(node: Node, queues: list[str]) -> int:
     """Publish again the queued jobs of `queues` whose message is lost; returns how many.
 
-    Audits those of `queues` no node audited within the interval (tasks/node/audit.py). The
-    claim's interval is a little shorter than the loop's, so a lone node's next pass is never
+    Audits those of `queues` no node audited within the interval, or since the latest node
+    lapse (tasks/node/audit.py). The loop runs every `audit_tick_s`, the claim says which are
+    due; its interval is a little shorter than the setting, so a lone node's pass is never
     skipped for a few ms of clock difference.
     """
     settings = node.settings
-    due = node.store.claim_audits(queues, 0.9 * settings.queued_audit_interval_s)
-    lost = lost_jobs(node.store, node.celery_app, due, settings.queued_audit_age_s)
+    claim = node.store.claim_audits(queues, 0.9 * settings.queued_audit_interval_s)
+    lost = lost_jobs(
+        node.store,
+        node.celery_app,
+        claim.queues,
+        settings.queued_audit_age_s,
+        claim.lapse_deadline_s,
+    )
     for job_id in lost:
         log.warning(
-            "job %s: queued over %.0f s, its message in no queue, unacked or held list and no "
-            "lease (lost in a consumer's fetch): published again",
+            "job %s: queued, its message in no queue, unacked or held list and no lease (lost "
+            "in a consumer's fetch): published again",
             job_id,
-            settings.queued_audit_age_s,
         )
     return publish_queued(node, lost)
+
+
+def audit_tick_s(node: Node) -> float:
+    """How often the audit loop asks which queues are due: soon after a lapse is claimed."""
+    settings = node.settings
+    return min(settings.reaper_interval_s, settings.queued_audit_interval_s)
 
 
 def _loop(stop: threading.Event, interval_s: float, name: str, step: Callable[[], object]) -> None:
@@ -194,7 +212,7 @@ class Maintenance:
             restarts = functools.partial(republish_after_restart, self.node, self.controls.queues)
             loops.append(("restarts", settings.reaper_interval_s, restarts))
             audit = functools.partial(audit_queued, self.node, self.controls.queues)
-            loops.append(("audit", settings.queued_audit_interval_s, audit))
+            loops.append(("audit", audit_tick_s(self.node), audit))
         feeder = BatchFeeder(
             node.store, node.objects, node.submitter, settings, node.node_id, node.celery_app
         )

@@ -17,7 +17,8 @@ Not closed from here: kombu pops a message with BRPOP and records it in `unacked
 pipeline after the reply is read (`Channel._brpop_read` -> `_deliver` -> `QoS.append`). A node
 killed between the two, or a connection lost with the BRPOP reply in flight, loses the message:
 it is in neither the queue nor `unacked`: the queued-jobs audit (tasks/node/audit.py) publishes
-its job again once it has been queued longer than `queued_audit_age_s`.
+its job again; a claimed lapse makes that audit due at once, for every job queued before the dead
+node's deadline (a connection lost without a death waits for `queued_audit_age_s`).
 """
 
 from __future__ import annotations

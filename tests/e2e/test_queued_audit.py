@@ -1,4 +1,4 @@
-"""A queued job whose message is lost is run by a real node after the audit's age, exactly once.
+"""A queued job whose message is lost is run once by a real node: after the audit age or a lapse.
 
 kombu pops a message with BRPOP and records it as unacknowledged one pipeline later: a node
 killed between the two, or a connection lost with the reply in flight, loses the message while
@@ -26,6 +26,7 @@ AUDIT_ENV = {
     "KILN_QUEUED_AUDIT_AGE_S": "2",
     "KILN_QUEUED_AUDIT_INTERVAL_S": "1",
 }
+AUDITED = "queued, its message in no queue"  # the audit's log line for a job it publishes
 REQUEST = JobRequest(pipeline="sleepy", prompt="x", width=64, height=64, steps=2)
 
 
@@ -55,9 +56,31 @@ def test_a_job_whose_message_was_lost_runs_once_after_the_audit_age(
         assert cluster.completion_count(job_id) == 1
     print(f"lost message recovered {time.monotonic() - started:.1f}s after the node started")
     log = worker.log()
-    assert f"job {lost.id}: queued over" in log
-    assert f"job {twice.id}: queued over" not in log
+    assert f"job {lost.id}: {AUDITED}" in log
+    assert f"job {twice.id}: {AUDITED}" not in log
     # the duplicate's leftovers are dropped, never run: still once after the audit's next passes
     time.sleep(3)
     assert cluster.completion_count(twice.id) == 1
     assert cluster.completion_count(lost.id) == 1
+
+
+def test_a_message_lost_as_a_node_died_runs_soon_after_its_lapse_not_the_audit_age(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    # The deployment's audit settings (every 120 s, jobs queued over 300 s): only the lapse of
+    # the node that took the message can bring the job back within the wait below.
+    cluster = cluster_factory(KILN_TEST_STEP_SECONDS="0.01")
+    worker = cluster.start_worker(f"sleepy={SLEEPY}")
+    sends_nothing = Submitter(cluster.store, cluster.settings, lambda *_: None)
+    lost, _ = sends_nothing.submit(REQUEST)  # its message popped by a node, then killed...
+    # ...before kombu recorded the delivery or the node listed it: its held list lapses empty
+    cluster.store.record_held("node-killed", [], ttl_s=0.5)
+    started = time.monotonic()
+    finished = cluster.wait_for(lost.id, timeout_s=60)
+    assert str(finished.state) == "succeeded", finished.error
+    assert finished.attempts == 1
+    assert cluster.completion_count(lost.id) == 1
+    print(f"lost message recovered {time.monotonic() - started:.1f}s after the lapse began")
+    log = worker.log()
+    assert "node node-killed lapsed holding 0 listed message(s)" in log
+    assert f"job {lost.id}: {AUDITED}" in log

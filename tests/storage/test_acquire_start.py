@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, QuotaExceeded, StaleLease
+from kiln.storage.leases import Renewal
 from kiln.storage.status import JobState, JobStore
 from tests.storage.helpers import WORKER, event_types, job_in_state
 
@@ -25,7 +26,7 @@ def test_leases_and_starts_in_one_call(job_store: JobStore) -> None:
     payload = job_store.events(job_id, count=10)[-1].payload
     assert (payload["node_id"], payload["owner"], payload["attempts"]) == ("node-1", WORKER, 1)
     # the lease is renewable with the token and the running set holds the job (the reaper's view)
-    assert job_store.renew_lease(job_id, token)
+    assert job_store.renew_lease(job_id, token) is Renewal.RENEWED
     assert job_id not in job_store.expired_leases()
 
 

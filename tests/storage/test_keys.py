@@ -36,6 +36,7 @@ NAMES = {
     "nodes": "ns:nodes",
     "held_deliveries": "ns:nodes:held",
     "queued_audits": "ns:nodes:audits",
+    "last_lapse": "ns:nodes:lapse",
     "api_key": "ns:apikey:x",
     "api_key_id": "ns:apikey_id:x",
     "api_key_ids": "ns:apikeys",

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kiln.storage.errors import JobNotFound, LeaseHeld, StaleLease
+from kiln.storage.leases import Renewal
 from kiln.storage.settings import StorageSettings
 from kiln.storage.status import JobState, JobStore, NewJob
 from tests.storage.helpers import WORKER, event_types, job_in_state
@@ -80,7 +81,7 @@ def test_renewal_rearms_the_ttl(job_store: JobStore) -> None:
     job_id, token = job_in_state(job_store, JobState.RUNNING)
     lease_key = job_store.keys.lease(job_id)
     job_store.redis.pexpire(lease_key, 50)  # as if most of the TTL had passed
-    assert job_store.renew_lease(job_id, token) is True
+    assert job_store.renew_lease(job_id, token) is Renewal.RENEWED
     assert job_store.redis.pttl(lease_key) > 1000
     assert job_id not in job_store.expired_leases()
 
@@ -90,7 +91,7 @@ def test_renewal_after_expiry_while_still_current(short_lease_store: JobStore) -
     job_id, token = job_in_state(store, JobState.RUNNING)
     wait_until(lambda: store.lease_owner(job_id) is None)
     # nobody took it over and the reaper did not run: the holder may carry on
-    assert store.renew_lease(job_id, token) is True
+    assert store.renew_lease(job_id, token) is Renewal.RENEWED
     assert store.lease_owner(job_id) == WORKER
 
 
@@ -98,14 +99,15 @@ def test_renewal_with_stale_token_fails(job_store: JobStore) -> None:
     job_id, token = job_in_state(job_store, JobState.RUNNING)
     job_store.release_lease(job_id, token)
     job_store.acquire_lease(job_id, "worker-b")
-    assert job_store.renew_lease(job_id, token) is False
+    assert job_store.renew_lease(job_id, token) is Renewal.LOST
     assert job_store.lease_owner(job_id) == "worker-b"
 
 
 def test_renewal_stops_at_terminal_state(job_store: JobStore) -> None:
     job_id, token = job_in_state(job_store, JobState.RUNNING)
     job_store.succeed(job_id, token, [], {})
-    assert job_store.renew_lease(job_id, token) is False
+    # the holder's own success: ended, not lost (no warning, no renewal-failure count)
+    assert job_store.renew_lease(job_id, token) is Renewal.ENDED
     assert job_store.lease_owner(job_id) is None
 
 
@@ -122,7 +124,7 @@ def test_stale_release_is_a_no_op(job_store: JobStore) -> None:
     new = job_store.acquire_lease(job_id, WORKER)
     job_store.release_lease(job_id, token)
     assert job_store.lease_owner(job_id) == WORKER
-    assert job_store.renew_lease(job_id, new) is True
+    assert job_store.renew_lease(job_id, new) is Renewal.RENEWED
 
 
 def test_reap_with_pending_cancel_cancels(job_store: JobStore) -> None:

@@ -7,6 +7,8 @@ job queued before the pass is old) or an hour (every job is young): no test wait
 
 from __future__ import annotations
 
+import time
+
 from celery import Celery
 
 from kiln.storage.status import JobStore
@@ -121,6 +123,35 @@ def test_the_record_is_read_again_before_it_is_published(
 
 
 def test_one_node_per_queue_claims_each_interval(job_store: JobStore) -> None:
-    assert job_store.claim_audits(["interactive.a", "bulk.a"], 3600) == ["interactive.a", "bulk.a"]
-    assert job_store.claim_audits(["interactive.a", "bulk.b"], 3600) == ["bulk.b"]
-    assert job_store.claim_audits(["interactive.a"], 0) == ["interactive.a"]  # the interval passed
+    due = job_store.claim_audits(["interactive.a", "bulk.a"], 3600)
+    assert due.queues == ["interactive.a", "bulk.a"]
+    assert due.lapse_deadline_s == 0  # no node lapsed
+    assert job_store.claim_audits(["interactive.a", "bulk.b"], 3600).queues == ["bulk.b"]
+    assert job_store.claim_audits(["interactive.a"], 0).queues == ["interactive.a"]  # interval
+
+
+def test_a_claimed_lapse_makes_every_queue_due_once(job_store: JobStore) -> None:
+    queues = ["interactive.a", "bulk.a"]
+    assert job_store.claim_audits(queues, 3600).queues == queues
+    assert job_store.claim_audits(queues, 3600).queues == []
+    job_store.record_held("node-dead", [], ttl_s=0.001)
+    time.sleep(0.01)
+    assert job_store.claim_audits(queues, 3600).queues == []  # lapsed, but no sweeper claimed it
+    (holder,) = job_store.claim_lapsed_holders().holders
+    time.sleep(0.002)  # the claims are compared in ms
+    due = job_store.claim_audits(queues, 3600)
+    assert due.queues == queues
+    assert due.lapse_deadline_s == holder.deadline_ms / 1000
+    assert job_store.claim_audits(queues, 3600).queues == []  # once per lapse
+
+
+def test_after_a_lapse_a_job_queued_before_the_death_is_a_suspect_at_once(
+    job_store: JobStore, app: Celery, submitter: Submitter
+) -> None:
+    lost = submit(submitter)
+    lose_message(job_store, app, lost)  # popped by a node killed before kombu recorded it
+    assert lost_jobs(job_store, app, [QUEUE], YOUNG) == []  # the age alone: not yet
+    now = job_store.redis_now()
+    long_ago = now - YOUNG / 2  # a lapse before the job was queued cannot have lost it
+    assert lost_jobs(job_store, app, [QUEUE], YOUNG, lapse_deadline_s=long_ago) == []
+    assert lost_jobs(job_store, app, [QUEUE], YOUNG, lapse_deadline_s=now) == [lost]

@@ -233,6 +233,38 @@ def test_a_job_whose_lease_was_lost_is_left_to_the_new_holder(harness: NodeHarne
     assert harness.store.lease_owner(job_id) == "other-node/1"
 
 
+def renewal_failures(harness: NodeHarness) -> float:
+    metrics = harness.node.metrics
+    value = metrics.registry.get_sample_value(
+        "kiln_node_lease_renewal_failures_total", {"node_id": harness.node.node_id}
+    )
+    assert value is not None
+    return value
+
+
+def test_a_renewal_just_after_the_jobs_own_end_is_no_failure(harness: NodeHarness) -> None:
+    ended, lost = harness.submit(), harness.submit()
+    held = {}
+    for job_id in (ended, lost):
+        token, _ = harness.store.acquire_and_start(job_id, "n/1", node_id=harness.node.node_id)
+        held[job_id] = token
+    with (
+        harness.node.tracking(ended, held[ended]) as ended_tracked,
+        harness.node.tracking(lost, held[lost]) as lost_tracked,
+    ):
+        # the job's last transition drops the lease a moment before it leaves the tracked set
+        harness.store.succeed(ended, held[ended], [], {})
+        renew_leases(harness.node)
+        assert renewal_failures(harness) == 0
+        assert ended_tracked.stop_reason is not None  # nothing left to compute
+        assert lost_tracked.stop_reason is None
+        harness.store.release_lease(lost, held[lost])  # lapsed, and another node took it
+        harness.store.acquire_lease(lost, "other-node/1")
+        renew_leases(harness.node)
+        assert renewal_failures(harness) == 1
+        assert lost_tracked.stop_reason is not None
+
+
 def test_a_retryable_failure_requeues_with_backoff(harness: NodeHarness) -> None:
     job_id = harness.submit()
     harness.coordinator.fail_with = WorkerGroupDied("rank 1 died")
