@@ -3,7 +3,7 @@
 Job bodies hold at least one value Python's `json` parses but the API must refuse (NaN,
 Infinity, integers past 64 bits, lone surrogates, NUL, invalid UTF-8, nesting past 32 levels),
 somewhere: a known field, an unknown one, a key, deep in metadata. Requests carry odd bytes in
-headers, query strings and path ids, all still well-formed HTTP (malformed HTTP is h11's to
+headers, query strings and path ids, all still well-formed HTTP (malformed HTTP is httptools' to
 refuse, and it rightly closes the connection).
 """
 
@@ -25,8 +25,9 @@ FIELDS = [
     "guidance_scale", "seed", "num_outputs", "output_format", "priority", "webhook", "start_by",
     "max_run_seconds", "metadata",
 ]
-# what h11 refuses in a header value (NUL, CR, LF and other whitespace but space)
-_NOT_IN_HEADERS = frozenset(b"\x00\t\n\x0b\x0c\r")
+# what httptools (llhttp) refuses in a header value, as RFC 9110 does: control bytes and DEL
+# (and tab, which it takes only inside a value)
+_NOT_IN_HEADERS = frozenset([*range(0x20), 0x7F])
 
 
 @dataclass(frozen=True)
