@@ -11,7 +11,7 @@
 - restarts (every `reaper_interval_s`, for a `kiln worker` node): after a Redis restart, publish
   the queued jobs of the node's queues again (messages being taken at the time are lost);
 - audit (for a `kiln worker` node; due every `queued_audit_interval_s` and after each node lapse,
-  asked every `reaper_interval_s`): publish again the queued jobs whose message is nowhere
+  asked every `heartbeat_interval_s`): publish again the queued jobs whose message is nowhere
   (tasks/node/audit.py), one node per queue and interval or lapse;
 - batches (every `batch_feed_interval_s`, not while draining): feed the active batches whose
   feeder lease this node holds or can take, and write their results (tasks/batches/feeder.py).
@@ -167,9 +167,13 @@ def audit_queued(node: Node, queues: list[str]) -> int:
 
 
 def audit_tick_s(node: Node) -> float:
-    """How often the audit loop asks which queues are due: soon after a lapse is claimed."""
+    """How often the audit loop asks which queues are due (one small script call).
+
+    Each heartbeat interval: a message lost at a node's death is then published again within
+    the heartbeat TTL, a sweeper pass and one tick (6 + 5 + 2 s by default), under a lease TTL.
+    """
     settings = node.settings
-    return min(settings.reaper_interval_s, settings.queued_audit_interval_s)
+    return min(settings.heartbeat_interval_s, settings.queued_audit_interval_s)
 
 
 def _loop(stop: threading.Event, interval_s: float, name: str, step: Callable[[], object]) -> None:
