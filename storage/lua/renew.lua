@@ -13,8 +13,7 @@ local job_id, token, ttl_ms = ARGV[1], ARGV[2], ARGV[3]
 
 local v = redis.call('HMGET', job_key, 'lease_token', 'lease_owner', 'state')
 if not v[1] or v[1] == '0' or v[1] ~= token then
-  local ended = {succeeded = true, failed = true, canceled = true, expired = true}
-  if ended[v[3]] then return 2 end
+  if TERMINAL[v[3]] then return 2 end
   return 0
 end
 redis.call('SET', lease_key, v[1] .. '|' .. v[2], 'PX', ttl_ms)

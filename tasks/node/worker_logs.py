@@ -4,7 +4,8 @@ Kiln sets the root handler up before Celery starts (tasks/contract/logs.py), the
 `setup_logging` signal, which makes Celery leave the handlers alone (it only takes the level of
 `--loglevel` from it) and skip its stdout redirection; the worker runs with `--quiet`, so no text
 banner is printed. Celery's own lines about a `run_job` (received, succeeded, failed) carry the
-job's id: `task_prerun`/`task_postrun` bind it around each task. Text mode is Celery's own setup.
+job's id: `task_prerun`/`task_postrun` bind it around each task. Text mode is Celery's own setup,
+with a text handler of Kiln's until Celery's replaces it (the node's start-up lines).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from celery.signals import setup_logging, task_postrun, task_prerun
 from kiln.tasks.contract.logs import (
     StdioCapture,
     bind_log_context,
+    configure_logging,
     reset_log_context,
     start_json_logging,
 )
@@ -35,6 +37,10 @@ def start_worker_logging(
 ) -> StdioCapture | None:
     """Set JSON logging up for this worker and its ranks; None in text mode (Celery's own)."""
     if log_format != "json":
+        # Celery sets its text logging up only as the worker starts (replacing this handler):
+        # until then the root logger's level is WARNING, and the node's start-up lines and its
+        # background loops' first ones (a lapse claimed in the first second) went nowhere.
+        configure_logging("text", loglevel)
         return None
     if spawns_ranks:
         # multiprocessing's resource tracker, started at the first rank spawn, outlives the

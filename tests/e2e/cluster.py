@@ -72,8 +72,12 @@ class WorkerProcess:
         raise TimeoutError(f"worker {self.node_id} not ready after {timeout_s}s:\n{self.log()}")
 
     def log(self) -> str:
-        """The worker's output so far (tail)."""
-        return self.log_path.read_text(errors="replace")[-6000:]
+        """The worker's output so far (tail: for a failure's message)."""
+        return self.output()[-6000:]
+
+    def output(self) -> str:
+        """The worker's whole output so far: what a test searches for a line."""
+        return self.log_path.read_text(errors="replace")
 
     def rank_pids(self) -> dict[int, int]:
         """Rank → pid of the group's live rank processes (found by their process titles)."""

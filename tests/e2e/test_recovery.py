@@ -130,7 +130,7 @@ def test_job_longer_than_visibility_timeout_runs_once(
     assert_one_output_set(cluster, job_id, num_outputs=1)
     assert cluster.store.get(job_id).attempts == 1
     # The redelivery really happened, and the lease turned it away.
-    assert f"job {job_id} delivered again while leased" in worker.log()
+    assert f"job {job_id} delivered again while leased" in worker.output()
 
 
 def test_poison_job_fails_after_max_attempts_without_looping(
