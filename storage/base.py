@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import redis
+import redis.asyncio
+import redis.asyncio.retry
 from redis.backoff import EqualJitterBackoff
 from redis.retry import Retry
 
@@ -31,6 +33,29 @@ def redis_client(settings: StorageSettings) -> redis.Redis[str]:
         retry=Retry(EqualJitterBackoff(cap=0.5, base=0.05), 3),
         health_check_interval=30,
     )
+
+
+def async_redis_client(
+    settings: StorageSettings, max_connections: int
+) -> redis.asyncio.Redis[str]:
+    """An event loop's client for `settings.redis_url`, configured as `redis_client`'s.
+
+    Past `max_connections` a caller waits (up to the socket timeout) for a connection to come
+    back, instead of failing at once: an event loop has no thread pool to bound its callers.
+    """
+    pool: redis.asyncio.BlockingConnectionPool[redis.asyncio.Connection]
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        socket_timeout=settings.redis_socket_timeout_s,
+        socket_connect_timeout=settings.redis_connect_timeout_s,
+        max_connections=max_connections,
+        timeout=settings.redis_socket_timeout_s,
+        retry=redis.asyncio.retry.Retry(EqualJitterBackoff(cap=0.5, base=0.05), 3),
+        health_check_interval=30,
+    )
+    # (decode_responses is the pool's; said again for the type checker, which reads it here)
+    return redis.asyncio.Redis(connection_pool=pool, decode_responses=True)
 
 
 def check_client(client: redis.Redis[str]) -> None:

@@ -53,9 +53,27 @@ def _cap(limit: int | None) -> int | str:
     return "" if limit is None else limit
 
 
+# (script, KEYS, ARGV): one evalsha of a pipeline
+ScriptCall = tuple[ScriptName, list[str], list[Any]]
+
+
 @functools.cache
-def _sha(name: ScriptName) -> str:
-    return hashlib.sha1(source(name).encode()).hexdigest()  # how Redis names a script
+def script_sha(name: ScriptName) -> str:
+    """The sha1 Redis names `storage/lua/<name>.lua` by."""
+    return hashlib.sha1(source(name).encode()).hexdigest()
+
+
+def first_lost_script(replies: Sequence[Any]) -> int | None:
+    """Where a pipeline's replies first say NOSCRIPT (reload and rerun from there); None: all ran.
+
+    A failure before that is raised: the scripts up to it ran, so it is the caller's to see.
+    """
+    failure = next((r for r in replies if isinstance(r, Exception)), None)
+    if failure is None:
+        return None
+    if not isinstance(failure, NoScriptError):
+        raise failure
+    return next(i for i, reply in enumerate(replies) if reply is failure)
 
 
 class CreationOps(StoreBase):
@@ -177,44 +195,58 @@ class CreationOps(StoreBase):
         """`create_job`, and the created job's `queue_snapshot` of `place`: one round trip.
 
         The snapshot is None without `place` or when no job was created (an idempotent hit is
-        another job: ask `queue_snapshot` about it).
+        another job: ask `queue_snapshot` about it). `storage.async_creation` runs the same
+        calls from an event loop.
         """
+        calls = self.placement_calls(new, max_queued, max_depth, message, place)
+        return self.placed(new, self._pipelined(calls))
+
+    def placement_calls(
+        self,
+        new: NewJob,
+        max_queued: int | None,
+        max_depth: int | None,
+        message: tuple[str, str] | None,
+        place: Placement | None,
+    ) -> list[ScriptCall]:
+        """The scripts `create_and_place` pipelines: create.lua, then queue_snapshot.lua."""
         keys, args = self.create_call(new, max_queued, max_depth, message)
-        calls: list[tuple[ScriptName, list[str], list[Any]]] = [("create", keys, args)]
+        calls: list[ScriptCall] = [("create", keys, args)]
         if place is not None:
-            calls.append(
-                (
-                    "queue_snapshot",
-                    *snapshot_call(self.keys, new.id, place.queue, place.other, place.rate_queues),
-                )
+            keys, args = snapshot_call(
+                self.keys, new.id, place.queue, place.other, place.rate_queues
             )
-        replies = self._pipelined(calls)
+            calls.append(("queue_snapshot", keys, args))
+        return calls
+
+    def placed(
+        self, new: NewJob, replies: list[Any]
+    ) -> tuple[JobRecord, bool, QueueSnapshot | None]:
+        """`create_and_place`'s answer from the replies to its `placement_calls`."""
         record, created = self.created(new, replies[0])
         if len(replies) < 2 or not created:
             return record, created, None
         return record, created, snapshot_from(replies[1])
 
-    def _pipelined(self, calls: list[tuple[ScriptName, list[str], list[Any]]]) -> list[Any]:
+    def _pipelined(self, calls: list[ScriptCall]) -> list[Any]:
         """Run scripts in one pipeline, by sha: a script Redis lost is loaded and run again.
 
         (redis-py's pipelines check every script with SCRIPT EXISTS first: another round trip.)
         """
-        for attempt in range(2):
-            pipe = self.redis.pipeline(transaction=False)
-            for name, keys, args in calls:
-                pipe.evalsha(_sha(name), len(keys), *keys, *args)
-            replies = pipe.execute(raise_on_error=False)
-            failure = next((r for r in replies if isinstance(r, Exception)), None)
-            if failure is None:
-                return list(replies)
-            lost = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-            if not lost or attempt:
-                raise failure
-            for name, _keys, _args in calls:
-                self.redis.script_load(source(name))
-            if lost[0] > 0:  # the ones before it ran: run only the rest again
-                return [*replies[: lost[0]], *self._pipelined(calls[lost[0] :])]
-        raise AssertionError("unreachable")
+        replies = self._execute(calls, raise_on_error=False)
+        rerun_from = first_lost_script(replies)
+        if rerun_from is None:
+            return replies
+        for name, _keys, _args in calls:
+            self.redis.script_load(source(name))
+        # the ones before the lost one ran: only the rest run again (and raise as they will)
+        return [*replies[:rerun_from], *self._execute(calls[rerun_from:])]
+
+    def _execute(self, calls: list[ScriptCall], raise_on_error: bool = True) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for name, keys, args in calls:
+            pipe.evalsha(script_sha(name), len(keys), *keys, *args)
+        return list(pipe.execute(raise_on_error=raise_on_error))
 
     @redis_boundary
     def create_jobs(self, news: Iterable[NewJob], chunk_size: int = DEFAULT_CHUNK) -> None:

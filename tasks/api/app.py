@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
@@ -43,6 +45,13 @@ log = logging.getLogger(__name__)
 API_VERSION = "1.0.0"
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    ctx: ApiContext = app.state.kiln
+    await ctx.aclose()  # the event loop's Redis connections (the submit route's)
+
+
 def create_app(
     settings: KilnSettings,
     storage_settings: StorageSettings,
@@ -58,6 +67,7 @@ def create_app(
         title="Kiln",
         version=API_VERSION,
         description="Durable queue for GPU image and video generation jobs.",
+        lifespan=_lifespan,
         # Any route: the server itself refuses a malformed or oversized request line or headers
         # before routing (api.http_guard), as plain text.
         responses={400: {"description": "Malformed or oversized request line or headers."}},

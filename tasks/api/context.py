@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import anyio
 from celery import Celery
 
 from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.async_creation import AsyncCreation
+from kiln.storage.base import async_redis_client
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
 from kiln.storage.status import JobStore
@@ -22,6 +25,9 @@ from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_re
 # Sync routes and dependencies run in anyio's default thread pool (40 threads); each may hold a
 # Redis connection while it runs, so that many must stay free of event streams.
 API_THREADS = 40
+# The submit route's own Redis connections (an asyncio pool, beside the threads' pool): past them
+# a submission waits its turn for one.
+SUBMIT_CONNECTIONS = 32
 
 
 @dataclass
@@ -39,9 +45,27 @@ class ApiContext:
     resolve: Resolver = system_resolver
     # threads for the streams' blocking reads; a stream has one read at a time, so one per slot
     sse_limiter: anyio.CapacityLimiter = field(init=False)
+    # the event loop's job creation (the submit route's), built in the loop that first asks
+    _creation: tuple[asyncio.AbstractEventLoop, AsyncCreation] | None = field(
+        default=None, init=False
+    )
 
     def __post_init__(self) -> None:
         self.sse_limiter = anyio.CapacityLimiter(self.sse_slots.total)
+
+    def creation(self) -> AsyncCreation:
+        """Job creation for the running event loop (a client's connections serve one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._creation is None or self._creation[0] is not loop:
+            client = async_redis_client(self.store.settings, SUBMIT_CONNECTIONS)
+            self._creation = (loop, AsyncCreation(self.store, client))
+        return self._creation[1]
+
+    async def aclose(self) -> None:
+        """Close what the running loop opened (at the app's shutdown)."""
+        if self._creation is not None and self._creation[0] is asyncio.get_running_loop():
+            creation, self._creation = self._creation[1], None
+            await creation.aclose()
 
 
 def build_context(

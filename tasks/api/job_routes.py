@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Header, HTTPException, Query, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -77,7 +78,7 @@ def _check_request(ctx: ApiContext, request: JobRequest, caller: Principal) -> N
     },
     tags=["jobs"],
 )
-def submit_job(
+async def submit_job(
     ctx: Ctx,
     caller: Caller,
     body: JobRequest,
@@ -87,13 +88,21 @@ def submit_job(
     ] = None,
 ) -> Response:
     """Enqueue a job: 201 with its view; 200 with the same job for a repeated Idempotency-Key."""
-    _check_request(ctx, body, caller)
+    # Answered on the event loop: a thread hop costs a plain submission more CPU than its own
+    # work. What can block goes to a worker thread: reading the nodes' heartbeats (every few
+    # seconds), a webhook URL's DNS, an image input's HEAD.
+    if not ctx.submitter.served_is_fresh():
+        await run_in_threadpool(ctx.submitter.known_pipelines)
+    if body.webhook is not None or body.inputs:
+        await run_in_threadpool(_check_request, ctx, body, caller)
+    else:
+        _check_request(ctx, body, caller)
     # Keys are scoped to the API key so two callers never share one.
     scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
     max_queued = effective_cap(caller.max_queued, ctx.settings.max_queued_per_key)
     retry_after = {"Retry-After": str(ctx.settings.queue_full_retry_after_s)}
     try:
-        record, created, estimate = _submit(ctx, body, caller, scoped_key, max_queued)
+        record, created, estimate = await _submit(ctx, body, caller, scoped_key, max_queued)
     except QueueFull as exc:
         raise HTTPException(429, "queue is full; retry later", headers=retry_after) from exc
     except QuotaExceeded as exc:
@@ -115,7 +124,7 @@ def submit_job(
     )
 
 
-def _submit(
+async def _submit(
     ctx: ApiContext,
     body: JobRequest,
     caller: Principal,
@@ -124,21 +133,30 @@ def _submit(
 ) -> tuple[JobRecord, bool, QueueEstimate | None]:
     """Write the job and its message and read its place in line: one Redis round trip.
 
-    The same step checks the queue depth and the key's quota. An idempotent replay is another
-    job, whose place (and publish, if it still lacks one) takes more.
+    The same step checks the queue depth and the key's quota. Rarer steps that block run on a
+    worker thread: a queue's first message (Celery builds it with the broker), a publish (a job
+    written without its message), an idempotent replay's place in line (another job's).
     """
     submitter, every = ctx.submitter, ctx.settings.bulk_share_every
     new = submitter.prepared(body, owner=caller.key_id, idempotency_key=scoped_key)
-    record, created, snapshot = ctx.store.create_and_place(
+    if submitter.message_is_ready(new):
+        message = submitter.message_for(new)
+    else:
+        message = await run_in_threadpool(submitter.message_for, new)
+    record, created, snapshot = await ctx.creation().create_and_place(
         new,
         max_queued=max_queued,
         max_depth=ctx.settings.max_queue_depth,
-        message=submitter.message_for(new),
+        message=message,
         place=placement(new.lane, new.queue) if new.queue else None,
     )
-    submitter.accepted(record, created)
+    if record.published:
+        submitter.accepted(record, created)  # a log line: nothing to publish
+    else:
+        await run_in_threadpool(submitter.accepted, record, created)
     if snapshot is None:  # an idempotent replay: another job, whose place is read on its own
-        return record, created, queue_estimate(ctx.store, record, every)
+        estimate = await run_in_threadpool(queue_estimate, ctx.store, record, every)
+        return record, created, estimate
     return record, created, estimate_from(snapshot, new.lane, every)
 
 

@@ -98,6 +98,10 @@ class CeleryMessages:
             )
         return template.key, template.fill(job_id, task_id)
 
+    def is_ready(self, job_id: str, queue: str) -> bool:
+        """Whether `run_job(job_id, queue)` is built from a template (no broker, no lock)."""
+        return queue in self._templates and _PLAIN_ID.fullmatch(job_id) is not None
+
     def celery_built(
         self, job_id: str, queue: str, task_id: str, countdown: float = 0.0
     ) -> tuple[str, str]:

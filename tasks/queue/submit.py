@@ -112,6 +112,10 @@ class Submitter:
         self._messages = messages
         self._served: tuple[float, Served] = (0.0, Served())
 
+    def served_is_fresh(self) -> bool:
+        """Whether what nodes serve is known without a Redis read (the cache is current)."""
+        return time.monotonic() - self._served[0] < KNOWN_PIPELINES_CACHE_S
+
     def known_pipelines(self) -> list[str]:
         """Configured pipelines plus those announced by live nodes (cached for a moment)."""
         return self._served_now().names
@@ -220,6 +224,12 @@ class Submitter:
             # follows says whether Redis is down (503), or the job is published after it
             log.warning("building job %s's message failed (%s); publishing after", new.id, exc)
             return None
+
+    def message_is_ready(self, new: NewJob) -> bool:
+        """Whether `message_for(new)` answers without the broker (its queue's template is built)."""
+        if self._messages is None or not new.queue:
+            return True
+        return self._messages.is_ready(new.id, new.queue)
 
     def accepted(self, record: JobRecord, created: bool) -> None:
         """After the record is written: log a new job, publish one not published yet."""

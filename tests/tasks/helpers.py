@@ -46,7 +46,7 @@ class ThreadServer:
         self.url = f"http://127.0.0.1:{self.port}"
         # the API's own uvicorn configuration (deadlines, keep-alive) from the app's settings
         settings: KilnSettings = app.state.kiln.settings
-        config = uvicorn_config(app, settings, log_level="warning", lifespan="off")
+        config = uvicorn_config(app, settings, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, args=([self.sock],), daemon=True)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ from kiln.tasks.queue.lanes import queue_name
 from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.positions import placement
 from kiln.tasks.queue.submit import Submitter
+from tests.e2e.services import PrivateRedis
 from tests.tasks.helpers import ThreadServer, api_settings
 
 TASK_ID = "0b7d3c5e-1f4a-4c2b-9d8e-6a5f4e3d2c1b"
@@ -179,6 +181,34 @@ def test_a_submit_while_redis_is_down_is_a_503(storage_settings: StorageSettings
                 ctx.celery.close()
     assert answer.status_code == 503
     assert answer.json() == {"detail": "job store unavailable; retry later"}
+
+
+def test_the_api_submits_across_a_redis_restart(
+    storage_settings: StorageSettings, tmp_path: Path
+) -> None:
+    """The submit route's own (asyncio) connections: a 503 while Redis is down, then back."""
+    private = PrivateRedis(tmp_path)
+    storage = storage_settings.model_copy(update={"redis_url": private.url})
+    settings = api_settings(auth_enabled=False)
+    ctx = build_context(settings, storage)
+    body = {"pipeline": "tiny", "prompt": "x"}
+    try:
+        with ThreadServer(create_app(settings, storage, context=ctx)) as server:
+            before = httpx.post(f"{server.url}/v1/jobs", json=body, timeout=60)
+            private.stop()
+            down = httpx.post(f"{server.url}/v1/jobs", json=body, timeout=60)
+            private.start()
+            after = httpx.post(f"{server.url}/v1/jobs", json=body, timeout=60)
+            assert (before.status_code, down.status_code, after.status_code) == (201, 503, 201)
+            assert down.json() == {"detail": "job store unavailable; retry later"}
+            store = ctx.store
+            ids = [before.json()["id"], after.json()["id"]]
+            assert [store.get(job_id).published for job_id in ids] == [True, True]
+            assert store.queue_depth() == 2  # the refused one wrote nothing
+    finally:
+        if ctx.celery is not None:
+            ctx.celery.close()
+        private.stop()
 
 
 def test_without_the_broker_a_message_is_left_to_the_publish(
