@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kombu.exceptions import OperationalError
@@ -22,29 +20,22 @@ from redis.exceptions import RedisError
 
 from kiln.storage.errors import StorageError
 from kiln.storage.status import JobRecord, JobStore, NewJob, request_fingerprint
-from kiln.tasks.contract.inputs import (
-    InputSchema,
-    InputViolation,
-    announced_inputs,
-    first_input_violation,
-)
+from kiln.tasks.contract.inputs import InputSchema, InputViolation, first_input_violation
 from kiln.tasks.contract.limits import (
     BUILTIN_LIMITS,
     LimitViolation,
     PipelineLimits,
-    announced_limits,
     first_violation,
 )
-from kiln.tasks.contract.loras import NodeAdapters, announced_adapters, first_adapter_violation
+from kiln.tasks.contract.loras import NodeAdapters, first_adapter_violation
 from kiln.tasks.contract.schemas import DRAWN_SEED_LIMIT, JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from kiln.tasks.queue.lanes import queue_name
 from kiln.tasks.queue.messages import CeleryMessages
+from kiln.tasks.queue.served import Served, ServedCache
 
 log = logging.getLogger(__name__)
-
-KNOWN_PIPELINES_CACHE_S = 2.0
 
 
 class Publish(Protocol):
@@ -61,17 +52,6 @@ class UnknownPipeline(ValueError):
         super().__init__(f"unknown pipeline {name!r}; served: {', '.join(known) or 'none'}")
         self.name = name
         self.known = list(known)
-
-
-@dataclass(frozen=True)
-class Served:
-    """What submission may name: pipeline names, and per name the limits live nodes announce."""
-
-    names: list[str] = field(default_factory=list)
-    live: frozenset[str] = frozenset()  # names that some live node serves (heartbeats only)
-    limits: dict[str, list[PipelineLimits]] = field(default_factory=dict)
-    inputs: dict[str, list[InputSchema]] = field(default_factory=dict)  # per name, as announced
-    adapters: dict[str, list[NodeAdapters]] = field(default_factory=dict)  # likewise
 
 
 def celery_publisher(app: Any) -> Publish:
@@ -110,11 +90,11 @@ class Submitter:
         self._publish = publish
         # when given, `submit` hands each new job's message to the creation script instead
         self._messages = messages
-        self._served: tuple[float, Served] = (0.0, Served())
+        self._served = ServedCache(store, settings.pipelines)
 
     def served_is_fresh(self) -> bool:
         """Whether what nodes serve is known without a Redis read (the cache is current)."""
-        return time.monotonic() - self._served[0] < KNOWN_PIPELINES_CACHE_S
+        return self._served.is_fresh()
 
     def known_pipelines(self) -> list[str]:
         """Configured pipelines plus those announced by live nodes (cached for a moment)."""
@@ -151,25 +131,7 @@ class Submitter:
         return self._served_now().adapters.get(pipeline, [])
 
     def _served_now(self) -> Served:
-        fetched_at, served = self._served
-        if time.monotonic() - fetched_at < KNOWN_PIPELINES_CACHE_S:
-            return served
-        live: set[str] = set()
-        limits: dict[str, list[PipelineLimits]] = {}
-        inputs: dict[str, list[InputSchema]] = {}
-        adapters: dict[str, list[NodeAdapters]] = {}
-        for node in self.store.live_nodes():
-            live.update(str(p) for p in node.get("pipelines", []))
-            for name, announced in announced_limits(node).items():
-                limits.setdefault(name, []).append(announced)
-            for name, schema in announced_inputs(node).items():
-                inputs.setdefault(name, []).append(schema)
-            for name, entry in announced_adapters(node).items():
-                adapters.setdefault(name, []).append(entry)
-        names = live | set(self.settings.pipelines)
-        served = Served(sorted(names), frozenset(live), limits, inputs, adapters)
-        self._served = (time.monotonic(), served)
-        return served
+        return self._served.now()
 
     def submit(
         self,

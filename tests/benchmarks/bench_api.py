@@ -17,6 +17,10 @@ supervisor; the baseline keeps 1 process unless `--baseline-workers` says otherw
 then start through the `kiln api` command line, with its default logging, so that they compare
 alike; server CPU is then the supervisor's and its children's together. E.g. 1 against 2
 processes of this tree: `--workers 2 --baseline .`.
+
+Each line also prints the generator's own CPU per job (this process's): on a machine where the
+generator shares the cores with the API, a generator that costs about as much as the API caps
+the rate whatever the API does.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ class Api:
     process: subprocess.Popen[bytes] | None = None
     rates: dict[str, list[float]] = field(default_factory=dict)
     cpu_ms: dict[str, list[float]] = field(default_factory=dict)  # server CPU per job
+    load_cpu_ms: dict[str, list[float]] = field(default_factory=dict)  # the generator's, per job
 
     @property
     def url(self) -> str:
@@ -149,11 +154,17 @@ class Api:
         return [sys.executable, "-c", code]
 
     def measure(self, label: str, jobs: int, run: Callable[[], None]) -> None:
-        cpu_before = self.cpu_s()
+        cpu_before, load_before = self.cpu_s(), time.process_time()
         self.rates.setdefault(label, []).append(rate(f"{self.label}: {label}", jobs, run))
         per_job = (self.cpu_s() - cpu_before) / jobs * 1000
+        # the generator shares the cores: where it costs as much as the API, it caps the rate
+        load_per_job = (time.process_time() - load_before) / jobs * 1000
         self.cpu_ms.setdefault(label, []).append(per_job)
-        print(f"{'':<48} server CPU {per_job:.2f} ms/job", flush=True)
+        self.load_cpu_ms.setdefault(label, []).append(load_per_job)
+        print(
+            f"{'':<48} server CPU {per_job:.2f} ms/job, generator CPU {load_per_job:.2f} ms/job",
+            flush=True,
+        )
 
     def cpu_s(self) -> float:
         """CPU seconds the API's processes used so far (user + system, from /proc).
@@ -211,7 +222,14 @@ def summary(apis: list[Api]) -> None:
     def cpu(api: Api) -> dict[str, list[float]]:
         return api.cpu_ms
 
-    for title, of, fmt in (("jobs/s", rates, ".0f"), ("server CPU ms/job", cpu, ".2f")):
+    def load_cpu(api: Api) -> dict[str, list[float]]:
+        return api.load_cpu_ms
+
+    for title, of, fmt in (
+        ("jobs/s", rates, ".0f"),
+        ("server CPU ms/job", cpu, ".2f"),
+        ("generator CPU ms/job", load_cpu, ".2f"),
+    ):
         print(f"\nmedian (min-max) {title} over the rounds:", flush=True)
         for label, first in of(apis[0]).items():
             cells = [f"{api.label} {_spread_of(of(api)[label], fmt)}" for api in apis]

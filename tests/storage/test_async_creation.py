@@ -52,9 +52,7 @@ def test_created_and_placed_as_the_blocking_store_does(
         made = await creation.create_and_place(second, place=PLACE)
         return made, await creation.create_and_place(second, place=PLACE)
 
-    made, (again, created_again, no_snapshot) = run_async(
-        storage_settings, job_store, create_twice
-    )
+    made, (again, created_again, no_snapshot) = run_async(storage_settings, job_store, create_twice)
     record, created, snapshot = made
     assert created
     assert record == job_store.get(second.id)
