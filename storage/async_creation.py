@@ -14,16 +14,10 @@ import redis.asyncio
 from redis.exceptions import RedisError
 
 from kiln.storage.boundary import translate
-from kiln.storage.creation import (
-    CreationOps,
-    Placement,
-    ScriptCall,
-    first_lost_script,
-    script_sha,
-)
+from kiln.storage.creation import CreationOps, Placement
 from kiln.storage.queues import QueueSnapshot
 from kiln.storage.records import JobRecord, NewJob
-from kiln.storage.scripts import source
+from kiln.storage.scripts import ScriptCall, first_lost_script, queue_by_sha, source
 
 
 class AsyncCreation:
@@ -59,18 +53,16 @@ class AsyncCreation:
         rerun_from = first_lost_script(replies)
         if rerun_from is None:
             return replies
-        for name, _keys, _args in calls:
+        for name in {name for name, _keys, _args in calls}:
             await self.redis.script_load(source(name))
         return [*replies[:rerun_from], *await self._execute(calls[rerun_from:])]
 
     async def _execute(self, calls: list[ScriptCall], raise_on_error: bool = True) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
-        for name, keys, args in calls:
-            pipe.evalsha(script_sha(name), len(keys), *keys, *args)
+        queue_by_sha(pipe, calls)
         return list(await pipe.execute(raise_on_error=raise_on_error))
 
     async def aclose(self) -> None:
-        """Close the client's connections (the pool's too: a client given one leaves it open)."""
+        """Close the client and its pool (a client given a pool leaves it open unless told)."""
         # (the installed type stubs predate `aclose`, which replaced `close`)
-        await self.redis.aclose()  # type: ignore[attr-defined]
-        await self.redis.connection_pool.disconnect()
+        await self.redis.aclose(close_connection_pool=True)  # type: ignore[attr-defined]

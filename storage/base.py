@@ -19,19 +19,29 @@ from kiln.storage.scripts import ScriptName, Scripts
 from kiln.storage.settings import StorageSettings
 
 
+def _client_options(settings: StorageSettings) -> dict[str, Any]:
+    """What the blocking and the asyncio clients share: str replies, timeouts, health checks."""
+    return {
+        "decode_responses": True,
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_connect_timeout": settings.redis_connect_timeout_s,
+        "health_check_interval": 30,
+    }
+
+
+# a few quick retries ride out a blip; longer outages surface as StorageUnavailable (retryable)
+# instead of stalling the caller for seconds
+_BACKOFF, _RETRIES = EqualJitterBackoff(cap=0.5, base=0.05), 3
+
+
 def redis_client(settings: StorageSettings) -> redis.Redis[str]:
     """A client for `settings.redis_url` as the stores expect it (str replies, short retries)."""
     return redis.Redis.from_url(
         settings.redis_url,
-        decode_responses=True,
-        socket_timeout=settings.redis_socket_timeout_s,
-        socket_connect_timeout=settings.redis_connect_timeout_s,
         # bounded, so a flood of clients fails fast instead of opening Redis connections unbounded
         max_connections=settings.redis_max_connections,
-        # a few quick retries ride out a blip; longer outages surface as StorageUnavailable
-        # (retryable) instead of stalling the caller for seconds
-        retry=Retry(EqualJitterBackoff(cap=0.5, base=0.05), 3),
-        health_check_interval=30,
+        retry=Retry(_BACKOFF, _RETRIES),
+        **_client_options(settings),
     )
 
 
@@ -46,13 +56,10 @@ def async_redis_client(
     pool: redis.asyncio.BlockingConnectionPool[redis.asyncio.Connection]
     pool = redis.asyncio.BlockingConnectionPool.from_url(
         settings.redis_url,
-        decode_responses=True,
-        socket_timeout=settings.redis_socket_timeout_s,
-        socket_connect_timeout=settings.redis_connect_timeout_s,
         max_connections=max_connections,
         timeout=settings.redis_socket_timeout_s,
-        retry=redis.asyncio.retry.Retry(EqualJitterBackoff(cap=0.5, base=0.05), 3),
-        health_check_interval=30,
+        retry=redis.asyncio.retry.Retry(_BACKOFF, _RETRIES),
+        **_client_options(settings),
     )
     # (decode_responses is the pool's; said again for the type checker, which reads it here)
     return redis.asyncio.Redis(connection_pool=pool, decode_responses=True)

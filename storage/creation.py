@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-from redis.exceptions import NoScriptError
-
 from kiln.storage.base import StoreBase, dumps
-from kiln.storage.boundary import redis_boundary, translate
+from kiln.storage.boundary import redis_boundary
 from kiln.storage.errors import BatchNotFound, IdempotencyConflict, StorageError
 from kiln.storage.queues import QueueSnapshot, snapshot_call, snapshot_from
 from kiln.storage.records import JobRecord, NewJob
-from kiln.storage.scripts import ScriptName, source
+from kiln.storage.scripts import ScriptCall, first_lost_script, queue_by_sha, source
 from kiln.storage.states import JobState
 
 # jobs per pipelined round trip in create_jobs: large enough to amortise the round trip
@@ -51,29 +47,6 @@ class Placement:
 
 def _cap(limit: int | None) -> int | str:
     return "" if limit is None else limit
-
-
-# (script, KEYS, ARGV): one evalsha of a pipeline
-ScriptCall = tuple[ScriptName, list[str], list[Any]]
-
-
-@functools.cache
-def script_sha(name: ScriptName) -> str:
-    """The sha1 Redis names `storage/lua/<name>.lua` by."""
-    return hashlib.sha1(source(name).encode()).hexdigest()
-
-
-def first_lost_script(replies: Sequence[Any]) -> int | None:
-    """Where a pipeline's replies first say NOSCRIPT (reload and rerun from there); None: all ran.
-
-    A failure before that is raised: the scripts up to it ran, so it is the caller's to see.
-    """
-    failure = next((r for r in replies if isinstance(r, Exception)), None)
-    if failure is None:
-        return None
-    if not isinstance(failure, NoScriptError):
-        raise failure
-    return next(i for i, reply in enumerate(replies) if reply is failure)
 
 
 class CreationOps(StoreBase):
@@ -237,15 +210,14 @@ class CreationOps(StoreBase):
         rerun_from = first_lost_script(replies)
         if rerun_from is None:
             return replies
-        for name, _keys, _args in calls:
+        for name in {name for name, _keys, _args in calls}:
             self.redis.script_load(source(name))
         # the ones before the lost one ran: only the rest run again (and raise as they will)
         return [*replies[:rerun_from], *self._execute(calls[rerun_from:])]
 
     def _execute(self, calls: list[ScriptCall], raise_on_error: bool = True) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
-        for name, keys, args in calls:
-            pipe.evalsha(script_sha(name), len(keys), *keys, *args)
+        queue_by_sha(pipe, calls)
         return list(pipe.execute(raise_on_error=raise_on_error))
 
     @redis_boundary
@@ -284,22 +256,10 @@ class CreationOps(StoreBase):
         return conflicts
 
     def _run_groups(self, groups: list[Sequence[NewJob]]) -> list[list[Any]]:
-        """One create_many run per group, pipelined; the pipeline loads the script if missing."""
-        script, keys, prefixes = self.scripts["create_many"], self._shared_keys(), self._prefixes()
-        for attempt in range(2):
-            pipe = self.redis.pipeline(transaction=False)
-            for group in groups:
-                rows = dumps([self._create_fields(new) for new in group])
-                script(keys, [rows, *prefixes], client=pipe)
-            results = pipe.execute(raise_on_error=False)
-            failure = next((r for r in results if isinstance(r, Exception)), None)
-            if failure is None:
-                return results
-            if not isinstance(failure, redis.exceptions.RedisError):
-                raise failure
-            if not isinstance(failure, redis.exceptions.NoScriptError) or attempt:
-                raise translate(failure) from failure
-            # Redis lost its script cache between the pipeline's check and its run (restart,
-            # SCRIPT FLUSH): redo the chunk, which loads it again; creation is idempotent per
-            # job, so the jobs that did get written are skipped
-        raise AssertionError("unreachable")
+        """One create_many run per group, in one pipeline by sha (see `_pipelined`)."""
+        keys, prefixes = self._shared_keys(), self._prefixes()
+        calls: list[ScriptCall] = [
+            ("create_many", keys, [dumps([self._create_fields(new) for new in group]), *prefixes])
+            for group in groups
+        ]
+        return self._pipelined(calls)

@@ -13,12 +13,15 @@ says why. Calls are checked against the header: a call with another number of ke
 is a bug and raises ValueError before reaching Redis.
 
 Scripts run through redis-py's `Script`: by sha, loaded on NOSCRIPT, and loaded before a
-pipeline that queues them executes.
+pipeline that queues them executes. Where that check (a SCRIPT EXISTS round trip per pipeline)
+costs too much, `queue_by_sha` and `first_lost_script` run a pipeline of scripts by sha alone,
+loading them only once Redis answers NOSCRIPT.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,8 +29,11 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from redis.exceptions import NoScriptError
+
 if TYPE_CHECKING:
     import redis
+    import redis.asyncio.client
     from redis.client import Pipeline
 
 ScriptName = Literal[
@@ -150,6 +156,46 @@ def source(name: ScriptName) -> str:
     return "\n".join(read(part) for part in parts)
 
 
+@functools.cache
+def sha(name: ScriptName) -> str:
+    """The sha1 Redis names the script by."""
+    return hashlib.sha1(source(name).encode()).hexdigest()
+
+
+def check_call(name: ScriptName, keys: Sequence[str], args: Sequence[Any]) -> None:
+    """ValueError unless the call passes as many KEYS and ARGV as the script's header declares."""
+    declared = header(name)
+    for what, arity, given in (("KEYS", declared.keys, keys), ("ARGV", declared.args, args)):
+        if not arity.accepts(len(given)):
+            raise ValueError(f"{name}.lua takes {arity} {what}, not {len(given)}")
+
+
+# (script, KEYS, ARGV): one script run of a pipeline
+ScriptCall = tuple[ScriptName, list[str], list[Any]]
+
+
+def queue_by_sha(
+    pipe: Pipeline[str] | redis.asyncio.client.Pipeline[str], calls: Sequence[ScriptCall]
+) -> None:
+    """Queue each call on `pipe` as EVALSHA, checked against its header, without SCRIPT EXISTS."""
+    for name, keys, args in calls:
+        check_call(name, keys, args)
+        pipe.evalsha(sha(name), len(keys), *keys, *args)
+
+
+def first_lost_script(replies: Sequence[Any]) -> int | None:
+    """Where a by-sha pipeline's replies first say NOSCRIPT (load, rerun from there); None: all ran.
+
+    A failure before that is raised: the scripts up to it ran, so it is the caller's to see.
+    """
+    for index, reply in enumerate(replies):
+        if isinstance(reply, NoScriptError):
+            return index
+        if isinstance(reply, Exception):
+            raise reply
+    return None
+
+
 class Script:
     """One script registered with a client; calls are checked against the script's header."""
 
@@ -162,12 +208,7 @@ class Script:
         self, keys: Sequence[str], args: Sequence[Any], client: Pipeline[str] | None = None
     ) -> Any:
         """Run the script (or queue it on the pipeline `client`) and return its reply."""
-        for what, arity, given in (
-            ("KEYS", self.header.keys, keys),
-            ("ARGV", self.header.args, args),
-        ):
-            if not arity.accepts(len(given)):
-                raise ValueError(f"{self.name}.lua takes {arity} {what}, not {len(given)}")
+        check_call(self.name, keys, args)
         return self._script(keys=keys, args=args, client=client)
 
 

@@ -13,10 +13,11 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from kiln.storage.async_creation import AsyncCreation
 from kiln.storage.base import async_redis_client
-from kiln.storage.creation import Placement, QueueFull, first_lost_script
+from kiln.storage.creation import Placement, QueueFull
 from kiln.storage.errors import IdempotencyConflict, QuotaExceeded, StorageUnavailable
 from kiln.storage.queues import QueueSnapshot
 from kiln.storage.records import JobRecord
+from kiln.storage.scripts import first_lost_script, queue_by_sha
 from kiln.storage.settings import StorageSettings
 from kiln.storage.status import JobStore
 from tests.storage.helpers import new_job
@@ -125,3 +126,10 @@ def test_a_failure_before_a_lost_script_is_raised_not_rerun() -> None:
     assert first_lost_script([1, lost, failed]) == 1  # the failure after it is run again
     with pytest.raises(ResponseError):
         first_lost_script([failed, lost])
+
+
+def test_a_call_by_sha_is_checked_against_the_scripts_header(job_store: JobStore) -> None:
+    pipe = job_store.redis.pipeline(transaction=False)
+    with pytest.raises(ValueError, match=r"create\.lua takes 14 KEYS, not 1"):
+        queue_by_sha(pipe, [("create", ["only-one-key"], [])])
+    assert len(pipe) == 0  # nothing queued, nothing sent
