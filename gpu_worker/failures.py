@@ -7,11 +7,14 @@ only followed from it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from kiln.gpu_worker.errors import GpuWorkerError, JobFailed, OutOfMemory, WorkerGroupDied
 from kiln.gpu_worker.protocol import FailureKind, GenerationRequest, RankFault
 from kiln.gpu_worker.tickets import StopReason, Ticket
+
+log = logging.getLogger(__name__)
 
 OOM_ADVICE = (
     "Out of memory while generating {what}. The request does not fit on this worker group as it "
@@ -34,9 +37,11 @@ def failure_error(kind: FailureKind, message: str, request: GenerationRequest) -
     if kind is FailureKind.OOM:
         detail = message.strip().splitlines()[-1] if message.strip() else "out of memory"
         return OutOfMemory(OOM_ADVICE.format(what=describe_request(request), detail=detail))
+    # the ranks' traceback stays in the node's log; the job's error gets the exception raised
+    log.warning("a forward of %s failed on the ranks:\n%s", describe_request(request), message)
     if kind is FailureKind.COLLECTIVE:
-        return WorkerGroupDied(f"the worker group broke during the forward:\n{message}")
-    return JobFailed(f"the pipeline failed:\n{message}")
+        return WorkerGroupDied(f"the worker group broke during the forward: {_last_line(message)}")
+    return JobFailed(f"the pipeline failed: {_last_line(message)}")
 
 
 def death_error(ticket: Ticket, faults: Sequence[RankFault], reason: str) -> GpuWorkerError:

@@ -24,6 +24,7 @@ from kiln.gpu_worker.inputs import InputSchema
 from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import RankFailed, RankReady
+from kiln.gpu_worker.quiet import quiet_known_warnings
 from kiln.gpu_worker.ranks.entry import RankPipes, rank_main
 from kiln.gpu_worker.ranks.start import RankArgs
 from kiln.gpu_worker.settings import GpuWorkerSettings
@@ -73,6 +74,7 @@ class RankProcesses:
         # Here, outside any process group: a pipeline built inside one is saved whole only on
         # rank 0 (transformers), and ranks racing to build the same cache is wasted work.
         settings = self.config.settings or GpuWorkerSettings()
+        quiet_known_warnings()  # building a pipeline here prints what each rank would
         for name, spec in self.config.pipelines.items():
             try:
                 prepare_pipeline(spec, settings)

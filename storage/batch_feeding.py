@@ -113,9 +113,31 @@ class BatchFeeding(StoreBase):
             *self._feeder_keys(batch_id),
             self.keys.batch_parts(batch_id),
             self.keys.active_batches,
+            self.keys.finished_counts,
         ]
         args = [token, owner, batch_id, status, summary_part, self.settings.retention_s]
         return bool(self._run("batch_finish", keys, args))
+
+    @redis_boundary
+    def input_failed(self, batch_id: str, now: float) -> tuple[int, float]:
+        """Count a failed read of the batch's input: (failures in a row, when the first was)."""
+        key = self.keys.batch(batch_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(key, "input_failed_at", repr(now))
+        pipe.hincrby(key, "input_failures", 1)
+        pipe.hget(key, "input_failed_at")
+        _, failures, since = pipe.execute()
+        return int(failures), float(since)
+
+    @redis_boundary
+    def input_read(self, batch_id: str) -> None:
+        """The batch's input was read again: its failures in a row start over."""
+        self.redis.hdel(self.keys.batch(batch_id), "input_failures", "input_failed_at")
+
+    @redis_boundary
+    def owner_queued(self, owner: str) -> int:
+        """How many queued jobs the owner has now, as the state machine counts them."""
+        return int(self.redis.hget(self.keys.owner_queued, owner) or 0)
 
     @redis_boundary
     def job_states(self, job_ids: list[str]) -> list[str | None]:

@@ -16,8 +16,10 @@ from kiln.storage.errors import BatchNotFound, StorageError
 from kiln.storage.keys import valid_id
 from kiln.storage.states import JobState
 
-FINAL_STATUSES = frozenset({"completed", "canceled", "expired"})
-STOP_REASONS = frozenset({"canceled", "expired"})
+FINAL_STATUSES = frozenset({"completed", "canceled", "expired", "failed"})
+# why a batch stops before every line ran: its owner canceled it, its window ended, or its input
+# could not be read (`error` says why)
+STOP_REASONS = frozenset({"canceled", "expired", "failed"})
 # a batch whose feeding is paused: its window drains, nothing new is fed, expiry still applies
 PAUSED = "paused"
 
@@ -39,6 +41,8 @@ class NewFedBatch:
     webhook: dict[str, Any] | None = None
     invalid_part: str | None = None  # result part of the invalid lines (skip_invalid)
     parent_id: str | None = None  # the batch this one retries
+    retried: tuple[str, ...] = ()  # a retry: the statuses of the parent's lines it runs again
+    idempotency_key: str | None = None  # a retry's: the same key finds the same retry
 
     def __post_init__(self) -> None:
         if not valid_id(self.id):
@@ -75,6 +79,8 @@ class FedBatch:
     seq: int
     parent_id: str | None = None
     retries: tuple[str, ...] = ()
+    error: str | None = None  # why the batch could not go on (its input could not be read)
+    input_failures: int = 0  # failed reads of its input since the last one that worked
 
     @property
     def final(self) -> bool:
@@ -128,6 +134,8 @@ def fed_batch_from_hash(batch_id: str, data: dict[str, str], parts: int) -> FedB
         seq=int(data.get("seq", "0")),
         parent_id=data.get("parent_id") or None,
         retries=tuple(r for r in data.get("retries", "").split(",") if r),
+        error=data.get("error") or None,
+        input_failures=int(data.get("input_failures", "0")),
     )
 
 
@@ -139,3 +147,28 @@ class BatchConflict(StorageError):
         self.batch_id = batch_id
         self.status = status
         self.action = action
+
+
+class RetryRunning(StorageError):
+    """A retry of the same lines of the parent has not ended; `retry_id` names it."""
+
+    def __init__(self, parent_id: str, retry_id: str) -> None:
+        super().__init__(
+            f"batch {parent_id} is being retried by batch {retry_id} (the same lines); "
+            "retry again once it has ended"
+        )
+        self.parent_id = parent_id
+        self.retry_id = retry_id
+
+
+class RetryKeyBound(StorageError):
+    """The retry's idempotency key is bound to another retry of the parent: `retry_id`."""
+
+    def __init__(self, parent_id: str, retry_id: str, statuses: tuple[str, ...]) -> None:
+        super().__init__(
+            f"this Idempotency-Key made batch {retry_id}, a retry of batch {parent_id}'s "
+            f"{' and '.join(statuses)} lines"
+        )
+        self.parent_id = parent_id
+        self.retry_id = retry_id
+        self.statuses = statuses

@@ -15,6 +15,8 @@ from kiln.storage.batch_records import (
     BatchConflict,
     FedBatch,
     NewFedBatch,
+    RetryKeyBound,
+    RetryRunning,
     fed_batch_from_hash,
 )
 from kiln.storage.boundary import redis_boundary
@@ -32,6 +34,8 @@ __all__ = [
     "BatchStore",
     "FedBatch",
     "NewFedBatch",
+    "RetryKeyBound",
+    "RetryRunning",
 ]
 # the active batches one feeder pass looks at
 _ACTIVE_LIMIT = 10_000
@@ -41,6 +45,7 @@ _MAX_SCAN_ROUNDS = 8
 _ACTIONS = {
     "canceled": "canceled",
     "expired": "expired",
+    "failed": "failed",
     "pause": "paused",
     "resume": "resumed",
 }
@@ -53,8 +58,33 @@ class BatchStore(StoreBase):
     def submit_fed_batch(self, new: NewFedBatch) -> FedBatch:
         """Record the batch (running, cursor at its first item) unless it exists; returns it.
 
-        A retry (`new.parent_id`) is listed among its parent's `retries` in the same step.
+        A retry (`new.parent_id`) is listed among its parent's `retries` in the same step; see
+        `submit_retry` for what may refuse it.
         """
+        return self.submit_retry(new)[0]
+
+    @redis_boundary
+    def submit_retry(self, new: NewFedBatch) -> tuple[FedBatch, bool]:
+        """Record a retry of the parent's lines `new.retried`: (the batch, whether it is new).
+
+        RetryRunning (nothing written) while a retry of one of those statuses has not ended; a
+        bound `new.idempotency_key` answers the retry it made (created False), or RetryKeyBound
+        if that retry was of other statuses.
+        """
+        found = self._submit(new, check_only=False)
+        assert found is not None  # only a check answers nothing
+        return found
+
+    @redis_boundary
+    def check_retry(self, new: NewFedBatch) -> FedBatch | None:
+        """What `submit_retry` would answer without recording anything: None if it would create.
+
+        Raises as `submit_retry`; the batch its idempotency key made when bound.
+        """
+        found = self._submit(new, check_only=True)
+        return found[0] if found is not None else None
+
+    def _submit(self, new: NewFedBatch, *, check_only: bool) -> tuple[FedBatch, bool] | None:
         k = self.keys
         fields = {
             "owner": new.owner or "",
@@ -78,10 +108,30 @@ class BatchStore(StoreBase):
             k.batch_parts(new.id),
             k.batch(new.parent_id) if new.parent_id and valid_id(new.parent_id) else "",
         ]
-        args = [new.id, dumps(fields), new.window_s, new.invalid_part or ""]
-        reply = self._run("batch_submit", keys, [*args, *(state.value for state in JobState)])
+        retried = " ".join(sorted(new.retried))
+        args = [
+            new.id,
+            dumps(fields),
+            new.window_s,
+            new.invalid_part or "",
+            retried,
+            new.idempotency_key or "",
+            k.batch_prefix,
+            "1" if check_only else "",
+        ]
+        outcome, *reply = self._run("batch_submit", keys, [*args, *(s.value for s in JobState)])
+        parent = new.parent_id or ""
+        if outcome == "retrying":
+            raise RetryRunning(parent, str(reply[0]))
+        if outcome == "bound":
+            retry_id, statuses = str(reply[0]), str(reply[1])
+            if statuses != retried:
+                raise RetryKeyBound(parent, retry_id, tuple(statuses.split()))
+            return self.get_fed(retry_id), False
+        if outcome == "free":
+            return None
         parts = int(self.redis.llen(k.batch_parts(new.id)))
-        return fed_batch_from_hash(new.id, pairs_to_dict(reply), parts)
+        return fed_batch_from_hash(new.id, pairs_to_dict(reply[0]), parts), True
 
     @redis_boundary
     def get_fed(self, batch_id: str) -> FedBatch:
@@ -151,15 +201,16 @@ class BatchStore(StoreBase):
         self.redis.zrem(self.keys.active_batches, batch_id)
 
     @redis_boundary
-    def stop_batch(self, batch_id: str, reason: str) -> FedBatch:
-        """Ask the batch to stop feeding (canceled or expired); returns it after. Unfenced.
+    def stop_batch(self, batch_id: str, reason: str, error: str | None = None) -> FedBatch:
+        """Ask the batch to stop feeding (canceled, expired or failed); returns it after. Unfenced.
 
-        Asking again for the same stop returns the batch as it is; BatchConflict for a finished
-        batch or one already stopping for the other reason.
+        Asking again for the same stop returns the batch as it is; a cancel overrides a failure;
+        BatchConflict for a finished batch or one already stopping for another reason. `error`
+        (why it cannot go on) is kept on a live batch in any case.
         """
         if reason not in STOP_REASONS:
             raise ValueError(f"unknown stop reason {reason!r}")
-        return self._control(batch_id, "batch_stop", reason)
+        return self._control(batch_id, "batch_stop", reason, error or "")
 
     @redis_boundary
     def pause(self, batch_id: str) -> FedBatch:
@@ -171,10 +222,10 @@ class BatchStore(StoreBase):
         """Resume feeding a paused batch (idempotent); BatchConflict in any other status."""
         return self._control(batch_id, "batch_pause", "resume")
 
-    def _control(self, batch_id: str, script: ScriptName, action: str) -> FedBatch:
+    def _control(self, batch_id: str, script: ScriptName, action: str, *more: str) -> FedBatch:
         if not valid_id(batch_id):
             raise BatchNotFound(batch_id)
-        reply = self._run(script, [self.keys.batch(batch_id)], [action])
+        reply = self._run(script, [self.keys.batch(batch_id)], [action, *more])
         if not reply:
             raise BatchNotFound(batch_id)
         outcome, pairs = reply

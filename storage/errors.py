@@ -59,5 +59,9 @@ class ObjectNotFound(ObjectStoreError):
     """No object under this key."""
 
 
+class ObjectExists(ObjectStoreError):
+    """A create-only put found the key taken (S3 412 to If-None-Match, or an existing file)."""
+
+
 class InvalidObjectKey(ObjectStoreError, ValueError):
     """The key (or a part of it) could escape the store's prefix or has odd characters."""

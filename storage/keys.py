@@ -188,6 +188,24 @@ class Keys:
         """Hash: owner (API key id) -> its jobs in `running`; an owner at 0 has no field."""
         return f"{self.ns}:owner_running"
 
+    @property
+    def finished_counts(self) -> str:
+        """Hash of monotonic counters of terminal transitions; no TTL (storage/counters.py).
+
+        `job/<queue>/<state>`: jobs of a queue (`<lane>.<pipeline>`, '' for a job without one)
+        that reached a terminal state; `line/<state>`: those of them that were batch lines;
+        `batch/<status>`: fed batches that ended with that final status. Each adds 1 in the step
+        that ends its job or batch (which never ends twice), so the counts outlive the records.
+        """
+        return f"{self.ns}:counters:finished"
+
+    def upload_slot(self, owner: str, upload_id: str) -> str:
+        """String (JSON: declared size, content type) of an upload slot the API issued.
+
+        For the API's own PUT (a local store); its TTL is the slot's expiry (storage/uploads.py).
+        """
+        return f"{self.ns}:upload:{owner}:{upload_id}"
+
     # --- operator controls -----------------------------------------------------------------------
     @property
     def paused_queues(self) -> str:

@@ -1,7 +1,8 @@
-"""Object store in a local directory: atomic writes (temp file + rename), JSON sidecars."""
+"""Object store in a local directory: atomic writes (temp file + rename or link), JSON sidecars."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.storage.errors import InvalidObjectKey, ObjectNotFound, ObjectStoreError
+from kiln.storage.errors import InvalidObjectKey, ObjectExists, ObjectNotFound, ObjectStoreError
 from kiln.storage.object_base import StoredObject, check_key, check_metadata
 from kiln.storage.settings import StorageSettings
 
@@ -38,18 +39,44 @@ def _os_errors(key: str) -> Iterator[None]:
         raise ObjectStoreError(f"local object store failed for {key!r}: {exc}") from exc
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace `path` with `data`: readers see the old file or the new one, never a partial one."""
+# link(2) refused by the file system itself (no hard links there), not by an existing name
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK})
+
+
+def write_atomically(path: Path, data: bytes, *, create_only: bool = False) -> None:
+    """Replace `path` with `data`: readers see the old file or the new one, never a partial one.
+
+    `create_only`: FileExistsError when `path` exists, which is left untouched. The complete temp
+    file is hard-linked to `path` (link(2) never replaces a name); on a file system without hard
+    links, `path` is created with O_EXCL and written in place.
+    """
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        if not create_only:
+            os.replace(tmp, path)
+            return
+        try:
+            os.link(tmp, path)
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            _write_exclusively(path, data)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    Path(tmp).unlink(missing_ok=True)
+
+
+def _write_exclusively(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 class LocalObjectStore:
@@ -79,9 +106,18 @@ class LocalObjectStore:
         return path.with_name(path.name + _SIDECAR_SUFFIX)
 
     def put(
-        self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None
+        self,
+        key: str,
+        data: bytes,
+        content_type: str,
+        metadata: dict[str, str] | None = None,
+        *,
+        create_only: bool = False,
     ) -> StoredObject:
-        """Write `data` atomically, then its sidecar (the sidecar's arrival completes the put)."""
+        """Write `data` atomically, then its sidecar (the sidecar's arrival completes the put).
+
+        `create_only`: ObjectExists when `key` exists already, and nothing is written.
+        """
         path = self._path(key)
         user_metadata = dict(check_metadata(metadata or {}))
         stored = StoredObject(
@@ -95,7 +131,11 @@ class LocalObjectStore:
         }
         with _os_errors(key):
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, data)
+            try:
+                write_atomically(path, data, create_only=create_only)
+            except FileExistsError as exc:
+                raise ObjectExists(f"object {key!r} exists already") from exc
+            # the object's name is this put's alone now (or a replace was asked): its sidecar too
             write_atomically(self._sidecar(path), json.dumps(sidecar).encode())
         return stored
 

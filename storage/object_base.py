@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -14,6 +15,9 @@ from kiln.storage.keys import valid_id
 _SEGMENT = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]*")
 _EXT = re.compile(r"[A-Za-z0-9]{1,16}")
 _METADATA_KEY = re.compile(r"[a-z0-9][a-z0-9_\-]{0,63}")
+# an attempt's folder: its lease token, then a nonce (a token alone could repeat after a Redis
+# that lost its data; a collision is refused anyway by the create-only put)
+_ATTEMPT = re.compile(r"[0-9]{1,19}-[0-9a-f]{8}")
 # the stores keep the content's sha256 under this user-metadata key
 SHA256_METADATA_KEY = "sha256"
 
@@ -27,16 +31,29 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
-def output_key(prefix: str, job_id: str, index: int, ext: str) -> str:
-    """`{prefix}/{job_id}/{index}.{ext}`: the only way Kiln names an object; refuses escapes."""
+def new_attempt_name(lease_token: int) -> str:
+    """A fresh attempt folder name, `{lease_token}-{8 hex}`: one per attempt of a job."""
+    if isinstance(lease_token, bool) or not isinstance(lease_token, int) or lease_token < 0:
+        raise InvalidObjectKey(f"invalid lease token {lease_token!r}")
+    return f"{lease_token}-{secrets.token_hex(4)}"
+
+
+def output_key(prefix: str, job_id: str, index: int, ext: str, *, attempt: str) -> str:
+    """`{prefix}/{job_id}/{attempt}/{index}.{ext}`: the only way Kiln names an output.
+
+    Each attempt writes under its own folder (`new_attempt_name`), so an attempt that lost its
+    lease can never overwrite the outputs another attempt committed. Refuses escapes.
+    """
     check_prefix(prefix)
     if not valid_id(job_id):
         raise InvalidObjectKey(f"invalid job id {job_id!r}")
+    if not isinstance(attempt, str) or not _ATTEMPT.fullmatch(attempt):
+        raise InvalidObjectKey(f"invalid attempt name {attempt!r}")
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise InvalidObjectKey(f"invalid output index {index!r}")
     if not _EXT.fullmatch(ext):
         raise InvalidObjectKey(f"invalid extension {ext!r}")
-    name = f"{job_id}/{index}.{ext}"
+    name = f"{job_id}/{attempt}/{index}.{ext}"
     return f"{prefix}/{name}" if prefix else name
 
 
@@ -75,14 +92,24 @@ class StoredObject:
 
 
 class ObjectStore(Protocol):
-    """Where outputs are written; keys come from output_key(store.prefix, ...)."""
+    """Where outputs are written; keys come from output_key(store.prefix, ..., attempt=...)."""
 
     prefix: str
 
     def put(
-        self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None
+        self,
+        key: str,
+        data: bytes,
+        content_type: str,
+        metadata: dict[str, str] | None = None,
+        *,
+        create_only: bool = False,
     ) -> StoredObject:
-        """Write `data` under `key` (replacing it); returns what was stored."""
+        """Write `data` under `key`; returns what was stored.
+
+        An existing object is replaced, unless `create_only`: then ObjectExists, and the stored
+        object is left as it was (S3 `If-None-Match: *`; an exclusive create on the local store).
+        """
         ...
 
     def head(self, key: str) -> StoredObject | None:

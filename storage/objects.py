@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from kiln.storage.local_store import LocalObjectStore
-from kiln.storage.object_base import ObjectStore, StoredObject, check_key, output_key
+from kiln.storage.object_base import (
+    ObjectStore,
+    StoredObject,
+    check_key,
+    new_attempt_name,
+    output_key,
+)
 from kiln.storage.s3_store import S3ObjectStore
 from kiln.storage.settings import StorageSettings
 
@@ -13,6 +19,7 @@ __all__ = [
     "S3ObjectStore",
     "StoredObject",
     "check_key",
+    "new_attempt_name",
     "open_object_store",
     "output_key",
 ]

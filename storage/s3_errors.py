@@ -8,9 +8,16 @@ from contextlib import contextmanager
 import botocore.exceptions
 from boto3.exceptions import S3UploadFailedError
 
-from kiln.storage.errors import ObjectNotFound, ObjectStoreError, ObjectStoreUnavailable
+from kiln.storage.errors import (
+    ObjectExists,
+    ObjectNotFound,
+    ObjectStoreError,
+    ObjectStoreUnavailable,
+)
 
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+# the answer to a create-only put (If-None-Match: *) on a key that exists
+_EXISTS_CODES = frozenset({"412", "PreconditionFailed"})
 # answers that mean "not now": botocore already retried them; the caller may retry later
 _TRANSIENT_CODES = frozenset(
     {
@@ -23,6 +30,8 @@ _TRANSIENT_CODES = frozenset(
         "ServiceUnavailable",
         "503",
         "500",
+        # a conditional write raced another one on the same key; S3 says to try again
+        "ConditionalRequestConflict",
     }
 )
 
@@ -33,6 +42,8 @@ def translate_client_error(exc: botocore.exceptions.ClientError, key: str) -> Ob
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
     if code in _NOT_FOUND_CODES:
         return ObjectNotFound(key)
+    if code in _EXISTS_CODES or status == 412:
+        return ObjectExists(f"object {key!r} exists already")
     if code in _TRANSIENT_CODES or status >= 500:
         return ObjectStoreUnavailable(f"object store unavailable for {key!r}: {exc}")
     return ObjectStoreError(f"object store refused {key!r}: {exc}")

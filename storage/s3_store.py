@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
-import io
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import boto3
 import botocore.config
-from boto3.s3.transfer import TransferConfig
 
 from kiln.storage.errors import ObjectNotFound, ObjectStoreError
 from kiln.storage.object_base import SHA256_METADATA_KEY, StoredObject, check_key, check_metadata
@@ -19,10 +19,12 @@ from kiln.storage.settings import StorageSettings
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef
 
 MIB = 1024 * 1024
 # parts of a multipart upload; S3 needs >= 5 MiB, larger parts mean fewer requests
 _PART_SIZE = 8 * MIB
+_PART_CONCURRENCY = 4  # parts of one upload in flight at once
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -84,11 +86,6 @@ class S3ObjectStore:
         self.prefix = prefix
         self.multipart_threshold_bytes = multipart_threshold_bytes
         self.presign_expiry_s = presign_expiry_s
-        self._transfer = TransferConfig(
-            multipart_threshold=multipart_threshold_bytes,
-            multipart_chunksize=_PART_SIZE,
-            max_concurrency=4,
-        )
 
     @classmethod
     def from_settings(cls, settings: StorageSettings) -> S3ObjectStore:
@@ -105,12 +102,20 @@ class S3ObjectStore:
         )
 
     def put(
-        self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None
+        self,
+        key: str,
+        data: bytes,
+        content_type: str,
+        metadata: dict[str, str] | None = None,
+        *,
+        create_only: bool = False,
     ) -> StoredObject:
         """Upload (multipart above the threshold) with a SHA256 checksum S3 verifies on receipt.
 
         A single-part upload is `checksum_verified` when the store's answer echoes the checksum
         it checked (S3, MinIO); multipart ones and stores that ignore checksums are not.
+        `create_only` sends `If-None-Match: *` (on the completion of a multipart upload): a key
+        that exists already is refused (412) as ObjectExists and left as it was.
         """
         check_key(self.prefix, key)
         user_metadata = dict(check_metadata(metadata or {}))
@@ -120,21 +125,58 @@ class S3ObjectStore:
             "Metadata": {**user_metadata, SHA256_METADATA_KEY: digest},
             "ChecksumAlgorithm": "SHA256",
         }
+        condition: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
         with s3_errors(key):
             if len(data) >= self.multipart_threshold_bytes:
-                self.client.upload_fileobj(
-                    io.BytesIO(data), self.bucket, key, ExtraArgs=extra, Config=self._transfer
-                )
+                # by hand: boto3's transfer manager cannot send If-None-Match on the completion
+                self._put_multipart(key, data, extra, condition)
                 return StoredObject(key, len(data), digest, content_type, user_metadata)
             # Our digest, not one botocore computes while sending: the store then checks the
             # bytes it received against what we hashed (BadDigest otherwise), and a store that
             # did check says so by echoing it back.
             sent = base64.b64encode(bytes.fromhex(digest)).decode()
             answer = self.client.put_object(
-                Bucket=self.bucket, Key=key, Body=data, ChecksumSHA256=sent, **extra
+                Bucket=self.bucket, Key=key, Body=data, ChecksumSHA256=sent, **extra, **condition
             )
         verified = answer.get("ChecksumSHA256") == sent
         return StoredObject(key, len(data), digest, content_type, user_metadata, verified)
+
+    def _put_multipart(
+        self, key: str, data: bytes, extra: dict[str, Any], condition: dict[str, Any]
+    ) -> None:
+        """A multipart upload whose completion carries `condition`; aborted if anything fails."""
+        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key, **extra)[
+            "UploadId"
+        ]
+
+        def upload_part(number: int) -> CompletedPartTypeDef:
+            chunk = data[(number - 1) * _PART_SIZE : number * _PART_SIZE]
+            sent = base64.b64encode(hashlib.sha256(chunk).digest()).decode()
+            answer = self.client.upload_part(
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=chunk,
+                ChecksumSHA256=sent,
+            )
+            return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": sent}
+
+        numbers = range(1, -(-len(data) // _PART_SIZE) + 1)
+        try:
+            with ThreadPoolExecutor(max_workers=_PART_CONCURRENCY) as pool:
+                parts = list(pool.map(upload_part, numbers))
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+                **condition,
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):  # parts left behind cost storage, not safety
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            raise
 
     def head(self, key: str) -> StoredObject | None:
         """What is stored under `key`, or None."""

@@ -1,7 +1,8 @@
 """The Lua scripts in storage/lua/: read, assembled with their prelude, registered per client.
 
 Each `<name>.lua` is one script; files whose name starts with `_` are libraries. A script's source
-as Redis sees it is `_prelude.lua`, then the libraries its header includes, then the script.
+as Redis sees it is `_prelude.lua`, then the libraries its header includes, then the script run
+as a function under pcall, whose errors leave as error replies (see `source`).
 
 A script starts with a header of `--` lines: what it does and returns, `-- include: _lib` lines,
 one `-- KEYS[i] = what` line per key it touches and one `-- ARGV[i] = what` line per argument
@@ -149,11 +150,18 @@ def header(name: str) -> Header:
     )
 
 
+# A script's own text runs as a function under pcall, and `reply_of` (_prelude.lua) returns what
+# it raised as `redis.error_reply`: the only error every supported Redis (6.2 on) passes on as
+# the script said it, so `KILN_<CODE>` reaches storage/boundary.py whichever version runs it.
+_BODY_OPEN = "local function script_body()"
+_BODY_CLOSE = "end\nreturn reply_of(pcall(script_body))"
+
+
 @functools.cache
 def source(name: ScriptName) -> str:
-    """The script as Redis runs it: prelude, included libraries, then the script itself."""
-    parts = [PRELUDE, *header(name).includes, name]
-    return "\n".join(read(part) for part in parts)
+    """The script as Redis runs it: prelude, included libraries, then the script as a function."""
+    libraries = [read(part) for part in (PRELUDE, *header(name).includes)]
+    return "\n".join([*libraries, _BODY_OPEN, read(name), _BODY_CLOSE])
 
 
 @functools.cache

@@ -2,21 +2,66 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# Outputs default to one absolute folder per user, so every process agrees on it whatever folder
+# it starts in; shown as such in README's settings table (tests/docs/settings_tables.py).
+DEFAULT_STORAGE_DOC = "file://<KILN_HOME>/outputs"
 
-def resolve_storage_url(url: str) -> str:
-    """Return `url` with a relative `file://` path made absolute (against the working directory)."""
-    if not url.startswith("file://"):
+
+def data_home(kiln_home: Path | None = None) -> Path:
+    """Kiln's data folder: `kiln_home`, else `$XDG_DATA_HOME/kiln`, else `~/.local/share/kiln`."""
+    if kiln_home is not None:
+        return kiln_home
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    # the XDG spec: a relative XDG_DATA_HOME is invalid and ignored
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
+    return base / "kiln"
+
+
+def default_storage_url(kiln_home: Path | None = None) -> str:
+    """`file://` URL of the default outputs folder: `<data home>/outputs`."""
+    # "file://" + path, as the local store parses it back (no percent-encoding)
+    return "file://" + str((data_home(kiln_home) / "outputs").expanduser().resolve())
+
+
+def absolute_storage_url(url: str) -> str:
+    """`url` if it is `s3://...` or an absolute `file://` URL (`~` expanded); else ValueError.
+
+    A relative `file://` path is refused, not resolved: each process would resolve it against
+    its own working folder, and a CLI, an API and a node started in different folders would
+    write and read different places.
+    """
+    if url.startswith("s3://"):
         return url
+    if not url.startswith("file://"):
+        raise ValueError("storage_url must start with s3:// or file://")
     path = url[len("file://") :]
     if path.startswith("localhost/"):
         path = path[len("localhost") :]
-    return "file://" + str(Path(path).expanduser().resolve())
+    expanded = Path(path).expanduser()
+    if not expanded.is_absolute():
+        raise ValueError(
+            f"storage_url {url!r} is relative: use file:///absolute/path (each process would "
+            "resolve a relative one against its own folder)"
+        )
+    return "file://" + str(expanded.resolve())
+
+
+def masked_url(url: str) -> str:
+    """`url` with the password of its user info replaced by `***` (for logs and `kiln config`)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 class StorageSettings(BaseSettings):
@@ -37,9 +82,16 @@ class StorageSettings(BaseSettings):
     redis_max_connections: int = Field(
         default=128, ge=1, description="Size of each process's Redis connection pool."
     )
+    home: Path | None = Field(
+        default=None,
+        description="Kiln's data folder (absolute); outputs default to `<KILN_HOME>/outputs`. "
+        "Unset: `$XDG_DATA_HOME/kiln`, else `~/.local/share/kiln`.",
+    )
     storage_url: str = Field(
-        default="file://./kiln-outputs",
-        description="Where outputs go: `s3://bucket/prefix` or `file:///absolute/path`.",
+        default_factory=lambda data: default_storage_url(data.get("home")),
+        description="Where outputs go: `s3://bucket/prefix` or `file:///absolute/path` (a "
+        "relative `file://` path is refused); each job output records the store it went to.",
+        json_schema_extra={"documented_default": DEFAULT_STORAGE_DOC},
     )
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint URL.")
     s3_public_endpoint_url: str | None = Field(
@@ -75,12 +127,27 @@ class StorageSettings(BaseSettings):
         default=1000, ge=1, description="Events kept per job (older ones are trimmed)."
     )
 
+    @field_validator("home")
+    @classmethod
+    def _absolute_home(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        expanded = value.expanduser()
+        if not expanded.is_absolute():  # would differ between processes started elsewhere
+            raise ValueError(f"home {str(value)!r} must be an absolute path")
+        return expanded.resolve()
+
     @field_validator("storage_url")
     @classmethod
     def _absolute_file_url(cls, value: str) -> str:
-        if not value.startswith(("s3://", "file://")):
-            raise ValueError("storage_url must start with s3:// or file://")
-        return resolve_storage_url(value)
+        return absolute_storage_url(value)
+
+    def describe(self) -> str:
+        """What a long-running command logs at start: Redis (password masked), namespace, store."""
+        return (
+            f"redis {masked_url(self.redis_url)}, namespace {self.redis_namespace}, "
+            f"storage {self.storage_url}"
+        )
 
     @model_validator(mode="after")
     def _both_s3_keys_or_neither(self) -> StorageSettings:

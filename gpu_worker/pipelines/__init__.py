@@ -1,50 +1,71 @@
-"""Pipelines a rank can serve, chosen by a spec string.
+"""Pipelines a rank can serve, chosen by a spec string (grammar: `gpu_worker.pipeline_specs`).
 
-Spec grammar: `tiny` (tiny text-to-image) · `tiny-video` (tiny text-to-video) ·
-`tiny-img2img`, `tiny-inpaint`, `tiny-i2v` (their components, image-conditioned) ·
-`diffusers:<folder or hub id>` · `python:<module>:<factory>` (a `PipelineFactory`, called with
-the device; test fixtures and custom pipelines use it). diffusers is imported only when a
-diffusers pipeline is loaded, so importing this package stays cheap.
+`tiny`, `tiny-video` and their image-conditioned variants · `diffusers:<folder or hub id>` ·
+`python:<module>:<factory>` (a `PipelineFactory`, called with the device; docs/pipelines.md).
+diffusers is imported only when a diffusers pipeline is loaded, so importing this package stays
+cheap.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from kiln.gpu_worker.limits import TINY_LIMITS
-from kiln.gpu_worker.pipelines.base import Pipeline, PipelineFactory, StepCallback, StopDenoising
-from kiln.gpu_worker.pipelines.image_pipelines import TINY_VARIANTS, as_variant, tiny_base
+from kiln.gpu_worker.pipeline_specs import (
+    TINY_SPECS,
+    NotAPipeline,
+    PipelineSpec,
+    SpecError,
+    check_python_spec,
+    check_spec_form,
+    import_factory,
+    parse_spec,
+    tiny_base,
+)
+from kiln.gpu_worker.pipelines.base import (
+    PIPELINE_MEMBERS,
+    Pipeline,
+    PipelineFactory,
+    StepCallback,
+    StopDenoising,
+    missing_members,
+)
+from kiln.gpu_worker.pipelines.image_pipelines import as_variant
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 __all__ = [
     "Pipeline",
     "PipelineFactory",
+    "SpecError",
     "StepCallback",
     "StopDenoising",
+    "check_spec",
     "load_pipeline",
     "prepare_pipeline",
 ]
-
-TINY_SPECS = frozenset({"tiny", "tiny-video", *TINY_VARIANTS})
-SPEC_GRAMMAR = (
-    "tiny | tiny-video | tiny-img2img | tiny-inpaint | tiny-i2v | diffusers:<folder or hub id> | "
-    "python:<module>:<factory>"
-)
 
 
 def load_pipeline(
     spec: str, device: torch.device, settings: GpuWorkerSettings | None = None
 ) -> Pipeline:
-    """Load the pipeline named by `spec` onto `device`; raise ValueError for a malformed spec."""
+    """Load the pipeline named by `spec` onto `device`; `SpecError` (a ValueError) if it is bad."""
     settings = settings or GpuWorkerSettings()
-    scheme, _, target = spec.partition(":")
-    if spec in TINY_SPECS or (scheme == "diffusers" and target):
-        return _load_diffusers(spec, device, settings)
-    if scheme == "python" and target:
-        return _load_python(spec, target, device)
-    raise ValueError(f"unknown pipeline spec {spec!r}; expected {SPEC_GRAMMAR}")
+    parsed = parse_spec(spec)
+    if parsed.kind == "python":
+        return _load_python(parsed, device)
+    return _load_diffusers(spec, device, settings)
+
+
+def check_spec(spec: str) -> PipelineSpec:
+    """Everything about `spec` that can be known without loading the model; `SpecError` if not.
+
+    The form and the diffusers folder (`check_spec_form`); for `python:`, the module imports and
+    its factory looks like one (`check_python_spec`).
+    """
+    parsed = check_spec_form(spec)
+    if parsed.kind == "python":
+        check_python_spec(parsed, PIPELINE_MEMBERS)
+    return parsed
 
 
 def prepare_pipeline(spec: str, settings: GpuWorkerSettings) -> None:
@@ -89,12 +110,13 @@ def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings
     return pipeline
 
 
-def _load_python(spec: str, target: str, device: torch.device) -> Pipeline:
-    module_name, _, factory_name = target.partition(":")
-    if not module_name or not factory_name:
-        raise ValueError(f"pipeline spec {spec!r} must be python:<module>:<factory>")
-    factory: PipelineFactory = getattr(importlib.import_module(module_name), factory_name)
+def _load_python(parsed: PipelineSpec, device: torch.device) -> Pipeline:
+    factory: PipelineFactory = import_factory(parsed)
     pipeline = factory(device)
     if not isinstance(pipeline, Pipeline):
-        raise TypeError(f"{spec}: the factory returned {type(pipeline).__name__}, not a Pipeline")
+        missing = ", ".join(missing_members(pipeline))
+        raise NotAPipeline(
+            f"{parsed.text}: {parsed.factory}(device) returned {type(pipeline).__name__}, not a "
+            f"Pipeline: it lacks {missing} (docs/pipelines.md)"
+        )
     return pipeline

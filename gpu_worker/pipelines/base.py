@@ -53,3 +53,16 @@ class Pipeline(Protocol):
 
 
 PipelineFactory = Callable[[torch.device], Pipeline]
+
+# The members a `Pipeline` must have, as `isinstance(x, Pipeline)` checks them.
+PIPELINE_MEMBERS: tuple[str, ...] = ("name", "supported_fields", "validate", "run", "denoiser")
+
+
+def missing_members(candidate: object) -> list[str]:
+    """The `Pipeline` members `candidate` lacks (methods must be callable)."""
+    return [
+        member
+        for member in PIPELINE_MEMBERS
+        if not hasattr(candidate, member)
+        or (member != "name" and not callable(getattr(candidate, member)))
+    ]

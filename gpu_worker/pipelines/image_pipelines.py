@@ -19,25 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.inputs import image_input_names
+from kiln.gpu_worker.pipeline_specs import TINY_VARIANTS, tiny_base
+
+__all__ = ["TINY_VARIANTS", "as_variant", "image_call_kwargs", "missing_image", "tiny_base"]
 
 if TYPE_CHECKING:
     from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
     from kiln.gpu_worker.protocol import GenerationRequest
 
-# spec -> (the tiny pipeline whose folder it loads, the diffusers class it runs as, options)
-TINY_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "tiny-img2img": ("tiny", "StableDiffusionImg2ImgPipeline", {"requires_safety_checker": False}),
-    "tiny-inpaint": ("tiny", "StableDiffusionInpaintPipeline", {"requires_safety_checker": False}),
-    "tiny-i2v": ("tiny-video", "WanImageToVideoPipeline", {"expand_timesteps": True}),
-}
 # Image parameters a pipeline cannot run without (diffusers' img2img, inpaint and
 # image-to-video pipelines fail without them): required in the derived input schema.
 REQUIRED_IMAGES = ("image", "mask_image")
-
-
-def tiny_base(spec: str) -> str:
-    """The tiny pipeline whose folder `spec` loads (`spec` itself unless it is a variant)."""
-    return TINY_VARIANTS[spec][0] if spec in TINY_VARIANTS else spec
 
 
 def as_variant(pipeline: DiffusersPipeline, spec: str) -> DiffusersPipeline:

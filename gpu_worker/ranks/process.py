@@ -24,6 +24,8 @@ from typing import NoReturn
 
 import torch
 
+from kiln.gpu_worker.quiet import quiet_known_warnings
+
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
@@ -71,6 +73,14 @@ def prepare_rank_process(
     """Everything a rank does first: signals, parent-death detection, title, CPU threads."""
     # Ctrl-C in a terminal reaches the whole process group; the parent decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # So does a SIGTERM sent to the node's group (`kill -- -PGID`, a supervisor stopping the
+    # group): in a group of its own, a rank is stopped by its owner's shutdown alone. A rank the
+    # signal killed first looked like a rank death: the owner rebuilt the group while shutting
+    # down (start-up lines printed again), then killed the new ranks mid-start, and the resource
+    # tracker reported their semaphores (tqdm's lock, unlinked by `exit_rank`) as leaked.
+    with contextlib.suppress(OSError):  # already a group leader: nothing to leave
+        os.setpgid(0, 0)
+    quiet_known_warnings()
     set_parent_death_signal()
     if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
         os._exit(70)

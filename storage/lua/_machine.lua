@@ -7,6 +7,7 @@
 --     queue depth counter and retired set;
 --   m.seq, m.owner_queued, m.owner_running: the creation sequence (a job entering `queued` draws
 --     its queue index score from it) and the per-owner counts of queued and running jobs;
+--   m.finished: the monotonic counters of terminal transitions (keys.finished_counts);
 --   m.state_index_prefix, m.batch_prefix, m.batch_index_prefix, m.idem_prefix,
 --     m.queue_index_prefix, m.completions_prefix: prefixes from storage/keys.py, completed here
 --     with the state, batch id, idempotency key and queue read from the record: the caller does
@@ -73,6 +74,10 @@ end
 -- index entries are listed in m.retired for removal once the record has expired
 local function finish(m, job, time, now_ms, target)
   if job.state == 'running' then record_completion(m, job, now_ms) end
+  -- counted here, in the step that ends the job: a terminal state never changes again, so each
+  -- job adds 1 once, and the counts outlive the records (metrics sum them after retention)
+  redis.call('HINCRBY', m.finished, 'job/' .. job.queue .. '/' .. target, 1)
+  if job.batch ~= '' then redis.call('HINCRBY', m.finished, 'line/' .. target, 1) end
   redis.call('HSET', m.job, 'finished_at', time, 'lease_token', '0')
   redis.call('DEL', m.lease, m.cancel)
   redis.call('ZREM', m.running, job.id)

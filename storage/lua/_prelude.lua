@@ -5,8 +5,27 @@
 local TERMINAL = {succeeded = true, failed = true, canceled = true, expired = true}
 
 -- errors reach Python as `KILN_<CODE> <detail>` (storage/boundary.py); every script raises
--- before its first write, so a refused call changes nothing
+-- before its first write, so a refused call changes nothing (an error undoes no write: Redis
+-- keeps what a script wrote before it failed)
 local function raise(code, detail) error({err = 'KILN_' .. code .. ' ' .. detail}) end
+
+-- a script's reply: storage/scripts.py runs each script's own text as
+-- `reply_of(pcall(script_body))`.
+-- Whatever the body raised leaves as an error reply, the one form every Redis version passes on
+-- unchanged: 6.2 cannot return an error raised as a table ("attempt to concatenate local 'err'
+-- (a table value)") and wraps a string in "Error running script ...". Under pcall, 6.2 hands a
+-- raised table over as is and 7.x as its `err` string; an error of redis.call is a string that
+-- starts with its code (WRONGTYPE, OOM), except where 6.2 refused the call itself: then it says
+-- where first ('@user_script: 9: -OOM ...').
+local function reply_of(ok, result)
+  if ok then return result end
+  local message = type(result) == 'table' and result.err or tostring(result)
+  -- (%p for the colons: a colon in a string literal would read as a key name, see keys.py)
+  message = string.match(message, '^@[%w_]+%p %d+%p %-(.*)$') or message
+  -- a Lua runtime error ('user_script:3: attempt to ...') carries no code: Redis's generic one
+  if not string.find(message, '^%u[%u_]* ') then message = 'ERR ' .. message end
+  return redis.error_reply(message)
+end
 
 -- the Redis clock: seconds as '<s>.<us>' (as records and events store it), and milliseconds
 local function clock()

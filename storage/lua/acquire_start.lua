@@ -1,7 +1,8 @@
 -- acquire_start: take a queued job's lease for an owner and move the job to running, in one call
 -- (what acquire followed by transition queued -> running does in two, one round trip less on
 -- every delivery). Refused, with nothing written: LEASEHELD while another owner holds a live
--- lease (checked first, as acquire does), ILLEGAL unless the job is in a source state, QUOTA
+-- lease (checked first, as acquire does), ILLEGAL unless the job is in a source state or when its
+-- batch has been asked to stop, QUOTA
 -- while the job's owner has `running cap` running jobs already. The new token fences off any
 -- token issued before, as acquire's does. Returns {token, the record as a flat HGETALL}.
 -- Errors: NOTFOUND, LEASEHELD, ILLEGAL, QUOTA.
@@ -18,6 +19,7 @@
 -- KEYS[10] = creation sequence (counter)
 -- KEYS[11] = queued jobs per owner (hash)
 -- KEYS[12] = running jobs per owner (hash)
+-- KEYS[13] = finished counts (hash: monotonic counters of terminal transitions)
 -- ARGV[1] = job id
 -- ARGV[2] = owner of the lease
 -- ARGV[3] = lease ttl (ms)
@@ -37,7 +39,7 @@ local job_id, owner, ttl_ms, sources = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local payload, running_cap = ARGV[5], ARGV[6]
 local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
   running = KEYS[6], unpublished = KEYS[7], depth = KEYS[8], retired = KEYS[9], seq = KEYS[10],
-  owner_queued = KEYS[11], owner_running = KEYS[12],
+  owner_queued = KEYS[11], owner_running = KEYS[12], finished = KEYS[13],
   state_index_prefix = ARGV[7], batch_prefix = ARGV[8], batch_index_prefix = ARGV[9],
   idem_prefix = ARGV[10], queue_index_prefix = ARGV[11], completions_prefix = ARGV[12],
   maxlen = ARGV[13], retention = ARGV[14], window = ARGV[15]}
@@ -49,6 +51,12 @@ if held then
   if holder ~= owner then raise('LEASEHELD', job.id .. ' ' .. holder) end
 end
 if TERMINAL[job.state] or not string.find(sources, ' ' .. job.state .. ' ', 1, true) then
+  raise('ILLEGAL', job.id .. ' ' .. job.state .. ' running')
+end
+-- a job of a batch asked to stop (canceled, or expired) never starts: the stop is set in one
+-- step (batch_stop) and read here in one, so nothing of the batch starts once its cancel answered;
+-- the batch's feeder ends the job
+if job.batch ~= '' and (redis.call('HGET', m.batch_prefix .. job.batch, 'stop') or '') ~= '' then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' running')
 end
 if running_cap ~= '' and job.job_owner ~= ''

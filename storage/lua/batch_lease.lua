@@ -9,7 +9,7 @@
 local batch_key, lease_key = KEYS[1], KEYS[2]
 local owner, ttl_ms = ARGV[1], ARGV[2]
 
-local FINAL = {completed = true, canceled = true, expired = true}
+local FINAL = {completed = true, canceled = true, expired = true, failed = true}
 local status = redis.call('HGET', batch_key, 'status')
 if not status or FINAL[status] then return -1 end
 local held = redis.call('GET', lease_key)

@@ -14,6 +14,7 @@
 -- KEYS[10] = creation sequence (counter)
 -- KEYS[11] = queued jobs per owner (hash)
 -- KEYS[12] = running jobs per owner (hash)
+-- KEYS[13] = finished counts (hash: monotonic counters of terminal transitions)
 -- ARGV[1] = job id
 -- ARGV[2] = state index prefix
 -- ARGV[3] = batch prefix
@@ -27,7 +28,7 @@
 local job_id = ARGV[1]
 local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
   running = KEYS[6], unpublished = KEYS[7], depth = KEYS[8], retired = KEYS[9], seq = KEYS[10],
-  owner_queued = KEYS[11], owner_running = KEYS[12],
+  owner_queued = KEYS[11], owner_running = KEYS[12], finished = KEYS[13],
   state_index_prefix = ARGV[2], batch_prefix = ARGV[3], batch_index_prefix = ARGV[4],
   idem_prefix = ARGV[5], queue_index_prefix = ARGV[6], completions_prefix = ARGV[7],
   maxlen = ARGV[8], retention = ARGV[9], window = ARGV[10]}

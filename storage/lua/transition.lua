@@ -16,6 +16,7 @@
 -- KEYS[10] = creation sequence (counter)
 -- KEYS[11] = queued jobs per owner (hash)
 -- KEYS[12] = running jobs per owner (hash)
+-- KEYS[13] = finished counts (hash: monotonic counters of terminal transitions)
 -- ARGV[1] = job id
 -- ARGV[2] = sources: accepted states, space separated and padded (' queued running ')
 -- ARGV[3] = target state
@@ -39,7 +40,7 @@ local job_id, sources, target, fence, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local payload, honor_cancel, running_cap = ARGV[6], ARGV[7], ARGV[8]
 local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
   running = KEYS[6], unpublished = KEYS[7], depth = KEYS[8], retired = KEYS[9], seq = KEYS[10],
-  owner_queued = KEYS[11], owner_running = KEYS[12],
+  owner_queued = KEYS[11], owner_running = KEYS[12], finished = KEYS[13],
   state_index_prefix = ARGV[9], batch_prefix = ARGV[10], batch_index_prefix = ARGV[11],
   idem_prefix = ARGV[12], queue_index_prefix = ARGV[13], completions_prefix = ARGV[14],
   maxlen = ARGV[15], retention = ARGV[16], window = ARGV[17]}

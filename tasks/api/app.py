@@ -28,7 +28,12 @@ from kiln.tasks.api.batch_event_routes import router as batch_event_routes
 from kiln.tasks.api.batch_routes import router as batch_routes
 from kiln.tasks.api.body_limit import BodySizeLimit
 from kiln.tasks.api.context import ApiContext, build_context, check_connection_budget
-from kiln.tasks.api.errors import idempotency_conflict, storage_unavailable, validation_error
+from kiln.tasks.api.errors import (
+    DescriptorExhaustion,
+    idempotency_conflict,
+    storage_unavailable,
+    validation_error,
+)
 from kiln.tasks.api.event_routes import router as event_routes
 from kiln.tasks.api.http_guard import uvicorn_config
 from kiln.tasks.api.job_routes import router as job_routes
@@ -68,6 +73,9 @@ def create_app(
         version=API_VERSION,
         description="Durable queue for GPU image and video generation jobs.",
         lifespan=_lifespan,
+        # no 307 to the path without its trailing slash: `/v1/batches/..%2f` decodes to
+        # `/v1/batches/../`, whose redirect names `..` as a batch id; an unknown path is a 404
+        redirect_slashes=False,
         # Any route: the server itself refuses a malformed or oversized request line or headers
         # before routing (api.http_guard), as plain text.
         responses={400: {"description": "Malformed or oversized request line or headers."}},
@@ -96,6 +104,8 @@ def create_app(
             LOCAL_PUT_PATH: max(settings.upload_max_bytes, settings.max_batch_bytes),
         },
     )
+    # out of file descriptors anywhere under it (a route, the body limit): 503, never a 500
+    app.add_middleware(DescriptorExhaustion)
     install_metrics(app, ctx)  # GET /metrics; outermost, so a 413 is counted too
     return app
 
@@ -120,6 +130,7 @@ def serve_api(
         configure_logging("text", "INFO")
     else:
         uvicorn_options.setdefault("log_config", None)
+    log.info("kiln api: %s", storage_settings.describe())  # which Redis, namespace, store
     try:
         app = create_app(settings, storage_settings)
         if host:

@@ -2,7 +2,8 @@
 
 A change the batch's status does not allow is a 409 whose `detail` names the status (asking for
 the status a batch is already in answers its view). Each answers the batch's view as it is after
-the change; the retry answers the new batch (201).
+the change; the retry answers the new batch (201), or the one its `Idempotency-Key` made (200),
+and is a 409 naming the retry while a retry of the same lines has not ended.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from collections.abc import Callable
 from typing import Annotated
 
 import anyio.to_thread
-from fastapi import Query
+from fastapi import Header, HTTPException, Query
 from fastapi.responses import JSONResponse
 
-from kiln.storage.batch_records import BatchConflict
+from kiln.storage.batch_records import BatchConflict, RetryKeyBound, RetryRunning
 from kiln.storage.batch_store import FedBatch
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.batch_deps import CONTROL_ERRORS, Batches, BatchId, conflict, visible_batch
@@ -87,15 +88,30 @@ async def retry_batch(
     include: Annotated[
         str, Query(max_length=64, description="Lines to run again: failed, expired or both.")
     ] = "failed,expired",
+    idempotency_key: Annotated[
+        str | None,
+        Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$"),
+    ] = None,
 ) -> JSONResponse:
-    """A new batch of a finished batch's failed and/or expired lines (same custom_ids)."""
+    """A new batch of a finished batch's failed and/or expired lines (same custom_ids).
+
+    Made once: a repeated `Idempotency-Key` answers the same retry (200); while a retry of the
+    same lines has not ended, another is a 409 naming it.
+    """
     statuses = _statuses(include)
     await anyio.to_thread.run_sync(visible_batch, service, caller, batch_id)
+    # Keys are scoped to the API key so two callers never share one.
+    scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
     try:
         # streams the parent's results and input through the object store: off the event loop
-        retry = await anyio.to_thread.run_sync(service.retry, batch_id, statuses)
+        retry, created = await anyio.to_thread.run_sync(
+            service.retry_once, batch_id, statuses, scoped_key
+        )
     except BatchConflict as exc:
         raise conflict(exc) from exc
+    except (RetryRunning, RetryKeyBound) as exc:
+        raise HTTPException(409, str(exc)) from exc  # names the retry that holds the lines
     except NothingToRetry as exc:
         raise field_error(("query", "include"), str(exc), "nothing_to_retry", include) from exc
-    return JSONResponse(batch_view(retry).model_dump(mode="json"), status_code=201)
+    view = batch_view(retry).model_dump(mode="json")
+    return JSONResponse(view, status_code=201 if created else 200)

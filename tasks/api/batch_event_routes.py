@@ -5,7 +5,8 @@ batch at most every `POLL_S` and sends `batch.progress` (data: the batch view) w
 changed, at most once per `KILN_BATCH_PROGRESS_INTERVAL_S`; the end (`batch.completed`,
 `batch.failed`, `batch.expired` or `batch.canceled`, named by `contract.batches.batch_event_of`)
 goes out at once and closes the stream. The first frame is the view as it is when the stream
-opens. Streams count against the same caps as job event streams.
+opens. Streams count against the same caps as job event streams, and end as early (their
+lifetime, a fair share, a revoked key: `sse.StreamGuard`); a client reconnects for the view.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import anyio.to_thread
 
 from kiln.storage.errors import BatchNotFound
 from kiln.tasks.api.batch_deps import Batches, BatchId, visible_batch
-from kiln.tasks.api.deps import Caller, Ctx, api_router, json_error_docs
-from kiln.tasks.api.event_routes import EventStreamResponse, event_stream_response, stream_slot
+from kiln.tasks.api.deps import Authorization, Caller, Ctx, api_router, json_error_docs
+from kiln.tasks.api.event_routes import EventStreamResponse, event_stream_response, stream_guard
+from kiln.tasks.api.sse import StreamGuard, closing_frame
 from kiln.tasks.batches.service import BatchService
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import BATCHES_PATH, BatchEvent, BatchView, batch_event_of
@@ -52,12 +54,14 @@ class BatchEventStream:
         interval_s: float,
         keepalive_s: float,
         limiter: anyio.CapacityLimiter,
+        guard: StreamGuard,
     ) -> None:
         self.service = service
         self.batch_id = batch_id
         self.interval_s = interval_s
         self.keepalive_s = keepalive_s
         self.limiter = limiter
+        self.guard = guard
 
     async def _view(self) -> BatchView:
         batch = await anyio.to_thread.run_sync(
@@ -70,6 +74,10 @@ class BatchEventStream:
         sent: tuple[object, ...] | None = None
         sent_at = last_frame = float("-inf")
         while True:
+            reason = await self.guard.ended()
+            if reason is not None:  # the client reconnects: its first frame is the view then
+                yield closing_frame(reason)
+                return
             try:
                 view = await self._view()
             except BatchNotFound:  # its record expired (retention) while the stream was open
@@ -86,7 +94,8 @@ class BatchEventStream:
             elif now - last_frame >= self.keepalive_s:
                 last_frame = now
                 yield ": keep-alive\n\n"
-            await anyio.sleep(min(POLL_S, max(self.interval_s, 0.05)))
+            pause_ms = self.guard.block_ms(int(min(POLL_S, max(self.interval_s, 0.05)) * 1000))
+            await anyio.sleep(pause_ms / 1000)
 
 
 @router.get(
@@ -104,16 +113,17 @@ class BatchEventStream:
     tags=["batches"],
 )
 def batch_events(
-    ctx: Ctx, caller: Caller, service: Batches, batch_id: BatchId
+    ctx: Ctx, caller: Caller, header: Authorization, service: Batches, batch_id: BatchId
 ) -> EventStreamResponse:
     """The batch's progress and end as server-sent events."""
     visible_batch(service, caller, batch_id)
-    release = stream_slot(ctx, caller)
+    guard = stream_guard(ctx, caller, header)
     stream = BatchEventStream(
         service,
         batch_id,
         interval_s=ctx.settings.batch_progress_interval_s,
         keepalive_s=ctx.settings.sse_keepalive_s,
         limiter=ctx.sse_limiter,
+        guard=guard,
     )
-    return event_stream_response(stream.frames(), release)
+    return event_stream_response(stream.frames(), guard)

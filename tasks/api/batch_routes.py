@@ -23,8 +23,17 @@ from kiln.tasks.api.batch_deps import BATCH_ERRORS, Batches, BatchId, visible_ba
 from kiln.tasks.api.batch_options import BatchParams, batch_options
 from kiln.tasks.api.batch_uploads import UPLOAD_BODY_SCHEMA, is_json_body, submit_upload
 from kiln.tasks.api.body_limit import too_large_detail
-from kiln.tasks.api.deps import Caller, Ctx, api_router, error_docs, field_error, json_error_docs
+from kiln.tasks.api.deps import (
+    Caller,
+    Ctx,
+    api_router,
+    error_docs,
+    field_error,
+    json_error_docs,
+    refuse_over_page_limit,
+)
 from kiln.tasks.api.errors import safe_json_response
+from kiln.tasks.api.short_ids import IdPrefix, batches_with_prefix
 from kiln.tasks.batches.intake import BatchIntake, IntakeReport
 from kiln.tasks.batches.service import new_batch_id, refusal_body
 from kiln.tasks.batches.views import batch_view
@@ -148,14 +157,18 @@ def list_batches(
     caller: Caller,
     service: Batches,
     cursor: Annotated[str | None, Query(max_length=256)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    limit: Annotated[int, Query(ge=1, description="At most KILN_LIST_LIMIT_MAX.")] = 50,
+    id_prefix: IdPrefix = None,
 ) -> BatchList:
     """Batches newest first: the caller's own (an admin key: every one)."""
+    refuse_over_page_limit(ctx, limit)
     owner = None if caller.admin else caller.key_id
     if not caller.admin and owner is None:
         return BatchList(batches=[])
+    if id_prefix is not None:
+        return batches_with_prefix(service, owner, id_prefix, limit)
     try:
-        batches, next_cursor = service.list(owner, cursor, min(limit, ctx.settings.list_limit_max))
+        batches, next_cursor = service.list(owner, cursor, limit)
     except ValueError as exc:
         raise field_error(("query", "cursor"), f"invalid cursor: {exc}", "cursor", cursor) from exc
     return BatchList(batches=[batch_view(b) for b in batches], next_cursor=next_cursor)

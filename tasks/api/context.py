@@ -94,7 +94,11 @@ def build_context(
         ),
         celery=celery,
         policy=policy_from(settings.webhook_allow_http, settings.webhook_allow_hosts),
-        sse_slots=StreamSlots(settings.sse_max_streams_per_key, settings.sse_max_streams_total),
+        sse_slots=StreamSlots(
+            settings.sse_max_streams_per_key,
+            settings.sse_max_streams_total,
+            settings.sse_max_lifetime_s,
+        ),
         resolve=resolve,
     )
 

@@ -95,11 +95,18 @@ async def context(request: Request) -> ApiContext:
 Ctx = Annotated[ApiContext, Depends(context)]
 
 
-async def principal(
-    ctx: Ctx, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
-) -> Principal:
+async def authorization(
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> str | None:
+    """The request's `Authorization` header as the authenticator (and its cache) knows it."""
+    return f"Bearer {credentials.credentials}" if credentials else None
+
+
+Authorization = Annotated[str | None, Depends(authorization)]
+
+
+async def principal(ctx: Ctx, header: Authorization) -> Principal:
     """The caller; 401 without a valid key (unless auth is switched off)."""
-    header = f"Bearer {credentials.credentials}" if credentials else None
     try:
         # a cached key is known at once; only a Redis read goes to a worker thread
         caller = ctx.auth.cached_principal(header)
@@ -145,3 +152,11 @@ def field_error(loc: tuple[str, ...], msg: str, kind: str, value: Any, **ctx: An
     if ctx:
         error["ctx"] = ctx
     return RequestValidationError([error])
+
+
+def refuse_over_page_limit(ctx: ApiContext, limit: int) -> None:
+    """422 naming `limit` and the maximum when a list page asks for more than it."""
+    maximum = ctx.settings.list_limit_max  # KILN_LIST_LIMIT_MAX
+    if limit > maximum:
+        msg = f"limit is at most {maximum}"
+        raise field_error(("query", "limit"), msg, "less_than_equal", limit, le=maximum)

@@ -7,6 +7,8 @@ through `json_safe` first, and a response that still fails to render falls back 
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import math
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.tasks.api.json_guard import MAX_INT, printable
 
@@ -84,3 +87,68 @@ async def idempotency_conflict(_request: Request, _exc: Exception) -> JSONRespon
     """409: the key was used before with another body."""
     detail = "Idempotency-Key was already used with a different request body"
     return JSONResponse({"detail": detail}, status_code=409)
+
+
+# the process (EMFILE) or the system (ENFILE) has no file descriptor left
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
+_MAX_CAUSES = 16
+
+
+def out_of_descriptors(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from or groups, is EMFILE or ENFILE."""
+    pending, seen = [exc], 0
+    while pending and seen < _MAX_CAUSES:
+        current = pending.pop()
+        seen += 1
+        if isinstance(current, OSError) and current.errno in _OUT_OF_DESCRIPTORS:
+            return True
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                pending.append(linked)
+    return False
+
+
+class DescriptorExhaustion:
+    """ASGI middleware: a request that ran out of file descriptors is a 503, never a 500.
+
+    Wherever the EMFILE/ENFILE came from (a temporary file, a socket to the store, translated
+    into a storage error or not), the client is told to retry shortly: descriptors come back as
+    other requests end. Once a response has started, the error goes on as before.
+    """
+
+    def __init__(self, app: ASGIApp, retry_after_s: int = 1) -> None:
+        self.app = app
+        self.retry_after_s = retry_after_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; answer 503 with Retry-After if it failed for want of descriptors."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if started or not out_of_descriptors(exc):
+                raise
+            log.warning("out of file descriptors: answered 503 (%s)", exc)
+            await self._unavailable(send)
+
+    async def _unavailable(self, send: Send) -> None:
+        body = json.dumps({"detail": "server out of file descriptors; retry later"}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(self.retry_after_s).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

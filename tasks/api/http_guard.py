@@ -26,6 +26,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kiln.tasks.contract.batches import BATCHES_PATH
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.contract.uploads import LOCAL_PUT_PATH
 
 log = logging.getLogger(__name__)
 Phase = Literal["headers", "body", "idle"]
@@ -193,7 +194,13 @@ def deadline_protocol(settings: KilnSettings) -> type[DeadlineProtocol]:
         {
             "header_timeout_s": settings.http_header_timeout_s,
             "body_timeout_s": settings.http_body_timeout_s,
-            "long_body_timeouts": MappingProxyType({BATCHES_PATH: settings.batch_body_timeout_s}),
+            # a batch file and an upload to a local store stream large bodies
+            "long_body_timeouts": MappingProxyType(
+                {
+                    BATCHES_PATH: settings.batch_body_timeout_s,
+                    LOCAL_PUT_PATH: settings.batch_body_timeout_s,
+                }
+            ),
         },
     )
 

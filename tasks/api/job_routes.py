@@ -23,9 +23,11 @@ from kiln.tasks.api.deps import (
     api_router,
     error_docs,
     field_error,
+    refuse_over_page_limit,
     visible_job,
 )
 from kiln.tasks.api.limits import refuse_bad_inputs, refuse_over_limits
+from kiln.tasks.api.short_ids import IdPrefix, jobs_with_prefix
 from kiln.tasks.api.upload_routes import refuse_bad_image_refs
 from kiln.tasks.contract.responses import (
     CancelResult,
@@ -197,15 +199,19 @@ def list_jobs(
     batch_id: Annotated[str | None, Query(max_length=128)] = None,
     owner: Annotated[str | None, Query(max_length=128, description="Admin keys only.")] = None,
     cursor: Annotated[str | None, Query(max_length=256)] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    limit: Annotated[int, Query(ge=1, description="At most KILN_LIST_LIMIT_MAX.")] = 50,
+    id_prefix: IdPrefix = None,
 ) -> JobList:
     """Jobs newest first, filtered; a non-admin key sees only its own."""
+    refuse_over_page_limit(ctx, limit)
     if not caller.admin:
-        if owner is not None and owner != caller.key_id:
-            raise HTTPException(403, "only admin keys may list another key's jobs")
+        if owner is not None:  # the contract: the filter itself is for admin keys
+            raise HTTPException(403, "only admin keys may filter by owner")
         owner = caller.key_id
     if (batch_id is not None and not valid_id(batch_id)) or (owner is not None and not owner):
         return JobList(jobs=[], next_cursor=None)
+    if id_prefix is not None:
+        return jobs_with_prefix(ctx, owner, id_prefix, limit, status, batch_id)
     records, next_cursor = _page(ctx, owner, status, batch_id, cursor, limit)
     return JobList(jobs=[job_view(r, ctx.objects) for r in records], next_cursor=next_cursor)
 
@@ -224,7 +230,7 @@ def _page(
             state=status,
             batch_id=batch_id,
             cursor=cursor,
-            limit=min(limit, ctx.settings.list_limit_max),
+            limit=limit,
         )
     except ValueError as exc:
         raise field_error(("query", "cursor"), f"invalid cursor: {exc}", "cursor", cursor) from exc

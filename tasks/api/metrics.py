@@ -5,13 +5,22 @@
 - `kiln_api_submit_duration_seconds`: how long `POST /v1/jobs` took, answer sent.
 - `kiln_queue_depth{queue}` and `kiln_jobs{state}`: read from Redis when scraped (two pipelined
   round trips): messages waiting in each Celery queue (`lane.pipeline` for every known pipeline,
-  and `webhooks`), and job records per state. A scrape while Redis is down leaves them out.
+  and `webhooks`), and job records per state. `kiln_jobs` counts records, which expire after the
+  retention: it is no count of jobs run; the counters below are.
+- `kiln_jobs_finished_total{pipeline,lane,state}`, `kiln_batch_lines_finished_total{state}` and
+  `kiln_batches_finished_total{state}`: monotonic counters kept in Redis (storage/counters.py),
+  added to by the step that ends each job, batch line or batch, so they stay right after records
+  expire and read the same from every API process and node; `kiln_batches{state}`: batches still
+  being fed or finished. Every API instance exports the same deployment-wide values: combine
+  instances with max, e.g. lines per second
+  `max(sum by (instance) (rate(kiln_batch_lines_finished_total[5m])))`.
+  A scrape while Redis is down leaves all of these out.
 
 Each app has its own registry (several apps may live in one test process). Under `kiln api
 --workers N` the supervisor sets `PROMETHEUS_MULTIPROC_DIR`: the counters and the histogram then
 live in files there, and `/metrics` sums every process's (`MultiProcessCollector`); the Redis
-gauges are read as before, and the process metrics (`process_*`) are left out, one process's
-being no measure of the API.
+series are read as before (one value for the whole deployment, whichever process answers), and
+the process metrics (`process_*`) are left out, one process's being no measure of the API.
 """
 
 from __future__ import annotations
@@ -30,16 +39,18 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.storage.counters import FinishedCounts, finished_counts, live_batches
 from kiln.storage.errors import StorageError
 from kiln.storage.gauges import job_counts, list_lengths
+from kiln.storage.states import TERMINAL_STATES
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.queue.app import transport_options
-from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, queue_name
+from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, lane_and_pipeline, queue_name
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +81,7 @@ class ApiMetrics:
             registry=own,
         )
         self.registry.register(QueueCollector(ctx))
+        self.registry.register(FinishedCollector(ctx))
         if shared_dir:
             MultiProcessCollector(self.registry, path=shared_dir)  # type: ignore[no-untyped-call]
         else:
@@ -123,6 +135,63 @@ class QueueCollector(Collector):
         """Every lane of every known pipeline, then the webhooks queue."""
         pipelines = self._ctx.submitter.known_pipelines()
         return [queue_name(lane, p) for lane in LANES for p in pipelines] + [WEBHOOKS_QUEUE]
+
+
+class FinishedCollector(Collector):
+    """The counters of finished jobs, batch lines and batches, and live batches, from Redis."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self._ctx = ctx
+
+    def collect(self) -> Iterable[Metric]:
+        """The four families, or none while Redis does not answer."""
+        try:
+            counts = finished_counts(self._ctx.store)
+            live = live_batches(self._ctx.store)
+        except StorageError as exc:
+            log.warning("metrics: finished-job and batch counters left out: %s", exc)
+            return
+        yield self.jobs_finished(counts)
+        lines = CounterMetricFamily(
+            "kiln_batch_lines_finished",
+            "Batch lines whose job reached a terminal state, by that state.",
+            labels=["state"],
+        )
+        for state in sorted(TERMINAL_STATES):
+            lines.add_metric([str(state)], counts.lines.get(state, 0))
+        yield lines
+        batches_finished = CounterMetricFamily(
+            "kiln_batches_finished", "Batches that ended, by final status.", labels=["state"]
+        )
+        for status, count in sorted(counts.batches.items()):
+            batches_finished.add_metric([status], count)
+        yield batches_finished
+        batches = GaugeMetricFamily(
+            "kiln_batches", "Batches still being fed or finished, by status.", labels=["state"]
+        )
+        for status, count in sorted(live.items()):
+            batches.add_metric([status], count)
+        yield batches
+
+    def jobs_finished(self, counts: FinishedCounts) -> CounterMetricFamily:
+        """Jobs finished by pipeline, lane and state; every known pipeline's series from 0."""
+        by_labels: dict[tuple[str, str, str], int] = {}
+        for pipeline in self._ctx.submitter.known_pipelines():
+            for known_lane in LANES:
+                for state in TERMINAL_STATES:
+                    by_labels[pipeline, str(known_lane), str(state)] = 0
+        for (queue, state), count in counts.jobs.items():
+            lane, pipeline = lane_and_pipeline(queue)
+            key = (pipeline, lane, str(state))
+            by_labels[key] = by_labels.get(key, 0) + count
+        family = CounterMetricFamily(
+            "kiln_jobs_finished",
+            "Jobs that reached a terminal state, by pipeline, lane and state.",
+            labels=["pipeline", "lane", "state"],
+        )
+        for labels, count in sorted(by_labels.items()):
+            family.add_metric(list(labels), count)
+        return family
 
 
 class RequestMetrics:

@@ -11,11 +11,15 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
 
 from kiln.storage.errors import ObjectStoreError
 from kiln.storage.object_base import ObjectStore
+from kiln.storage.object_streams import ObjectWriter, open_writer
 from kiln.storage.uploads import (
+    IssuedSlot,
     UploadRefused,
+    UploadSlots,
     checked_upload,
     new_upload_id,
     presigned_slot,
@@ -39,6 +43,8 @@ from kiln.tasks.contract.uploads import (
 from kiln.tasks.webhooks.ssrf import UnsafeUrl, UrlPolicy, check_url, policy_from
 
 router = api_router()
+# pieces of a PUT body handed to the writer's thread at once: few thread hops, bounded memory
+WRITE_BYTES = 1024 * 1024
 UploadId = Annotated[str, Query(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
 
 
@@ -81,14 +87,18 @@ def create_upload(
     upload_id = new_upload_id()
     key = upload_key(getattr(objects, "prefix", ""), caller.key_id, upload_id)
     local_url = str(request.url_for("put_local_upload").include_query_params(upload_id=upload_id))
+    content_type = body.content_type.lower()
+    expires_s = ctx.settings.upload_expiry_s
     slot = presigned_slot(
         objects,
         key,
-        content_type=body.content_type.lower(),
+        content_type=content_type,
         size=body.bytes,
-        expires_s=ctx.settings.upload_expiry_s,
+        expires_s=expires_s,
         local_url=local_url,
     )
+    # what the API's own PUT (a local store) checks a body against, until the slot expires
+    _slots(ctx).issue(caller.key_id, upload_id, IssuedSlot(body.bytes, content_type), expires_s)
     return UploadSlotView(
         upload_id=slot.upload_id,
         ref=f"{UPLOAD_PREFIX}{slot.upload_id}",
@@ -102,26 +112,77 @@ def create_upload(
 @router.put(
     LOCAL_PUT_PATH,
     status_code=204,
-    responses=error_docs(401, 413, 503),
+    responses=error_docs(401, 404, 413, 503),
     tags=["uploads"],
     name="put_local_upload",
 )
 async def put_local_upload(ctx: Ctx, caller: Caller, request: Request, upload_id: UploadId) -> None:
-    """The PUT of a slot on a local (file://) store: the caller's key stands in for a signature."""
+    """The PUT of a slot on a local (file://) store: the caller's key stands in for a signature.
+
+    Only a slot this API issued to the caller and not yet expired takes a body (else 404), of
+    the content type it declared, and at most the size it declared (else 413, nothing stored).
+    The body streams to the store in chunks; a short one is refused too (422), as S3 would.
+    """
     objects = _objects(ctx)
+    slot = await run_in_threadpool(_slots(ctx).issued, caller.key_id, upload_id)
+    if slot is None:
+        detail = f"no upload slot {upload_id!r} for this API key (never issued, or expired)"
+        raise HTTPException(404, detail)
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     allowed = CONTENT_TYPES["image"] | CONTENT_TYPES["batch"]
     if content_type not in allowed:
         msg = f"Content-Type must be one of {', '.join(sorted(allowed))}"
         raise field_error(("header", "content-type"), msg, "content_type", content_type)
-    limit = max(ctx.settings.upload_max_bytes, ctx.settings.max_batch_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, f"request body is over {limit} bytes")
+    if content_type != slot.content_type:
+        msg = f"Content-Type must be {slot.content_type}, as the upload slot declared"
+        raise field_error(("header", "content-type"), msg, "content_type", content_type)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > slot.size:
+        raise _over_slot(slot)  # refused before a byte is read
     key = upload_key(getattr(objects, "prefix", ""), caller.key_id, upload_id)
-    objects.put(key, bytes(body), content_type)
+    writer = await run_in_threadpool(open_writer, objects, key, content_type)
+    size = await _stream_into(request, writer, slot.size)
+    if size is None:
+        raise _over_slot(slot)
+    if size != slot.size:
+        await run_in_threadpool(writer.abort)
+        msg = f"the body is {size} bytes; the upload slot declared {slot.size}"
+        raise field_error(("body",), msg, "upload_size", size, declared=slot.size)
+    await run_in_threadpool(writer.commit)
+
+
+def _slots(ctx: ApiContext) -> UploadSlots:
+    return UploadSlots(ctx.store.redis, ctx.store.settings)
+
+
+def _over_slot(slot: IssuedSlot) -> HTTPException:
+    return HTTPException(
+        413, f"request body is over the {slot.size} bytes its upload slot declared"
+    )
+
+
+async def _stream_into(request: Request, writer: ObjectWriter, max_bytes: int) -> int | None:
+    """Write the body to `writer` in `WRITE_BYTES` pieces: its size, or None past `max_bytes`.
+
+    Past `max_bytes` reading stops and what was written is dropped; one piece at most is held
+    in memory.
+    """
+    size, pending = 0, bytearray()
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                await run_in_threadpool(writer.abort)
+                return None
+            pending += chunk
+            if len(pending) >= WRITE_BYTES:
+                data, pending = bytes(pending), bytearray()
+                await run_in_threadpool(writer.write, data)
+        await run_in_threadpool(writer.write, bytes(pending))
+    except BaseException:  # a client gone mid-upload included: nothing is left under the key
+        writer.abort()
+        raise
+    return size
 
 
 def refuse_bad_image_refs(ctx: ApiContext, caller: Principal, request: JobRequest) -> None:

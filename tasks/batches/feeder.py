@@ -10,7 +10,8 @@ finish between two passes, `pace`) and, for each batch whose lease it holds or c
 1. writes the result lines of its finished jobs as one part (at least every
    `batch_results_flush_s`), then drops them from the open set (`reporting`);
 2. if the batch is running: reads the next lines from the stored input at the cursor and creates
-   its jobs within its budget (at most `batch_feed_chunk` lines per visit), moves the cursor, and
+   its jobs within its budget (at most `batch_feed_chunk` lines per visit, and no more than its
+   owner's queued cap leaves room for: the lines wait, none is refused), moves the cursor, and
    only then publishes them; a paused batch feeds nothing;
 3. if it was canceled or its completion window ran out: cancels (expires) its open queued jobs,
    cancels its running ones (cancel only) and ends unfed lines as result lines of that reason;
@@ -29,15 +30,17 @@ another node takes over within that.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 from celery import Celery
 
+from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.batch_feeding import BatchFeeding, FedWrite
 from kiln.storage.batch_records import BatchConflict, FedBatch
 from kiln.storage.batch_store import BatchStore
-from kiln.storage.errors import StorageError
+from kiln.storage.errors import ObjectStoreError, QuotaExceeded, StorageError
 from kiln.storage.object_streams import read_range
 from kiln.storage.objects import ObjectStore
 from kiln.storage.status import JobState, JobStore, NewJob
@@ -49,6 +52,8 @@ from kiln.tasks.batches.reporting import FeederLostLease, Lease, ResultWriter
 from kiln.tasks.batches.winding import WindDown
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import queue_name
+from kiln.tasks.queue.policy import public_message
+from kiln.tasks.queue.quotas import QueuedCaps
 from kiln.tasks.queue.submit import Submitter
 
 log = logging.getLogger(__name__)
@@ -81,6 +86,8 @@ class BatchFeeder:
         self.notifier = BatchNotifier(settings, app)
         self.winding = WindDown(self, app)
         self.pace = Pace(settings.batch_feed_interval_s)
+        keys = ApiKeyStore(store.redis, store.settings)
+        self.queued_caps = QueuedCaps(keys, settings.max_queued_per_key)
         self._turn = 0
 
     # --- the pass ----------------------------------------------------------------------------
@@ -155,15 +162,25 @@ class BatchFeeder:
     # --- feeding -----------------------------------------------------------------------------
     def _feed(self, batch: FedBatch, lease: Lease, budget: int) -> None:
         room = min(budget, self.settings.batch_feed_chunk, batch.unfed)
+        cap = self.queued_caps.cap(batch.owner)
+        if cap is not None and batch.owner is not None:
+            room = min(room, cap - self.feeding.owner_queued(batch.owner))
         if room <= 0:
             return
-        items, offset = self.read_items(batch, room)
+        read = self.read_input(batch, room)
+        if read is None:
+            return
+        items, ends = read
+        news = [self._new_job(batch, item) for item in items]
+        if cap is None:
+            self.store.create_jobs(news)  # existing ids (a line fed before a crash) are skipped
+        else:
+            news = self._create_within(news, cap)
+            items = items[: len(news)]
         if not items:
             return
-        news = [self._new_job(batch, item) for item in items]
-        self.store.create_jobs(news)  # existing ids (a line fed before a crash) are skipped
         opened = [(new.id, item.line) for new, item in zip(news, items, strict=True)]
-        cursor = (batch.fed + len(items), offset)
+        cursor = (batch.fed + len(items), ends[len(items) - 1])
         written = self.feeding.record_fed(batch.id, lease, batch.fed, cursor, opened)
         if written is FedWrite.stale:
             raise FeederLostLease(batch.id)
@@ -171,6 +188,21 @@ class BatchFeeder:
             log.info("batch %s: stopped while feeding; its new jobs end unpublished", batch.id)
             return
         self._publish_unconfirmed([new.id for new in news])
+
+    def _create_within(self, news: list[NewJob], cap: int) -> list[NewJob]:
+        """Create jobs in order while their owner is under `cap` queued jobs; those created.
+
+        Each is checked and counted in the step that writes it (as POST /v1/jobs is), so the cap
+        holds against the owner's other submissions; the lines after a refusal wait.
+        """
+        created: list[NewJob] = []
+        for new in news:
+            try:
+                self.store.create_job(new, max_queued=cap)
+            except QuotaExceeded:
+                break
+            created.append(new)
+        return created
 
     def _new_job(self, batch: FedBatch, item: Item) -> NewJob:
         request = item.request
@@ -190,9 +222,48 @@ class BatchFeeder:
             if record is not None and record.state == JobState.QUEUED and not record.published:
                 self.submitter.publish(record)
 
-    def read_items(self, batch: FedBatch, count: int) -> tuple[list[Item], int]:
-        """Up to `count` items from the cursor on, and the byte offset after the last one."""
+    def read_input(self, batch: FedBatch, count: int) -> tuple[list[Item], list[int]] | None:
+        """`read_items`, or None while the input cannot be read (the batch fails if it stays so).
+
+        Each visit reads again; once the input has been unreadable for `batch_input_retry_s`
+        (and at least twice), the batch is stopped as failed with the reason in its view.
+        """
+        try:
+            found = self.read_items(batch, count)
+        except ObjectStoreError as exc:
+            self._input_unreadable(batch, exc)
+            return None
+        if batch.input_failures:
+            self.feeding.input_read(batch.id)
+        return found
+
+    def _input_unreadable(self, batch: FedBatch, exc: ObjectStoreError) -> None:
+        now = time.time()
+        failures, since = self.feeding.input_failed(batch.id, now)
+        patience = self.settings.batch_input_retry_s
+        if failures < 2 or now - since < patience:
+            if failures == 1:
+                log.warning(
+                    "batch %s: its input cannot be read (%s); trying again for %gs",
+                    batch.id,
+                    exc,
+                    patience,
+                )
+            return
+        cause = f"{type(exc).__name__}: {public_message(str(exc))}"
+        reason = (
+            f"the batch's input cannot be read ({cause}) after {failures} attempts over "
+            f"{now - since:.0f}s"
+        )
+        log.error("batch %s failed: %s", batch.id, reason)
+        # stopping already (canceled or expired): that stop stands, the reason is kept
+        with contextlib.suppress(BatchConflict):
+            self.batches.stop_batch(batch.id, "failed", reason)
+
+    def read_items(self, batch: FedBatch, count: int) -> tuple[list[Item], list[int]]:
+        """Up to `count` items from the cursor on, and the byte offset after each of them."""
         items: list[Item] = []
+        ends: list[int] = []
         offset = position = batch.offset
         pending = b""
         while len(items) < count:
@@ -208,4 +279,5 @@ class BatchFeeder:
                 offset += len(raw) + 1
                 if raw.strip():
                     items.append(parse_item(raw))
-        return items, offset
+                    ends.append(offset)
+        return items, ends

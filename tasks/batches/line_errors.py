@@ -39,7 +39,10 @@ def strip_body(error: dict[str, Any]) -> Error:
     loc = list(error.get("loc", ()))
     if loc and loc[0] == "body":
         loc = loc[1:]
-    return {"type": error["type"], "loc": loc, "msg": error["msg"]}
+    # a line that does not parse says why (json's reason: "Expecting ',' delimiter"), not only that
+    reason = (error.get("ctx") or {}).get("error")
+    msg = str(reason) if error["type"] == "json_invalid" and reason else error["msg"]
+    return {"type": error["type"], "loc": loc, "msg": msg}
 
 
 def plain_error(error: Any) -> Error:

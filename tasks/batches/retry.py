@@ -4,14 +4,26 @@ The retry's input is written by streaming: first the parent's results (the custo
 status was asked for), then the parent's stored input, whose items for those custom_ids are copied
 as they are (same custom_id, same request and seed). Only a finished parent is retried, since only
 then is every line's outcome written.
+
+A retry is made once per request: while a retry of the same lines (one of the statuses asked for)
+has not ended, another is refused (RetryRunning, naming it), and an idempotency key answers the
+retry it made. Both are checked before the input is written and again, atomically, when the retry
+is recorded (`batch_submit.lua`); a request that lost that race removes the input it wrote.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 
-from kiln.storage.batch_records import BatchConflict, FedBatch, NewFedBatch
+from kiln.storage.batch_records import (
+    BatchConflict,
+    FedBatch,
+    NewFedBatch,
+    RetryKeyBound,
+    RetryRunning,
+)
 from kiln.storage.batch_store import BatchStore
 from kiln.storage.object_streams import batch_object_key, iter_lines, open_writer
 from kiln.storage.objects import ObjectStore
@@ -69,19 +81,20 @@ def retry_batch(
     parent: FedBatch,
     retry_id: str,
     statuses: frozenset[str],
-) -> FedBatch:
-    """Record a new batch of the parent's lines that ended in `statuses` (parent linked to it)."""
+    idempotency_key: str | None = None,
+) -> tuple[FedBatch, bool]:
+    """Record a new batch of the parent's lines that ended in `statuses`: (it, whether new).
+
+    BatchConflict unless the parent is finished, NothingToRetry if no line qualifies,
+    RetryRunning while a retry of the same lines runs, RetryKeyBound for a key used otherwise.
+    """
     if not parent.final:
         raise BatchConflict(parent.id, parent.status, "retried")
-    chosen = lines_to_retry(batches, objects, parent.id, statuses)
-    if not chosen:
-        raise NothingToRetry(f"batch {parent.id} has no {' or '.join(sorted(statuses))} lines")
-    input_key, items = write_retry_input(objects, parent, retry_id, chosen)
     new = NewFedBatch(
         id=retry_id,
-        input_key=input_key,
-        items=items,
-        lines=items,
+        input_key="",
+        items=0,
+        lines=0,
         invalid=0,
         window_s=parent.window_s,
         owner=parent.owner,
@@ -90,5 +103,19 @@ def retry_batch(
         metadata=dict(parent.metadata),
         webhook=parent.webhook,
         parent_id=parent.id,
+        retried=tuple(sorted(statuses)),
+        idempotency_key=idempotency_key,
     )
-    return batches.submit_fed_batch(new)
+    made = batches.check_retry(new)  # before streaming the parent's files: most refusals
+    if made is not None:
+        return made, False
+    chosen = lines_to_retry(batches, objects, parent.id, statuses)
+    if not chosen:
+        raise NothingToRetry(f"batch {parent.id} has no {' or '.join(sorted(statuses))} lines")
+    input_key, items = write_retry_input(objects, parent, retry_id, chosen)
+    new = dataclasses.replace(new, input_key=input_key, items=items, lines=items)
+    try:
+        return batches.submit_retry(new)
+    except (RetryRunning, RetryKeyBound):
+        objects.delete(input_key)  # another request made the retry meanwhile
+        raise

@@ -158,10 +158,23 @@ class BatchService:
     def retry(self, batch_id: str, statuses: frozenset[str]) -> FedBatch:
         """A new batch of the finished batch's lines that ended in `statuses`, linked to it.
 
-        BatchConflict unless the batch is finished; NothingToRetry if no line qualifies.
+        BatchConflict unless the batch is finished; NothingToRetry if no line qualifies;
+        RetryRunning while a retry of the same lines has not ended.
+        """
+        return self.retry_once(batch_id, statuses)[0]
+
+    def retry_once(
+        self, batch_id: str, statuses: frozenset[str], idempotency_key: str | None = None
+    ) -> tuple[FedBatch, bool]:
+        """`retry`, made once per `idempotency_key`: (the retry, whether this call made it).
+
+        The retry the key made already comes back (not new); RetryKeyBound if it retried other
+        lines.
         """
         parent = self.batches.get_fed(batch_id)
-        return retry_batch(self.batches, self.objects, parent, new_batch_id(), statuses)
+        return retry_batch(
+            self.batches, self.objects, parent, new_batch_id(), statuses, idempotency_key
+        )
 
     def results(self, batch_id: str) -> Iterator[bytes]:
         """Every result line so far (URLs presigned now), read as consumed."""

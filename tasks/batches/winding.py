@@ -1,10 +1,13 @@
-"""The end of a batch, for its feeder: winding down after a cancel or expiry, and the summary.
+"""The end of a batch, for its feeder: winding down after a cancel, expiry or failure; the summary.
 
 Winding down cancels (or expires) the batch's open queued jobs, cancels its running ones (cancel
-only: an expired batch lets them finish) and ends the lines never fed as result lines of that
-reason, a chunk per visit. A line whose job exists although the cursor did not pass it (made by
-a feeder that died, or refused by a cancel while being fed) ends as a job. Once every line has its
-result the summary is written and the batch ends.
+only: an expired batch lets them finish; a failed one, whose input could not be read, lets its
+open jobs run to their end) and ends the lines never fed as result lines of that reason, a chunk
+per visit. Lines of an input that could not be read end all at once, without result lines (their
+custom_ids cannot be read either): the counts and the batch's `error` say what became of them.
+A line whose job exists although the cursor did not pass it (made by a feeder that died, or
+refused by a cancel while being fed) ends as a job. Once every line has its result the summary is
+written and the batch ends.
 """
 
 from __future__ import annotations
@@ -43,15 +46,18 @@ class WindDown:
         """Stop the open jobs, then end the next chunk of unfed lines (fenced)."""
         f = self.feeder
         reason = batch.stop or "canceled"
-        open_ids = [job_id for job_id, _ in f.feeding.open_items(batch.id)]
-        for job_id, state in zip(open_ids, f.feeding.job_states(open_ids), strict=True):
-            if state in (JobState.QUEUED, JobState.RUNNING):
-                self._stop_job(job_id, reason)
+        if reason != "failed":  # a failed batch's open jobs run to their end
+            self._stop_open_jobs(batch.id, reason)
         if batch.unfed <= 0:
             return
-        items, offset = f.read_items(batch, min(f.settings.batch_feed_chunk, batch.unfed))
-        if not items:
+        if batch.error is not None:  # the input could not be read: nothing more will be
+            self._end_unreadable(batch, lease, reason)
             return
+        read = f.read_input(batch, min(f.settings.batch_feed_chunk, batch.unfed))
+        if read is None or not read[0]:
+            return
+        items, ends = read
+        offset = ends[-1]
         ids = [batch_job_id(batch.id, item.custom_id) for item in items]
         states = f.feeding.job_states(ids)
         opened: list[tuple[str, int]] = []
@@ -72,6 +78,22 @@ class WindDown:
             if part:
                 f.results.drop(part)
             raise FeederLostLease(batch.id)
+
+    def _stop_open_jobs(self, batch_id: str, reason: str) -> None:
+        feeding = self.feeder.feeding
+        open_ids = [job_id for job_id, _ in feeding.open_items(batch_id)]
+        for job_id, state in zip(open_ids, feeding.job_states(open_ids), strict=True):
+            if state in (JobState.QUEUED, JobState.RUNNING):
+                self._stop_job(job_id, reason)
+
+    def _end_unreadable(self, batch: FedBatch, lease: Lease, reason: str) -> None:
+        """End every line not fed yet under `reason`, without result lines (fenced)."""
+        cursor = (batch.items, batch.offset)
+        ending = (batch.unfed, reason, "")
+        written = self.feeder.feeding.record_fed(batch.id, lease, batch.fed, cursor, [], ending)
+        if written is not FedWrite.applied:
+            raise FeederLostLease(batch.id)
+        log.info("batch %s: %d unread lines ended (%s)", batch.id, batch.unfed, reason)
 
     def _stop_job(self, job_id: str, reason: str) -> None:
         store = self.feeder.store

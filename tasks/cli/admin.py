@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from kiln.tasks.cli.backends import remote_args
 from kiln.tasks.cli.exits import UsageError, print_json
 
 ACTIONS = ("queues", "pause", "resume", "purge", "drain", "undrain")
@@ -35,14 +36,13 @@ def add_parser(sub: Any) -> None:
     drain.add_argument("--exit", action="store_true", help="then exit (else stay up, idle)")
     _common(drain)
     undrain = actions.add_parser("undrain", help="withdraw NODE's drain request")
-    undrain.add_argument("node_id", metavar="NODE")
+    undrain.add_argument("node_id", metavar="NODE", help="a node id (kiln worker --node-id)")
     _common(undrain)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--api", metavar="URL", help="use a remote Kiln API instead of Redis")
-    parser.add_argument("--api-key", metavar="KEY", help="an admin key for --api")
+    remote_args(parser, key_help="an admin key for --api")
 
 
 def run(args: argparse.Namespace) -> int:

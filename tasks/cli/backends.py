@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Protocol
 
+from kiln.tasks.cli.short_ids import resolve_id
+from kiln.tasks.contract.responses import CancelEffect, CancelResult
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.contract.states import JobState, is_terminal
 from kiln.tasks.contract.views import JobView, job_view
 
 
@@ -20,8 +24,12 @@ class JobsBackend(Protocol):
         """The job's view."""
         ...
 
-    def cancel(self, job_id: str) -> JobView:
-        """Request the job's cancellation; the job's view after it."""
+    def cancel(self, job_id: str) -> CancelResult:
+        """Request the job's cancellation; what it did and the job's view after it."""
+        ...
+
+    def resolve(self, job_id: str) -> str:
+        """The full id of `job_id`, which may be a unique prefix (`cli.short_ids`)."""
         ...
 
 
@@ -53,9 +61,31 @@ class DirectBackend:
         estimate = queue_estimate(self.store, record, self.submitter.settings.bulk_share_every)
         return job_view(record, self.objects, self.submitter.live_pipelines(), estimate)
 
-    def cancel(self, job_id: str) -> JobView:
-        """Cancel (queued: at once; running: at its next step)."""
-        return job_view(self.store.cancel(job_id), self.objects)
+    def cancel(self, job_id: str) -> CancelResult:
+        """Cancel (queued: at once; running: at its next step; finished: nothing to do)."""
+        before = self.store.get(job_id)
+        if is_terminal(before.state):
+            return CancelResult(effect="already_finished", job=job_view(before, self.objects))
+        after = self.store.cancel(job_id)
+        effect: dict[str, CancelEffect] = {
+            JobState.CANCELED: "canceled",
+            JobState.RUNNING: "cancel_requested",
+        }
+        view = job_view(after, self.objects)
+        return CancelResult(effect=effect.get(after.state, "already_finished"), job=view)
+
+    def resolve(self, job_id: str) -> str:
+        """The job a full id or unique prefix names, looked up in the job index."""
+        from kiln.storage.id_prefix import job_ids_with_prefix
+        from kiln.storage.keys import valid_id
+
+        store = self.store
+        return resolve_id(
+            "job",
+            job_id,
+            lambda given: valid_id(given) and bool(store.redis.exists(store.keys.job(given))),
+            lambda prefix, limit: job_ids_with_prefix(store.redis, store.keys, prefix, None, limit),
+        )
 
 
 class HttpBackend:
@@ -75,6 +105,38 @@ class HttpBackend:
         """GET /v1/jobs/{id}."""
         return self.client.get(job_id)
 
-    def cancel(self, job_id: str) -> JobView:
+    def cancel(self, job_id: str) -> CancelResult:
         """POST /v1/jobs/{id}/cancel."""
-        return self.client.cancel(job_id).job
+        return self.client.cancel(job_id)
+
+    def resolve(self, job_id: str) -> str:
+        """The job a full id or unique prefix names: GET /v1/jobs?id_prefix=... if need be."""
+        return resolve_id("job", job_id, self._exists, self._starting_with)
+
+    def _exists(self, job_id: str) -> bool:
+        from kiln.tasks.client.client import JobNotFoundError
+
+        try:
+            self.client.get(job_id)
+        except JobNotFoundError:
+            return False
+        return True  # or another key's (403): the command itself says so
+
+    def _starting_with(self, prefix: str, limit: int) -> list[str]:
+        from kiln.tasks.client.client import ValidationFailed
+
+        try:
+            return [view.id for view in self.client.list(id_prefix=prefix, limit=limit).jobs]
+        except ValidationFailed:  # an API from before `id_prefix`: full ids only
+            return []
+
+
+def remote_args(parser: argparse.ArgumentParser, key_help: str = "bearer key for --api") -> None:
+    """`--api URL` and `--api-key KEY`, their defaults in KILN_API_URL and KILN_API_KEY."""
+    parser.add_argument(
+        "--api",
+        metavar="URL",
+        help="use a remote Kiln API instead of Redis (default: KILN_API_URL, else Redis; "
+        "--api '' for Redis)",
+    )
+    parser.add_argument("--api-key", metavar="KEY", help=f"{key_help} (default: KILN_API_KEY)")

@@ -1,7 +1,9 @@
 """`kiln batch`: submit a JSONL file of jobs, follow it, control it, read its results.
 
-`submit FILE.jsonl [--wait]`, `status BATCH`, `list`, `results BATCH [-o FILE] [--download DIR]`,
-`cancel|pause|resume BATCH`, `retry BATCH [--include failed,expired]`; `--json` on each. Without
+`submit FILE.jsonl [--wait]`, `status BATCH`, `wait BATCH`, `list`,
+`results BATCH [-o FILE] [--download DIR]`, `cancel|pause|resume BATCH`,
+`retry BATCH [--include failed,expired]`; `--json` on each; BATCH may be any unique prefix of the
+id (`cli.short_ids`). Without
 `--api` they go straight to Redis and the object store (as `kiln submit` does; the file is
 validated here, line by line, with the API's rules); with `--api URL --api-key KEY` through the
 HTTP API. A refused file prints its first errors by line and exits 2.
@@ -14,11 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kiln.tasks.cli.backends import remote_args
 from kiln.tasks.cli.batch_backends import BatchBackend, backend_for
 from kiln.tasks.cli.batch_display import show_batch, show_batch_list
 from kiln.tasks.cli.batch_results import results
 from kiln.tasks.cli.batch_submit import submit, wait_and_show
 from kiln.tasks.cli.exits import EXIT_JOB_FAILED, UsageError
+from kiln.tasks.cli.short_ids import BATCH_ID_HELP
 from kiln.tasks.contract.batches import DEFAULT_COMPLETION_WINDOW, RetryInclude
 from kiln.tasks.contract.schemas import Lane
 
@@ -30,20 +34,31 @@ CONTROLS["resume"] = "feed a paused batch again"
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--api", metavar="URL", help="use a remote Kiln API instead of Redis")
-    parser.add_argument("--api-key", metavar="KEY", help="bearer key for --api")
+    remote_args(parser)
 
 
 def _waiting(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", action="store_true", help="show progress and wait for the end")
-    parser.add_argument("--timeout", type=float, help="seconds to wait with --wait (then exit 3)")
+    _timeout(parser, "with --wait ")
+
+
+def _timeout(parser: argparse.ArgumentParser, when: str = "") -> None:
+    parser.add_argument(
+        "--timeout", type=float, help=f"seconds to wait {when}(then exit 3; default: none)"
+    )
+
+
+def _batch_id(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("batch_id", metavar="BATCH", help=BATCH_ID_HELP)
 
 
 def _add_submit(actions: Any) -> None:
     s = actions.add_parser("submit", help="submit FILE.jsonl (one job per line + custom_id)")
-    s.add_argument("file", metavar="FILE.jsonl")
-    s.add_argument("--pipeline", help="default pipeline of the lines")
-    s.add_argument("--priority", choices=list(Lane), default=Lane.bulk, help="default lane")
+    s.add_argument("file", metavar="FILE.jsonl", help="one job request and custom_id per line")
+    s.add_argument("--pipeline", help="pipeline of the lines that name none (default: default)")
+    s.add_argument(
+        "--priority", choices=list(Lane), default=Lane.bulk, help="lane of the lines that name none"
+    )
     s.add_argument(
         "--completion-window",
         default=DEFAULT_COMPLETION_WINDOW,
@@ -51,7 +66,11 @@ def _add_submit(actions: Any) -> None:
     )
     s.add_argument("--skip-invalid", action="store_true", help="run the valid lines only")
     s.add_argument(
-        "--metadata", action="append", default=[], metavar="KEY=VALUE", help="repeatable"
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the batch's metadata, repeatable (default: none)",
     )
     _waiting(s)
     _common(s)
@@ -59,12 +78,15 @@ def _add_submit(actions: Any) -> None:
 
 def _add_results(actions: Any) -> None:
     r = actions.add_parser("results", help="a batch's result lines (JSONL) so far, and outputs")
-    r.add_argument("batch_id", metavar="BATCH")
-    r.add_argument("-o", "--output", metavar="FILE", help="write the lines to FILE")
+    _batch_id(r)
+    r.add_argument(
+        "-o", "--output", metavar="FILE", help="write the lines to FILE (default: stdout)"
+    )
     r.add_argument(
         "--download",
         metavar="DIR",
-        help="fetch every output into DIR/<custom_id>/<file>, sha256-verified (resumable)",
+        help="fetch every output into DIR/<custom_id>/<file>, sha256-verified (resumable; "
+        "default: no download)",
     )
     r.add_argument("--workers", type=int, default=DOWNLOAD_WORKERS, help="downloads at a time")
     _common(r)
@@ -72,7 +94,7 @@ def _add_results(actions: Any) -> None:
 
 def _add_retry(actions: Any) -> None:
     r = actions.add_parser("retry", help="a new batch of a finished batch's failed lines")
-    r.add_argument("batch_id", metavar="BATCH")
+    _batch_id(r)
     r.add_argument(
         "--include",
         default=",".join(RETRY_INCLUDE),
@@ -89,11 +111,17 @@ def add_parser(sub: Any) -> None:
     _add_submit(actions)
     for name, text in CONTROLS.items():
         p = actions.add_parser(name, help=text)
-        p.add_argument("batch_id", metavar="BATCH")
+        _batch_id(p)
         _common(p)
+    w = actions.add_parser("wait", help="follow a batch to its end, as submit --wait does")
+    _batch_id(w)
+    _timeout(w)
+    _common(w)
     listed = actions.add_parser("list", help="list batches, newest first")
-    listed.add_argument("--limit", type=int, default=20)
-    listed.add_argument("--cursor")
+    listed.add_argument("--limit", type=int, default=20, help="batches per page")
+    listed.add_argument(
+        "--cursor", help="where the page starts: the last page's `more:` (default: newest)"
+    )
     _common(listed)
     _add_results(actions)
     _add_retry(actions)
@@ -119,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, backend: BatchBackend) -> int:
     action = args.batch_action
+    if getattr(args, "batch_id", None) is not None:
+        args.batch_id = backend.resolve(args.batch_id)
     if action == "submit":
         return submit(args, backend)
     if action == "results":
@@ -126,6 +156,8 @@ def _run(args: argparse.Namespace, backend: BatchBackend) -> int:
     if action == "list":
         show_batch_list(args.json, backend.list(args.cursor, args.limit))
         return 0
+    if action == "wait":
+        return wait_and_show(args, backend, backend.get(args.batch_id))
     if action == "retry":
         view = backend.retry(args.batch_id, _include(args.include))
         return wait_and_show(args, backend, view) if args.wait else _shown(args, view)

@@ -7,12 +7,13 @@ event stream: without it a batch is followed by polling Redis.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from kiln.tasks.cli.exits import UsageError
+from kiln.tasks.cli.short_ids import resolve_id
 from kiln.tasks.contract.batches import BatchList, BatchView
 
 
@@ -74,6 +75,10 @@ class BatchBackend(Protocol):
 
     def events(self, batch_id: str) -> Iterator[BatchView] | None:
         """The batch's view at each change until it ends, or None where only polling works."""
+        ...
+
+    def resolve(self, batch_id: str) -> str:
+        """The full id of `batch_id`, which may be a unique prefix (`cli.short_ids`)."""
         ...
 
     def close(self) -> None:
@@ -176,6 +181,21 @@ class DirectBatches:
         del batch_id  # the protocol's signature
         return None
 
+    def resolve(self, batch_id: str) -> str:
+        """The batch a full id or unique prefix names, looked up in the batch index."""
+        from kiln.storage.id_prefix import batch_ids_with_prefix
+        from kiln.storage.keys import valid_id
+
+        batches = self.service.batches
+        return resolve_id(
+            "batch",
+            batch_id,
+            lambda given: valid_id(given) and bool(batches.redis.exists(batches.keys.batch(given))),
+            lambda prefix, limit: batch_ids_with_prefix(
+                batches.redis, batches.keys, prefix, None, limit
+            ),
+        )
+
     def close(self) -> None:
         """Close the Redis connections."""
         self.service.store.redis.close()
@@ -243,6 +263,28 @@ class HttpBatches:
     def events(self, batch_id: str) -> Iterator[BatchView] | None:
         """GET /v1/batches/{id}/events (SSE)."""
         return self.client.batch_events(batch_id)
+
+    def resolve(self, batch_id: str) -> str:
+        """The batch a full id or unique prefix names: GET /v1/batches?id_prefix=... if need be."""
+        return resolve_id("batch", batch_id, self._exists, self._starting_with)
+
+    def _exists(self, batch_id: str) -> bool:
+        from kiln.tasks.client.client import JobNotFoundError  # the client's 404
+
+        try:
+            self.client.get_batch(batch_id)
+        except JobNotFoundError:
+            return False
+        return True  # or another key's (403): the command itself says so
+
+    def _starting_with(self, prefix: str, limit: int) -> Sequence[str]:
+        from kiln.tasks.client.client import ValidationFailed
+
+        try:
+            page = self.client.list_batches(id_prefix=prefix, limit=limit)
+        except ValidationFailed:  # an API from before `id_prefix`: full ids only
+            return []
+        return [view.id for view in page.batches]
 
     def close(self) -> None:
         """Close the HTTP connections."""

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from kiln.tasks.cli.exits import print_json
+from kiln.tasks.cli.exits import print_json, stdout_console
 from kiln.tasks.contract.batches import BatchCounts, BatchList, BatchView, is_final_batch
 
 
@@ -41,7 +41,7 @@ def progress_line(view: BatchView) -> str:
     """One line of progress: done / total, rate, ETA, failures."""
     c = view.counts
     return (
-        f"batch {view.id[:12]} {view.status}: {done_count(c)}/{c.total} done, {_rate(view)}, "
+        f"batch {view.id} {view.status}: {done_count(c)}/{c.total} done, {_rate(view)}, "
         f"{_eta(view)}, {not_ok_count(c)} not ok"
     )
 
@@ -94,7 +94,7 @@ class BatchProgress:
 
     def _draw(self, bars: Progress, view: BatchView) -> None:
         fields: dict[str, Any] = {
-            "batch": view.id[:12],
+            "batch": view.id,
             "status": view.status,
             "rate": _rate(view),
             "eta": _eta(view),
@@ -110,7 +110,7 @@ def show_batch(json_output: bool, view: BatchView) -> None:
     if json_output:
         print_json(view.model_dump(mode="json"))
         return
-    Console().print(batch_table(view))
+    stdout_console().print(batch_table(view))
 
 
 def show_batch_list(json_output: bool, page: BatchList) -> None:
@@ -119,7 +119,11 @@ def show_batch_list(json_output: bool, page: BatchList) -> None:
         print_json(page.model_dump(mode="json"))
         return
     table = Table(show_header=True)
-    for column in ("batch", "status", "outcome", "done", "total", "created"):
+    # whole ids, never cut to fit the terminal: every command takes what this prints
+    table.add_column(
+        "batch", no_wrap=True, min_width=max((len(v.id) for v in page.batches), default=5)
+    )
+    for column in ("status", "outcome", "done", "total", "created"):
         table.add_column(column)
     for view in page.batches:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(view.created_at))
@@ -127,7 +131,7 @@ def show_batch_list(json_output: bool, page: BatchList) -> None:
         table.add_row(
             view.id, view.status, view.outcome or "", done, str(view.counts.total), created
         )
-    Console().print(table)
+    stdout_console().print(table)
     if page.next_cursor:
         print(f"more: --cursor {page.next_cursor}")
 

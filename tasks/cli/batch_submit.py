@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kiln.tasks.cli.batch_backends import BatchBackend, BatchRefused, SubmitOptions
 from kiln.tasks.cli.batch_display import BatchProgress, show_batch
@@ -59,9 +60,8 @@ def submit(args: argparse.Namespace, backend: BatchBackend) -> int:
     try:
         view = backend.submit(Path(args.file), submit_options(args))
     except BatchRefused as exc:
-        for error in exc.errors[:ERRORS_SHOWN]:
-            where = ".".join(str(p) for p in error.get("loc", [])[3:]) or "line"
-            print(f"kiln: line {error.get('line')}: {where}: {error.get('msg')}", file=sys.stderr)
+        for line in refusal_lines(exc):
+            print(f"kiln: {line}", file=sys.stderr)
         print(f"kiln: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if not args.wait:
@@ -71,6 +71,50 @@ def submit(args: argparse.Namespace, backend: BatchBackend) -> int:
             print(view.id)
         return 0
     return wait_and_show(args, backend, view)
+
+
+def refusal_lines(refused: BatchRefused) -> list[str]:
+    """What a refused file's errors say, one line each; one mistake on many lines said once.
+
+    `line 3, column 51: expecting ',' delimiter`; `every line, pipeline: unknown pipeline ...`
+    when the same error is on every line (a batch-wide option such as --pipeline), else
+    `lines 2, 5, 9, ...`.
+    """
+    by_mistake: dict[tuple[str, str], list[int]] = {}
+    said: list[str] = []
+    for error in refused.errors:
+        number = int(error.get("line") or 0)
+        if not number:  # the file as a whole
+            if error.get("type") not in _SAID_BY_THE_COUNTS:
+                said.append(str(error.get("msg")))
+            continue
+        by_mistake.setdefault((_where(error.get("loc", [])[3:]), _reason(error)), []).append(number)
+    everywhere = refused.invalid == refused.lines and len(by_mistake) == 1
+    for (where, reason), numbers in list(by_mistake.items())[:ERRORS_SHOWN]:
+        if everywhere and len(numbers) > 1:
+            lines = "every line"
+        else:
+            shown = ", ".join(str(n) for n in numbers[:ERRORS_SHOWN])
+            lines = f"line{'s' if len(numbers) > 1 else ''} {shown}"
+        said.append(f"{lines}{', ' + where if where else ''}: {reason}")
+    return said
+
+
+# file-wide errors the closing "batch refused: N of M lines are invalid" already says
+_SAID_BY_THE_COUNTS = ("batch_invalid", "batch_no_valid_lines")
+
+
+def _where(loc: list[Any]) -> str:
+    """Where in the line: a column (a JSON error's character offset) or the field's path."""
+    if len(loc) == 1 and isinstance(loc[0], int):
+        return f"column {loc[0] + 1}"
+    return ".".join(str(part) for part in loc)
+
+
+def _reason(error: dict[str, Any]) -> str:
+    msg = str(error.get("msg", ""))
+    # "Expecting ',' delimiter" reads as part of the line: lower-case, but not "JSON ..."
+    return msg[:1].lower() + msg[1:] if msg[1:2].islower() else msg
 
 
 def wait_and_show(args: argparse.Namespace, backend: BatchBackend, view: BatchView) -> int:

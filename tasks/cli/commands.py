@@ -15,9 +15,17 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kiln.storage.base import require_supported_redis
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
-from kiln.tasks.cli.exits import EXIT_JOB_FAILED, EXIT_NOT_SERVED, UsageError, print_json
+from kiln.tasks.cli.exits import (
+    EXIT_ALREADY_FINISHED,
+    EXIT_JOB_FAILED,
+    EXIT_NOT_SERVED,
+    UsageError,
+    print_json,
+    stdout_console,
+)
 from kiln.tasks.cli.progress import wait_for_jobs
 from kiln.tasks.cli.uploads import upload_file
 from kiln.tasks.contract.schemas import JobRequest
@@ -52,6 +60,7 @@ def backend_for(args: argparse.Namespace) -> JobsBackend:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """`kiln worker`."""
+    require_supported_redis(StorageSettings())  # one line, before torch and Celery load
     # Deferred: the node loads torch and the Celery worker.
     from kiln.tasks.node.worker import WorkerOptions, parse_lanes, parse_pipelines, run_worker
 
@@ -142,18 +151,28 @@ def parse_inputs(values: list[str], upload: Callable[[str], str] | None = None) 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`kiln status JOB`."""
-    _show(args, [backend_for(args).get(args.job_id)])
+    backend = backend_for(args)
+    _show(args, [backend.get(backend.resolve(args.job_id))])
     return 0
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
     """`kiln wait JOB...`."""
-    return _wait_and_show(args, backend_for(args), args.job_ids)
+    backend = backend_for(args)
+    return _wait_and_show(args, backend, [backend.resolve(job_id) for job_id in args.job_ids])
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    """`kiln cancel JOB`."""
-    _show(args, [backend_for(args).cancel(args.job_id)])
+    """`kiln cancel JOB`: exit 5 (nothing canceled) when the job had already finished."""
+    backend = backend_for(args)
+    result = backend.cancel(backend.resolve(args.job_id))
+    _show(args, [result.job])
+    view = result.job
+    if result.effect == "already_finished":
+        print(f"kiln: job {view.id} had already finished ({view.status})", file=sys.stderr)
+        return EXIT_ALREADY_FINISHED
+    if result.effect == "cancel_requested":
+        print(f"kiln: job {view.id} is running: it stops at its next step", file=sys.stderr)
     return 0
 
 
@@ -163,6 +182,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from kiln.tasks.api.app import serve_api
 
     settings = KilnSettings()
+    require_supported_redis(StorageSettings())  # one line, before anything starts
     if args.fd is not None:  # a child of the supervisor below
         serve_api(settings, StorageSettings(), fd=args.fd)
         return 0
@@ -232,7 +252,7 @@ def _show(args: argparse.Namespace, views: list[JobView], ids_only: bool = False
         for view in views:
             print(view.id)
         return
-    console = Console()
+    console = stdout_console()
     for view in views:
         console.print(job_table(view))
 

@@ -1,6 +1,7 @@
 """`kiln demo`: the whole path on the embedded default, on this machine, in about a minute.
 
-An embedded Redis (unless KILN_REDIS_URL is set), outputs in ./kiln-outputs, a node worker with the
+An embedded Redis (unless KILN_REDIS_URL is set), outputs in the absolute KILN_STORAGE_URL (by
+default `<data home>/outputs`, the same folder from wherever it runs), a node worker with the
 tiny pipelines on two CPU ranks, the HTTP API with auth switched off, a handful of image and video
 jobs submitted through the Python client with progress bars, then a table of where everything is.
 """
@@ -18,6 +19,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from kiln.storage.base import require_supported_redis
+from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.backends import HttpBackend
 from kiln.tasks.cli.embedded import (
     ChildWatch,
@@ -94,27 +97,31 @@ def run_demo(image_jobs: int = 4) -> int:
     """Run the demo; returns 0 when every job succeeded."""
     # A pipe or CI log has no width; rich would squeeze the table to 80 columns.
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 100)
-    outputs_dir = Path("kiln-outputs").resolve()
+    # one absolute location, resolved here and handed to both children (a relative one is refused)
+    storage_url = StorageSettings().storage_url
     console.print(
         "[bold yellow]kiln demo: API auth is OFF (KILN_AUTH_ENABLED=false) — local use only[/]"
     )
     with redis_url() as url:
+        namespace = os.environ.get("KILN_REDIS_NAMESPACE", "kiln-demo")
         env = child_env(
             KILN_REDIS_URL=url,
-            KILN_STORAGE_URL=os.environ.get("KILN_STORAGE_URL", f"file://{outputs_dir}"),
+            KILN_STORAGE_URL=storage_url,
             KILN_AUTH_ENABLED="false",
-            KILN_REDIS_NAMESPACE=os.environ.get("KILN_REDIS_NAMESPACE", "kiln-demo"),
+            KILN_REDIS_NAMESPACE=namespace,
         )
         logs = Path(".kiln")
         logs.mkdir(exist_ok=True)
-        console.print(f"redis: {url}   outputs: {outputs_dir}   logs: {logs.resolve()}")
+        used = StorageSettings(redis_url=url, redis_namespace=namespace, storage_url=storage_url)
+        require_supported_redis(used)  # (KILN_REDIS_URL may name any Redis)
+        console.print(f"kiln demo: {used.describe()}   logs: {logs.resolve()}", highlight=False)
         finals, elapsed = _run_jobs(env, logs, console, image_jobs)
     console.print(results_table(finals))
     for line in output_lines(finals):
         console.print(line, soft_wrap=True, highlight=False)
     ok = sum(v.status == JobState.SUCCEEDED for v in finals)
     console.print(
-        f"{ok}/{len(finals)} jobs succeeded in {elapsed:.1f}s; outputs under {outputs_dir}"
+        f"{ok}/{len(finals)} jobs succeeded in {elapsed:.1f}s; outputs under {storage_url}"
     )
     return 0 if ok == len(finals) else 1
 

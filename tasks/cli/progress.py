@@ -36,12 +36,27 @@ def _bars(console: Console | None, show: bool) -> Progress:
     return Progress(*columns, console=console, disable=not show, transient=False)
 
 
+def _bar(view: JobView) -> tuple[str, int, int]:
+    """Where the job's bar stands: its stage, steps done, steps in all (a finished job: full)."""
+    label, step, total = _describe(view)
+    total = max(total, 1)
+    return label, total if view.status == JobState.SUCCEEDED else step, total
+
+
+def _new_bar(
+    backend: JobsBackend, bars: Progress, job_id: str, views: dict[str, JobView]
+) -> TaskID:
+    """A bar for the job, first drawn from its current view (kept in `views`)."""
+    view = views[job_id] = backend.get(job_id)
+    stage, completed, total = _bar(view)
+    return bars.add_task("", job=job_id, stage=stage, completed=completed, total=total)
+
+
 def _poll(backend: JobsBackend, bars: Progress, task: TaskID, job_id: str) -> JobView:
     """Read one job's view and move its bar."""
     view = backend.get(job_id)
-    label, step, total = _describe(view)
-    done = view.status == JobState.SUCCEEDED
-    bars.update(task, stage=label, completed=total if done else step, total=max(total, 1))
+    stage, completed, total = _bar(view)
+    bars.update(task, stage=stage, completed=completed, total=total)
     return view
 
 
@@ -62,15 +77,14 @@ def wait_for_jobs(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     views: dict[str, JobView] = {}
     with _bars(console, show) as bars:
-        tasks = {
-            job_id: bars.add_task("", total=1, job=job_id[:12], stage=JobState.QUEUED)
-            for job_id in job_ids
-        }
+        # each bar starts from the job's real state (a finished job never shows `queued 0/1`),
+        # with its whole id, which every command takes
+        tasks = {job_id: _new_bar(backend, bars, job_id, views) for job_id in job_ids}
         while True:
             if check is not None:
                 check()
             for job_id in job_ids:
-                if job_id not in views or not is_terminal(views[job_id].status):
+                if not is_terminal(views[job_id].status):
                     views[job_id] = _poll(backend, bars, tasks[job_id], job_id)
             if all(is_terminal(views[j].status) for j in job_ids):
                 return [views[j] for j in job_ids]

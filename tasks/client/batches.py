@@ -128,11 +128,15 @@ class BatchCalls:
         """The batch's current view (status, counts, throughput, ETA)."""
         return BatchView.model_validate(self._call("GET", f"{BATCHES_PATH}/{batch_id}").json())
 
-    def list_batches(self, *, cursor: str | None = None, limit: int = 50) -> BatchList:
-        """One page of the caller's batches, newest first."""
+    def list_batches(
+        self, *, cursor: str | None = None, limit: int = 50, id_prefix: str | None = None
+    ) -> BatchList:
+        """One page of the caller's batches, newest first (`id_prefix`: only ids starting so)."""
         params: dict[str, Any] = {"limit": limit}
         if cursor is not None:
             params["cursor"] = cursor
+        if id_prefix is not None:
+            params["id_prefix"] = id_prefix
         return BatchList.model_validate(self._call("GET", BATCHES_PATH, params=params).json())
 
     def cancel_batch(self, batch_id: str) -> BatchView:
@@ -157,14 +161,20 @@ class BatchCalls:
         return BatchView.model_validate(response.json())
 
     def batch_events(self, batch_id: str) -> Iterator[BatchView]:
-        """The batch's view at each change (SSE); ends after the final one."""
+        """The batch's view at each change (SSE); ends after the final one.
+
+        A stream the server ends early (its lifetime, KILN_SSE_MAX_LIFETIME_S) is opened again.
+        """
         headers = {"Accept": "text/event-stream"}
-        for response in self._open_stream(f"/{batch_id}/events", headers):
-            for event in EventSource(response).iter_sse():
-                view = BatchView.model_validate_json(event.data)
-                yield view
-                if is_final_batch(view.status):
-                    return
+        while True:
+            for response in self._open_stream(f"/{batch_id}/events", headers):
+                for event in EventSource(response).iter_sse():
+                    if not event.data:  # a comment (keep-alive, end): no event, per the SSE spec
+                        continue
+                    view = BatchView.model_validate_json(event.data)
+                    yield view
+                    if is_final_batch(view.status):
+                        return
 
     def batch_results_raw(self, batch_id: str) -> Iterator[bytes]:
         """The batch's result lines so far, as JSONL bytes (newline-terminated), streamed."""

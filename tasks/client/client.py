@@ -194,9 +194,16 @@ class KilnClient(BatchCalls, UploadCalls):
         batch_id: str | None = None,
         cursor: str | None = None,
         limit: int = 50,
+        id_prefix: str | None = None,
     ) -> JobList:
-        """One page of the caller's jobs, newest first."""
-        params = {"status": status, "batch_id": batch_id, "cursor": cursor, "limit": limit}
+        """One page of the caller's jobs, newest first (`id_prefix`: only ids starting so)."""
+        params = {
+            "status": status,
+            "batch_id": batch_id,
+            "cursor": cursor,
+            "limit": limit,
+            "id_prefix": id_prefix,
+        }
         clean = {k: v for k, v in params.items() if v is not None}
         return JobList.model_validate(self._call("GET", "/v1/jobs", params=clean).json())
 
@@ -213,17 +220,22 @@ class KilnClient(BatchCalls, UploadCalls):
     def events(self, job_id: str, *, after: int = 0) -> Iterator[EventView]:
         """The job's events as they happen (SSE), from after `after`; ends after the terminal one.
 
-        A dropped connection is resumed from the last seq seen (`Last-Event-ID`).
+        A dropped connection, or a stream the server ended before the terminal event (its
+        lifetime, KILN_SSE_MAX_LIFETIME_S), is resumed from the last seq seen (`Last-Event-ID`).
         """
         last = after
         while True:
             try:
+                start = last
                 for event in self._stream(job_id, last):
                     last = event.seq
                     yield event
                     if is_terminal(event.type):
                         return
-                return
+                if last == start and is_terminal(self.get(job_id).status):
+                    return  # nothing after `start` and the job is over: its end came before
+                after = last  # ended early by the server: resume where it stopped
+                continue
             except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
                 if last == after:
                     raise KilnConnectionError(f"event stream of {job_id} broke: {exc}") from exc
@@ -240,6 +252,10 @@ class KilnClient(BatchCalls, UploadCalls):
                     response.read()
                     _raise_for(response)
                 for event in EventSource(response).iter_sse():
+                    if not event.data:
+                        # a comment's blank line (keep-alive, end): httpx-sse dispatches it once
+                        # an id was seen, where the SSE spec dispatches no event without data
+                        continue
                     yield EventView.model_validate_json(event.data)
         except httpx.ConnectError as exc:
             raise KilnConnectionError(f"events of {job_id}: {exc}") from exc

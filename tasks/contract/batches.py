@@ -52,7 +52,11 @@ def parse_completion_window(text: str) -> int:
 
 
 class BatchStatus(StrEnum):
-    """Where a batch is: running (⇄ paused) → finalizing → completed, canceled, expired."""
+    """Where a batch is: running (⇄ paused) → finalizing → completed, canceled, expired, failed.
+
+    `failed`: its input could not be read (the view's `error` says why); the lines fed before
+    ran to their end, the others have no result line.
+    """
 
     validating = "validating"
     running = "running"
@@ -61,9 +65,12 @@ class BatchStatus(StrEnum):
     completed = "completed"
     canceled = "canceled"
     expired = "expired"
+    failed = "failed"
 
 
-FINAL_BATCH_STATUSES = frozenset({BatchStatus.completed, BatchStatus.canceled, BatchStatus.expired})
+FINAL_BATCH_STATUSES = frozenset(
+    {BatchStatus.completed, BatchStatus.canceled, BatchStatus.expired, BatchStatus.failed}
+)
 # how a finished batch went: every line succeeded, some did, or none did
 BatchOutcome = Literal["succeeded", "partial", "failed"]
 
@@ -95,6 +102,8 @@ def batch_event_of(status: str, outcome: str | None) -> BatchEvent:
         return BatchEvent.canceled
     if status == BatchStatus.expired:
         return BatchEvent.expired
+    if status == BatchStatus.failed:
+        return BatchEvent.failed
     return BatchEvent.progress
 
 
@@ -136,6 +145,10 @@ class BatchView(BaseModel):
     expires_at: float = Field(description="End of the completion window.")
     completion_window_s: int
     cancel_requested: bool = False
+    error: str | None = Field(
+        default=None,
+        description="Why the batch could not go on (its input could not be read); else null.",
+    )
     throughput_per_s: float | None = Field(
         default=None, description="Lines finished per second since the batch started."
     )

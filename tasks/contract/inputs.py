@@ -26,6 +26,7 @@ URL; only its form is checked here).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,9 @@ CONFLICT_TYPE = "input_conflict"
 REQUEST_FIELD_TYPE = "request_field"
 FIELD_KEY = "x-kiln-field"
 IMAGE_KEY = "x-kiln-image"
+# The input of img2img, inpaint and video-to-video pipelines that says which share of `steps`
+# denoises: diffusers runs int(steps * strength) of them, and none at all fails the forward.
+STRENGTH_INPUT = "strength"
 
 # Pipeline argument names (and the fields' own names) that are request fields: `inputs` may give
 # them instead of the top-level field. gpu_worker.inputs.REQUEST_FIELDS is the same table (it
@@ -74,6 +78,7 @@ class InputViolation:
     message: str
     value: Any
     known: tuple[str, ...] = ()  # for an unknown name: the inputs the pipeline takes
+    fields: tuple[str, ...] = ()  # a rule over several fields: every one of them
 
     @property
     def kind(self) -> str:
@@ -93,6 +98,8 @@ class InputViolation:
         ctx: dict[str, Any] = {"pipeline": self.pipeline, "rule": self.rule}
         if self.known or self.kind == UNKNOWN_TYPE:
             ctx["known"] = list(self.known)
+        if self.fields:
+            ctx["fields"] = list(self.fields)
         return ctx
 
     def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
@@ -168,9 +175,15 @@ def announced_inputs(node: Mapping[str, Any]) -> dict[str, InputSchema]:
 
 
 def first_input_violation(
-    pipeline: str, schemas: list[InputSchema], inputs: Mapping[str, Any]
+    pipeline: str,
+    schemas: list[InputSchema],
+    inputs: Mapping[str, Any],
+    steps: int | None = None,
 ) -> InputViolation | None:
-    """None when some schema (one per live node) takes `inputs`, else the first refusal."""
+    """None when some schema (one per live node) takes `inputs`, else the first refusal.
+
+    `steps`, when given, is checked with the inputs it works with (`strength`).
+    """
     if not inputs:
         return None
     if not schemas:
@@ -180,16 +193,16 @@ def first_input_violation(
             "a node serving it is up"
         )
         return InputViolation(pipeline, name, "undeclared", message, inputs[name])
-    violations = [input_violation(pipeline, schema, inputs) for schema in schemas]
+    violations = [input_violation(pipeline, schema, inputs, steps) for schema in schemas]
     if any(v is None for v in violations):
         return None
     return violations[0]
 
 
 def input_violation(
-    pipeline: str, schema: Mapping[str, Any], inputs: Mapping[str, Any]
+    pipeline: str, schema: Mapping[str, Any], inputs: Mapping[str, Any], steps: int | None = None
 ) -> InputViolation | None:
-    """The first input `schema` refuses, or None when it takes them all."""
+    """The first input `schema` refuses, or None when it takes them all (and `steps`)."""
     properties: Mapping[str, Any] = schema.get("properties") or {}
     extras = tuple(
         sorted(
@@ -218,4 +231,45 @@ def input_violation(
         if name in extras and name not in inputs:
             message = f"{pipeline} needs the input {name!r}"
             return InputViolation(pipeline, None, "required", message, None)
+    if steps is not None:
+        return denoising_violation(pipeline, properties, inputs, steps)
     return None
+
+
+def denoising_violation(
+    pipeline: str, properties: Mapping[str, Any], inputs: Mapping[str, Any], steps: int
+) -> InputViolation | None:
+    """Why `steps` and `inputs.strength` (given, or the schema's default) leave no denoising step.
+
+    The pipeline runs int(steps × strength) steps, as diffusers counts them; 0 fails the forward.
+    """
+    prop = properties.get(STRENGTH_INPUT)
+    if not isinstance(prop, Mapping) or FIELD_KEY in prop:
+        return None
+    strength = inputs.get(STRENGTH_INPUT, prop.get("default"))
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+        return None
+    if int(steps * strength) >= 1:
+        return None
+    given = "" if STRENGTH_INPUT in inputs else " (its default)"
+    message = (
+        f"{pipeline} denoises int(steps × inputs.strength) steps: steps {steps} × strength "
+        f"{strength:g}{given} leaves none; {_denoising_fix(steps, float(strength))}"
+    )
+    return InputViolation(
+        pipeline,
+        STRENGTH_INPUT,
+        "denoising_steps",
+        message,
+        strength,
+        fields=("steps", f"inputs.{STRENGTH_INPUT}"),
+    )
+
+
+def _denoising_fix(steps: int, strength: float) -> str:
+    if strength <= 0:
+        return "give a strength above 0"
+    fewest = math.ceil(1 / strength)
+    while int(fewest * strength) < 1:  # 1/strength may round below the integer it is
+        fewest += 1
+    return f"give steps ≥ {fewest} or strength ≥ {1 / steps:g}"

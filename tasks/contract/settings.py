@@ -103,6 +103,14 @@ class KilnSettings(BaseSettings):
         ge=1,
         description="API processes serving the one port; above 1, `kiln api` supervises them.",
     )
+    api_url: str | None = Field(
+        default=None,
+        description="The Kiln API the CLI's job, batch and admin commands use (their `--api`); "
+        "unset: Redis directly.",
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="Bearer key the CLI sends to that API (its `--api-key`)."
+    )
     auth_enabled: bool = Field(
         default=True, description="Require bearer API keys; switch off only for local use."
     )
@@ -146,6 +154,11 @@ class KilnSettings(BaseSettings):
     )
     sse_busy_retry_after_s: int = Field(
         default=2, ge=1, description="Retry-After of a 429 for too many event streams."
+    )
+    sse_max_lifetime_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="An event stream is ended after this long; clients resume (Last-Event-ID).",
     )
     max_json_depth: int = Field(
         default=32, ge=2, description="Request JSON nested deeper than this: 422."
@@ -244,6 +257,12 @@ class KilnSettings(BaseSettings):
         default=2.0,
         ge=0,
         description="A batch's finished jobs are written as a result part at least this often.",
+    )
+    batch_input_retry_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A batch whose input cannot be read this long (read again at each feeder "
+        "visit) fails, with the reason in its view.",
     )
 
     @field_validator("webhook_secret")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.states import JobState
+from kiln.tasks.contract.states import JobState, is_terminal
 
 if TYPE_CHECKING:
     from kiln.storage.objects import ObjectStore
@@ -102,6 +102,10 @@ class JobView(BaseModel):
     )
 
 
+# the field of a record's output entry naming the store it was written to (`with_storage_url`)
+OUTPUT_STORAGE_URL = "storage_url"
+
+
 @dataclass(frozen=True)
 class QueueEstimate:
     """Where a queued job stands: jobs that start before it, and when it should start (s)."""
@@ -110,10 +114,32 @@ class QueueEstimate:
     estimated_start_s: float | None = None
 
 
-def output_view(output: dict[str, Any], objects: ObjectStore | None) -> OutputView:
-    """Build an output's view, presigning its URL now (stored URLs would expire)."""
+def with_storage_url(outputs: list[dict[str, Any]], storage_url: str) -> list[dict[str, Any]]:
+    """The output entries of a job's record, each naming the store it was written to."""
+    return [{**output, OUTPUT_STORAGE_URL: storage_url} for output in outputs]
+
+
+def output_url(output: dict[str, Any], objects: ObjectStore | None) -> str:
+    """An output's URL, built from where its record says it was written.
+
+    A `file://` store: the file's URL under that folder, whatever store the reader has (a reader
+    started elsewhere would otherwise name a file under its own folder). Otherwise the reader's
+    store presigns the key now (stored URLs would expire); records from before the location was
+    kept have none and are presigned the same way.
+    """
     key = str(output["key"])
-    url = objects.url(key) if objects is not None else str(output.get("url", ""))
+    written_to = output.get(OUTPUT_STORAGE_URL)
+    if isinstance(written_to, str) and written_to.startswith("file://"):
+        from kiln.storage.local_store import LocalObjectStore, parse_file_url  # servers only
+
+        return LocalObjectStore(parse_file_url(written_to)).url(key)
+    return objects.url(key) if objects is not None else str(output.get("url", ""))
+
+
+def output_view(output: dict[str, Any], objects: ObjectStore | None) -> OutputView:
+    """Build an output's view; its URL from the record's store (`output_url`)."""
+    key = str(output["key"])
+    url = output_url(output, objects)
     return OutputView(
         url=url,
         key=key,
@@ -147,7 +173,12 @@ def job_view(
         started_at=record.started_at,
         finished_at=record.finished_at,
         attempts=record.attempts,
-        progress=Progress.model_validate(record.progress) if record.progress else None,
+        # a finished job is past every stage: its last one (`uploading 1/1`) would be stale
+        progress=(
+            Progress.model_validate(record.progress)
+            if record.progress and not is_terminal(record.state)
+            else None
+        ),
         outputs=[output_view(o, objects) for o in record.outputs],
         error=ErrorView.model_validate(record.error) if record.error else None,
         metrics=Metrics.model_validate(record.metrics or {}),

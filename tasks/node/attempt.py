@@ -2,9 +2,10 @@
 
 The attempt fetches the job's image inputs, has the node's group generate, encodes and uploads
 the outputs, and ends the job: succeeded; canceled, handed back or left to the lease's new holder
-when it was told to stop; failed, or re-queued for a retry while attempts are left. Every write
-is fenced by the lease token, so an attempt that lost its lease never overwrites the work of the
-node that took over.
+when it was told to stop; failed, or re-queued for a retry while attempts are left. Every Redis
+write is fenced by the lease token and the outputs go to keys of the attempt's own, created never
+replaced (tasks/node/uploads.py), so an attempt that lost its lease never overwrites the work of
+the node that took over: the fenced `succeed` is what makes an attempt's outputs the job's.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
 from kiln.gpu_worker.protocol import GenerationResult, StepProgress
-from kiln.storage.errors import StaleLease, StorageError
+from kiln.storage.errors import IllegalTransition, StaleLease, StorageError
+from kiln.storage.objects import new_attempt_name
 from kiln.storage.status import JobRecord
+from kiln.tasks.contract.views import with_storage_url
 from kiln.tasks.node.compute import generation_request, run_metrics
 from kiln.tasks.node.image_inputs import (
     FetchedImage,
@@ -29,7 +32,7 @@ from kiln.tasks.node.image_inputs import (
 from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome
 from kiln.tasks.node.progress_writer import PendingProgress
-from kiln.tasks.node.uploads import encode_and_upload
+from kiln.tasks.node.uploads import discard_outputs, encode_and_upload
 from kiln.tasks.queue.policy import error_dict, retry_delay
 
 log = logging.getLogger(__name__)
@@ -92,6 +95,7 @@ class LeasedAttempt:
             self.job_id,
             record.request,
             result.outputs,
+            attempt=new_attempt_name(tracked.lease_token),  # this attempt's own keys
             retry_for_s=self.settings.upload_retry_s,
             on_stage=lambda stage, step, total: self._progress(
                 stage, step, total, on_task_thread=True
@@ -104,10 +108,32 @@ class LeasedAttempt:
         metrics: dict[str, Any] = {**run_metrics(record, result, report.encode_s, report.upload_s)}
         metrics.update(input_facts(images))  # what each image input was: sha256, size, source
         self.node.progress.settle(self.job_id)  # stages written; the terminal state ends them
-        self.store.succeed(self.job_id, tracked.lease_token, report.outputs, metrics)
+        outputs = with_storage_url(report.outputs, self.node.storage_settings.storage_url)
+        if not self._commit(outputs, metrics):
+            return
         self.outcome = DeliveryOutcome(Delivery.SUCCEEDED)
-        log.info("job %s succeeded: %s", self.job_id, metrics)
+        # the timings as fields of a JSON line (queue_s, run_s, ...), not a dict in its text
+        log.info("job %s succeeded", self.job_id, extra=metrics)
         self.notify("completed")
+
+    def _commit(self, outputs: list[dict[str, Any]], metrics: dict[str, Any]) -> bool:
+        """Make this attempt's outputs the job's: `succeed`, fenced by the lease token.
+
+        False when the job ended elsewhere meanwhile. When the transition is refused (stale
+        token, or the job is no longer running) the outputs are deleted: no record names them.
+        An unanswered `succeed` (Redis unreachable) may have been applied: its outputs stay.
+        """
+        try:
+            self.store.succeed(self.job_id, self.tracked.lease_token, outputs, metrics)
+        except StaleLease:
+            discard_outputs(self.node.objects, outputs)
+            raise
+        except IllegalTransition as exc:
+            discard_outputs(self.node.objects, outputs)
+            log.warning("job %s ended elsewhere while this attempt ran (%s)", self.job_id, exc)
+            self.outcome = DeliveryOutcome(Delivery.DROPPED)
+            return False
+        return True
 
     def _generate(self, images: dict[str, FetchedImage]) -> GenerationResult:
         decoding_at: list[float] = []  # when the ranks reported the last denoising step

@@ -12,10 +12,12 @@ import gc
 import logging
 import sys
 import threading
+import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
+from celery.exceptions import SecurityWarning
 from celery.signals import worker_ready, worker_shutting_down
 
 from kiln.storage.settings import StorageSettings
@@ -58,6 +60,7 @@ def run_worker(options: WorkerOptions) -> None:
     capture = start_worker_logging(
         settings.log_format, options.loglevel, options.node_id, spawns_ranks=bool(options.pipelines)
     )
+    log.info("kiln worker: %s", storage_settings.describe())  # which Redis, namespace, store
     try:
         _run_worker(options, settings, storage_settings)
     finally:
@@ -95,6 +98,16 @@ def _run_worker(
         argv.append(f"--exclude-queues={','.join(held)}")
     asked_to_stop = threading.Event()
     worker_shutting_down.connect(lambda **_: asked_to_stop.set(), weak=False)
+    # Celery warns at every start as root (the default in containers): root plus pickle would let
+    # a message run code (with pickle accepted it refuses to start unless C_FORCE_ROOT is set).
+    # Kiln's app accepts JSON only (tasks/queue/app.py): the risk named is not one Kiln runs.
+    # Celery's other security warnings still show.
+    warnings.filterwarnings(
+        "ignore",
+        message="You're running the worker with superuser privileges",
+        category=SecurityWarning,
+        module=r"celery\.platforms",
+    )
     try:
         app.worker_main(argv)
     finally:

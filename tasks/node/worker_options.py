@@ -1,13 +1,15 @@
 """What `kiln worker` is asked to run: its options, parsed and checked before anything starts.
 
 Refusals are ValueErrors naming the flag (the CLI prints them as one line), raised while the
-options are built: before Celery, torch or any rank starts. Nothing here imports torch (a
-webhooks-only worker never loads it); the group checks import gpu_worker's plain parsing only.
+options are built: before Celery or any rank starts. In order: each pipeline spec's form (no
+torch), the worker extra installed, the devices, then each `python:` spec's module imported and
+its factory looked at. A webhooks-only worker checks none of it and never loads torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib.util
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,8 +40,55 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         if self.pipelines:  # a webhooks-only worker has no group, and must not import torch
+            check_pipeline_forms(self.pipelines)
+            require_worker_extra()
             check_group_options(self.devices, self.parallel, self.group_size)
             check_sleep_and_warmup(self.idle_sleep_s, self.warmup)
+            check_pipeline_imports(self.pipelines)
+
+
+# What a node imports that the base install lacks: all of them come with `kiln[worker]`.
+WORKER_EXTRA = "kiln[worker]"
+WORKER_MODULES = ("torch", "numpy", "PIL", "imageio", "diffusers", "transformers")
+
+
+def require_worker_extra() -> None:
+    """Refuse, naming the extra to install, a node on an install without the model libraries."""
+    missing = [name for name in WORKER_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            f"--pipeline: serving a pipeline needs {', '.join(missing)}, which this install "
+            f"lacks; pip install '{WORKER_EXTRA}'"
+        )
+
+
+def check_pipeline_forms(pipelines: Mapping[str, str]) -> None:
+    """Refuse, naming the flag, a spec of no known form or a diffusers folder that is not one."""
+    from kiln.gpu_worker.pipeline_specs import check_spec_form  # plain parsing, no torch
+
+    for name, spec in pipelines.items():
+        try:
+            check_spec_form(spec)
+        except ValueError as exc:
+            raise ValueError(f"--pipeline {name}: {exc}") from exc
+
+
+def check_pipeline_imports(pipelines: Mapping[str, str]) -> None:
+    """Refuse, naming the flag, a `python:` spec whose module or factory cannot serve.
+
+    The module is imported here, in the worker's own process and working directory (ranks then
+    import it alike); the factory is looked at, not called: that would load the model.
+    """
+    python_specs = {n: s for n, s in pipelines.items() if s.startswith("python:")}
+    if not python_specs:
+        return
+    from kiln.gpu_worker.pipelines import check_spec
+
+    for name, spec in python_specs.items():
+        try:
+            check_spec(spec)
+        except ValueError as exc:
+            raise ValueError(f"--pipeline {name}: {exc}") from exc
 
 
 def check_sleep_and_warmup(idle_sleep_s: float | None, warmup: Sequence[str]) -> None:

@@ -24,6 +24,12 @@ def queue_name(lane: str, pipeline: str) -> str:
     return f"{lane}.{pipeline}"
 
 
+def lane_and_pipeline(queue: str) -> tuple[str, str]:
+    """The lane and pipeline a `queue_name` joins (a lane holds no '.'; a pipeline name may)."""
+    lane, _, pipeline = queue.partition(".")
+    return lane, pipeline
+
+
 def node_queues(lanes: Sequence[str], pipelines: Sequence[str]) -> list[str]:
     """Every queue a node serving these pipelines consumes, interactive lanes before bulk."""
     ordered = sorted(lanes, key=_lane_rank)  # a bare lane name ranks as its queue would

@@ -121,9 +121,9 @@ class Submitter:
         return self._served_now().inputs.get(pipeline, [])
 
     def bad_inputs(self, request: JobRequest) -> InputViolation | None:
-        """Why no live node's schema takes the request's `inputs`; None when one does."""
+        """Why no live node's schema takes the request's `inputs` and steps; None if one does."""
         return first_input_violation(
-            request.pipeline, self.inputs_for(request.pipeline), request.inputs
+            request.pipeline, self.inputs_for(request.pipeline), request.inputs, request.steps
         )
 
     def adapters_for(self, pipeline: str) -> list[NodeAdapters]:

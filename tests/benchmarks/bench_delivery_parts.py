@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
-from kiln.storage.objects import output_key  # noqa: E402
+from kiln.storage.objects import new_attempt_name, output_key  # noqa: E402
 from kiln.storage.s3_store import S3ObjectStore  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
 from kiln.storage.status import JobStore, NewJob  # noqa: E402
@@ -125,7 +125,8 @@ def uploads(store: S3ObjectStore, rounds: int) -> None:
 
     def put(verify: UploadVerify) -> Timed:
         def run(index: int) -> None:
-            key = output_key(store.prefix, f"job{index}", 0 if verify == "head" else 1, "png")
+            index_in_job = 0 if verify == "head" else 1
+            key = output_key(store.prefix, f"job{index}", index_in_job, "png", attempt="1-0123abcd")
             put_verified(store, key, data, "image/png", {}, verify)
 
         return run
@@ -157,8 +158,8 @@ def stage_progress(jobs: JobStore, objects: S3ObjectStore, rounds: int) -> None:
                 write(job_id, PendingProgress(token, progress))
 
             encode_and_upload(
-                objects, job_id, request, [frames], retry_for_s=10.0, on_stage=on_stage,
-                verify="checksum",
+                objects, job_id, request, [frames], attempt=new_attempt_name(token),
+                retry_for_s=10.0, on_stage=on_stage, verify="checksum",
             )  # fmt: skip
             writer.settle(job_id)  # what the task thread waits for before `succeed`
 

@@ -57,7 +57,7 @@ from kiln.gpu_worker.config import available_cores  # noqa: E402
 from kiln.gpu_worker.outputs import OutputSpec, encode  # noqa: E402
 from kiln.gpu_worker.pipelines import Pipeline, load_pipeline  # noqa: E402
 from kiln.gpu_worker.protocol import GenerationRequest  # noqa: E402
-from kiln.storage.objects import ObjectStore, output_key  # noqa: E402
+from kiln.storage.objects import ObjectStore, new_attempt_name, output_key  # noqa: E402
 from kiln.storage.status import TERMINAL_STATES, JobRecord, JobState, JobStore  # noqa: E402
 from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
 from tests.benchmarks.baseline_worker import BaselineProcess  # noqa: E402
@@ -71,6 +71,8 @@ TINY_SPEC = "python:tests.benchmarks.bench_pipelines:tiny"  # `tiny`, torch thre
 S3_REGION = "us-east-1"
 S3_KEY_ID = S3_SECRET = "testing"  # moto accepts any
 TERMINAL = {str(state) for state in TERMINAL_STATES}
+# the direct path writes as one attempt of a job would (every put creates a fresh key)
+ATTEMPT = new_attempt_name(1)
 WARMUP_JOBS = 5
 
 
@@ -372,7 +374,9 @@ def direct_once(
     ran = time.perf_counter()
     encoded = encode(frames, OutputSpec(format="png"))
     coded = time.perf_counter()
-    key = output_key(objects.prefix, f"direct-{secrets.token_hex(8)}", 0, encoded.extension)
+    key = output_key(
+        objects.prefix, f"direct-{secrets.token_hex(8)}", 0, encoded.extension, attempt=ATTEMPT
+    )
     objects.put(key, encoded.data, encoded.content_type, {})
     return ran - started, coded - ran, time.perf_counter() - coded
 
@@ -513,7 +517,9 @@ def calibrate_busy_size(found: Services, target_s: float) -> int:
         for _ in range(5):
             started = time.perf_counter()
             encoded = encode(image, OutputSpec(format="png"))
-            key = output_key(objects.prefix, f"calibrate-{secrets.token_hex(6)}", 0, "png")
+            key = output_key(
+                objects.prefix, f"calibrate-{secrets.token_hex(6)}", 0, "png", attempt=ATTEMPT
+            )
             objects.put(key, encoded.data, encoded.content_type, {})
             times.append(time.perf_counter() - started)
         cost = statistics.median(times)

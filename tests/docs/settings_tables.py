@@ -27,6 +27,10 @@ SECTIONS: tuple[tuple[str, type[BaseSettings]], ...] = (
 
 
 def _default(field: FieldInfo) -> str:
+    # a default computed per machine (the outputs folder under the data home) is documented
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and isinstance(extra.get("documented_default"), str):
+        return str(extra["documented_default"])
     value = field.get_default(call_default_factory=True)
     if value is None:
         return "(unset)"

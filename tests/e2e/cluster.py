@@ -224,8 +224,8 @@ class Cluster:
             root = Path(settings.storage_url.removeprefix("file://"))
             return sorted(
                 str(p.relative_to(root))
-                for p in (root / folder).glob("*")
-                if not p.name.startswith(".") and not p.name.endswith(".meta.json")
+                for p in (root / folder).rglob("*")  # each attempt writes a folder of its own
+                if p.is_file() and not p.name.startswith(".") and not p.name.endswith(".meta.json")
             )
         import boto3
 

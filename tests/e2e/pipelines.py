@@ -70,9 +70,13 @@ class SleepyPipeline:
                 raise RuntimeError("the sleepy pipeline was asked to fail")
             time.sleep(self.step_seconds)
             on_step_end(step, steps)
-        outputs = [[frames_for(r, i) for i in range(r.num_outputs)] for r in requests]
+        outputs = [[self.frames(r, i) for i in range(r.num_outputs)] for r in requests]
         self._record(requests)
         return outputs
+
+    def frames(self, request: GenerationRequest, index: int) -> np.ndarray:
+        """The frames of one output."""
+        return frames_for(request, index)
 
     def denoiser(self) -> torch.nn.Module | None:
         return None
@@ -89,3 +93,36 @@ class SleepyPipeline:
 def sleepy(device: torch.device) -> SleepyPipeline:
     """`python:tests.e2e.pipelines:sleepy`."""
     return SleepyPipeline(device)
+
+
+def noise_frames(
+    seed: int, index: int, size: tuple[int, int, int], dtype: torch.dtype
+) -> np.ndarray:
+    """Incompressible frames (F, H, W) computed in `dtype`: other dtypes give other pixels."""
+    generator = torch.Generator().manual_seed(seed * 1000 + index)
+    values = torch.rand((*size, 3), generator=generator).to(dtype).to(torch.float32)
+    return (values * 255).to(torch.uint8).numpy()
+
+
+class DtypeNoisePipeline(SleepyPipeline):
+    """The sleepy pipeline with noise frames computed in the node's `KILN_TORCH_DTYPE`.
+
+    Noise makes encoding take a while (a 768x768 PNG: ~0.2 s), and two nodes of other dtypes
+    write other bytes for the same job, as GPUs do.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        from kiln.gpu_worker.settings import GpuWorkerSettings
+
+        name = GpuWorkerSettings().torch_dtype
+        self.dtype = torch.float32 if name == "auto" else getattr(torch, name)
+
+    def frames(self, request: GenerationRequest, index: int) -> np.ndarray:
+        size = (request.num_frames, request.height, request.width)
+        return noise_frames(request.seed, index, size, self.dtype)
+
+
+def dtype_noise(device: torch.device) -> DtypeNoisePipeline:
+    """`python:tests.e2e.pipelines:dtype_noise`."""
+    return DtypeNoisePipeline(device)

@@ -106,7 +106,8 @@ def check_results(cluster: Cluster, batch_id: str, custom_ids: list[str], out: P
     assert {r["status"] for r in results} == {"succeeded"}
     for result in results:
         (output,) = result["outputs"]
-        assert output["key"].split("/")[-2] == batch_job_id(batch_id, result["custom_id"])
+        job_folder = output["key"].split("/")[-3]  # <job>/<attempt>/<n>.<ext>
+        assert job_folder == batch_job_id(batch_id, result["custom_id"])
         head = cluster.objects.head(output["key"])
         assert head is not None
         assert (head.size, head.sha256) == (output["bytes"], output["sha256"])
@@ -159,8 +160,8 @@ def test_a_refused_file_names_its_lines(
     )
     answer = cluster.run_cli("batch", "submit", str(path))
     assert answer.returncode == 2
-    assert "line 2: custom_id: duplicate custom_id 'a'" in answer.stderr
-    assert "line 3: steps:" in answer.stderr
+    assert "line 2, custom_id: duplicate custom_id 'a'" in answer.stderr
+    assert "line 3, steps:" in answer.stderr
     assert "2 of 3 lines are invalid" in answer.stderr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -25,7 +26,9 @@ def assert_outputs_in_store(cluster: Cluster, job_id: str, expected: int) -> Non
     assert str(record.state) == "succeeded", record.error
     assert len(record.outputs) == expected
     for index, output in enumerate(record.outputs):
-        assert output["key"].endswith(f"/{job_id}/{index}.{output['key'].rsplit('.', 1)[1]}")
+        # the job's folder, the attempt's own folder in it (lease token and nonce), the index
+        shape = rf"(.*/)?{job_id}/[0-9]+-[0-9a-f]{{8}}/{index}\.[a-z0-9]+"
+        assert re.fullmatch(shape, output["key"])
         data = cluster.objects.get(output["key"])
         assert len(data) == output["bytes"]
         assert hashlib.sha256(data).hexdigest() == output["sha256"]

@@ -143,6 +143,8 @@ def test_metrics_move_after_a_job(stack: Stack) -> None:
     assert moved(api_before, api_after, "kiln_api_requests_total", route="/v1/jobs", status="201")
     assert moved(api_before, api_after, "kiln_api_submit_duration_seconds_count") == 1
     assert moved(api_before, api_after, "kiln_jobs", state="succeeded") == 1
+    finished = {"pipeline": "sleepy", "lane": "interactive", "state": "succeeded"}
+    assert moved(api_before, api_after, "kiln_jobs_finished_total", **finished) == 1
     assert value(api_after, "kiln_jobs", state="running") == 0
     assert ("kiln_queue_depth", frozenset({("queue", "interactive.sleepy")})) in api_after
     assert value(api_after, "kiln_queue_depth", queue="interactive.sleepy") == 0
@@ -239,6 +241,12 @@ def test_task_states_tell_the_truth(stack: Stack) -> None:
     with TaskEvents(cluster.celery) as events:
         failed = cluster.submit(prompt=FAIL_PROMPT, pipeline="sleepy", steps=3)
         assert cluster.wait_for(failed).state == JobState.FAILED
+        # one line, no traceback or server path: the node's log has the traceback
+        assert cluster.store.get(failed).error == {
+            "type": "JobFailed",
+            "message": "the pipeline failed: RuntimeError: the sleepy pipeline was asked to fail",
+            "retryable": False,
+        }
         long = cluster.submit(prompt="long", pipeline="sleepy", steps=200)
         cluster.wait_for_step(long, 2)
         cluster.store.cancel(long)
@@ -297,6 +305,12 @@ def test_every_log_line_is_json(cluster_factory: Callable[..., Cluster]) -> None
     assert "kiln.gpu_worker.ranks.forward" in loggers  # rank 0's lines
     assert all(line["attempt"] == 1 for line in job_lines if line["logger"].endswith(".jobs"))
     assert any(line.get("rank") == 0 for line in job_lines)
+    # timings are fields of the line, not a dict in its text
+    (succeeded,) = [line for line in job_lines if line["message"] == f"job {job_id} succeeded"]
+    timings = ("queue_s", "run_s", "encode_s", "upload_s")
+    assert all(isinstance(succeeded[name], float) for name in timings), succeeded
+    forward_ends = [line for line in job_lines if line["logger"].endswith(".forward")]
+    assert any(line.get("steps") == 3 and "run_s" in line for line in forward_ends), forward_ends
     assert any(line["message"].startswith("worker: Warm shutdown") for line in node_lines)
     assert any(line.get("job_id") == job_id for line in api_lines)  # "job ... accepted"
     sample = [line for line in api_lines if line.get("job_id") == job_id] + job_lines

@@ -9,6 +9,8 @@ from kiln.storage.leases import Renewal
 from kiln.storage.status import JobState, JobStore
 from tests.storage.helpers import WORKER, event_types, job_in_state
 
+pytestmark = pytest.mark.every_redis  # refusals are script errors: 6.2 must pass them on too
+
 
 def lease_token(store: JobStore, job_id: str) -> int:
     """The token the record holds (0: none), as the fenced scripts read it."""

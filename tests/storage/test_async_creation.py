@@ -65,6 +65,7 @@ def test_created_and_placed_as_the_blocking_store_does(
     assert job_store.queue_depth() == 2
 
 
+@pytest.mark.every_redis  # an error path: the embedded 6.2 too
 def test_refusals_are_the_storage_errors(
     job_store: JobStore, storage_settings: StorageSettings
 ) -> None:

@@ -30,6 +30,7 @@ NAMES = {
     "queue_depth": "ns:queue_depth",
     "owner_queued": "ns:owner_queued",
     "owner_running": "ns:owner_running",
+    "finished_counts": "ns:counters:finished",
     "paused_queues": "ns:paused_queues",
     "drain_requests": "ns:drain_requests",
     "node": "ns:node:x",

@@ -94,8 +94,9 @@ def test_no_key_name_is_spelled_in_lua(name: str) -> None:
 
 def test_only_keys_py_builds_key_names() -> None:
     # the namespace reaches no module but keys.py, except as the argument that makes a Keys
+    # (settings.py declares it and names it in the start-up line, which builds no key)
     for path in STORAGE.glob("*.py"):
-        if path.name == "keys.py":
+        if path.name in ("keys.py", "settings.py"):
             continue
         tree = ast.parse(path.read_text())
         into_keys = {
@@ -111,8 +112,9 @@ def test_only_keys_py_builds_key_names() -> None:
                 )
 
 
-def test_every_script_compiles(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+@pytest.mark.every_redis
+def test_every_script_compiles(store_redis_url: str) -> None:
+    client = redis.Redis.from_url(store_redis_url, decode_responses=True)
     try:
         for name in SCRIPT_NAMES:
             assert client.script_load(scripts.source(name))

@@ -14,6 +14,7 @@ from kiln.storage.status import TERMINAL_STATES, TRANSITIONS, JobState, JobStore
 from tests.storage.helpers import WORKER, event_types, job_in_state, perform
 
 PAIRS = list(itertools.product(JobState, JobState))
+pytestmark = pytest.mark.every_redis  # refusals are script errors: 6.2 must pass them on too
 
 
 def test_table_shape() -> None:

@@ -404,7 +404,7 @@ def test_the_client_and_the_cli_over_http(
     bad.write_bytes(jsonl([*lines_of(2), {**LINE, "custom_id": "item-0000", "steps": 0}]))
     assert main(["batch", "submit", str(bad), *http]) == 2
     err = capsys.readouterr().err
-    assert "line 3: custom_id: duplicate custom_id 'item-0000'" in err
+    assert "line 3, custom_id: duplicate custom_id 'item-0000'" in err
     assert "1 of 3 lines are invalid" in err
 
 

@@ -125,9 +125,11 @@ def test_retry_makes_a_linked_batch_of_the_failed_and_expired_lines(api: Api) ->
     assert only_failed.status_code == 201, only_failed.text
     retry = only_failed.json()
     assert (retry["parent_id"], retry["counts"]["total"], retry["status"]) == (parent, 2, "running")
-    both = control(api, parent, "retry").json()
-    assert both["counts"]["total"] == 5  # 2 failed + 3 expired (line 4 queued, 5-6 never fed)
-    assert get_batch(api, parent)["retries"] == [retry["id"], both["id"]]
+    both = control(api, parent, "retry")  # the failed lines are being retried: not again
+    assert (both.status_code, retry["id"] in both.json()["detail"]) == (409, True)
+    expired = control(api, parent, "retry", include="expired").json()
+    assert expired["counts"]["total"] == 3  # line 4 queued, 5-6 never fed
+    assert get_batch(api, parent)["retries"] == [retry["id"], expired["id"]]
     feed.tick()
     job = api.store.get(batch_job_id(retry["id"], "item-0001"))
     assert job.request["seed"] == api.store.get(batch_job_id(parent, "item-0001")).request["seed"]

@@ -55,7 +55,9 @@ def finish(api: Api, job_id: str, fail: bool = False) -> None:
     assert api.ctx.objects is not None
     data = f"pixels of {job_id}".encode()
     stored = api.ctx.objects.put(
-        output_key(api.ctx.objects.prefix, job_id, 0, "png"), data, "image/png"
+        output_key(api.ctx.objects.prefix, job_id, 0, "png", attempt="1-0123abcd"),
+        data,
+        "image/png",
     )
     output = {"key": stored.key, "content_type": "image/png", "bytes": stored.size}
     api.store.succeed(job_id, token, [{**output, "sha256": stored.sha256}], {"run_s": 0.1})
@@ -202,8 +204,16 @@ def test_a_download_whose_bytes_do_not_match_their_sha256_leaves_no_file(
     s3_settings: StorageSettings, tmp_path: Path
 ) -> None:
     objects = open_object_store(s3_settings)
-    good = objects.put(output_key(objects.prefix, "j1", 0, "png"), b"right bytes", "image/png")
-    bad = objects.put(output_key(objects.prefix, "j2", 0, "png"), b"other bytes", "image/png")
+    good = objects.put(
+        output_key(objects.prefix, "j1", 0, "png", attempt="1-0123abcd"),
+        b"right bytes",
+        "image/png",
+    )
+    bad = objects.put(
+        output_key(objects.prefix, "j2", 0, "png", attempt="1-0123abcd"),
+        b"other bytes",
+        "image/png",
+    )
     files = [
         OutputFile(objects.url(good.key), tmp_path / "a" / "0.png", good.sha256),
         OutputFile(

@@ -170,6 +170,7 @@ def test_jobs_ahead_follows_the_bulk_share() -> None:
 # --- per-key quotas ---------------------------------------------------------------------------
 
 
+@pytest.mark.every_redis  # an error path: the embedded 6.2 too
 def test_past_max_queued_a_submit_is_a_429_until_one_leaves(make_api: ApiFactory) -> None:
     api = make_api(max_queued_per_key=2, queue_full_retry_after_s=7)
     first, second = (post_job(api).json()["id"] for _ in range(2))

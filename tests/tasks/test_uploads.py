@@ -7,18 +7,22 @@ No node runs: a heartbeat announces the image pipeline's schema, as a node's wou
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from kiln.storage.keys import Keys
 from kiln.storage.settings import StorageSettings
-from kiln.storage.uploads import resolve_upload, upload_key
+from kiln.storage.uploads import new_upload_id, resolve_upload, upload_key
 from kiln.tasks.cli.main import main
 from kiln.tasks.cli.uploads import upload_file
 from kiln.tasks.client.client import KilnClient, ValidationFailed
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.uploads import UploadSlotView
 from tests.e2e.image_server import CAT
 from tests.tasks.helpers import Api, ApiFactory
 
@@ -90,18 +94,61 @@ def test_upload_requests_over_the_limits_are_refused_naming_the_field(api: Api) 
     assert httpx.post(url, json=cases[0][0]).status_code == 401
 
 
-def test_an_upload_is_checked_again_when_a_job_names_it(api: Api) -> None:
-    # The local PUT takes up to the batch limit; the image limit applies when the image is used.
+def test_the_local_put_takes_only_the_body_its_slot_declared(api: Api) -> None:
+    objects = api.ctx.objects
+    assert objects is not None
+    body = {"content_type": "image/png", "bytes": len(CAT)}
+    answer = httpx.post(f"{api.url}/v1/uploads", json=body, headers=api.auth("alice"))
+    slot = UploadSlotView.model_validate(answer.json())  # issued, nothing PUT yet
     with KilnClient(api.url, api.keys["alice"]) as alice:
-        slot = alice.upload(CAT)
         headers = {**api.auth("alice"), "Content-Type": "image/png"}
-        longer = httpx.put(slot.url, content=CAT + b"\0" * 64, headers=headers)  # not as declared
-        assert longer.status_code == 204
-        assert "over the limit of" in refusal(alice, slot.ref)["body.inputs.image"]
+        longer = httpx.put(slot.url, content=CAT + b"\0" * 64, headers=headers)
+        assert longer.status_code == 413
+        assert f"over the {len(CAT)} bytes its upload slot declared" in longer.json()["detail"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: refused while it streams
+            yield CAT
+            yield b"\0" * (3 * 1024 * 1024)
+
+        streamed = httpx.put(slot.url, content=chunks(), headers=headers)
+        assert streamed.status_code == 413
+        assert str(len(CAT)) in streamed.json()["detail"]
+        shorter = httpx.put(slot.url, content=CAT[:-1], headers=headers)
+        assert shorter.status_code == 422
+        assert shorter.json()["detail"][0]["ctx"] == {"declared": len(CAT)}
+        assert objects.head(slot.key) is None  # nothing stored, not even in part
+        assert list(Path(api.storage_settings.storage_url[7:]).rglob(".tmp-*")) == []
+        assert "not uploaded yet" in refusal(alice, slot.ref)["body.inputs.image"]
         headers["Content-Type"] = "application/json"
         wrong = httpx.put(slot.url, content=b"{}", headers=headers)
         assert wrong.status_code == 422
         assert wrong.json()["detail"][0]["loc"] == ["header", "content-type"]
+        headers["Content-Type"] = "image/png"
+        assert httpx.put(slot.url, content=CAT, headers=headers).status_code == 204
+        assert objects.get(slot.key) == CAT
+
+
+def test_the_local_put_refuses_an_id_never_issued_or_expired(api: Api) -> None:
+    headers = {**api.auth("alice"), "Content-Type": "image/png"}
+    never = new_upload_id()
+    refused = httpx.put(
+        f"{api.url}/v1/uploads/local", params={"upload_id": never}, content=CAT, headers=headers
+    )
+    assert refused.status_code == 404
+    assert never in refused.json()["detail"]
+    body = {"content_type": "image/png", "bytes": len(CAT)}
+    issued = httpx.post(f"{api.url}/v1/uploads", json=body, headers=api.auth("alice")).json()
+    bobs = {**api.auth("bob"), "Content-Type": "image/png"}
+    assert httpx.put(issued["url"], content=CAT, headers=bobs).status_code == 404  # not his
+    slot_key = Keys(api.storage_settings.redis_namespace).upload_slot(
+        api.key_ids["alice"], issued["upload_id"]
+    )
+    assert api.store.redis.pexpire(slot_key, 1)  # the slot's expiry, brought forward
+    while api.store.redis.exists(slot_key):
+        time.sleep(0.01)
+    expired = httpx.put(issued["url"], content=CAT, headers=headers)
+    assert expired.status_code == 404
+    assert "expired" in expired.json()["detail"]
 
 
 def test_image_urls_and_malformed_references_are_refused_up_front(api: Api) -> None:

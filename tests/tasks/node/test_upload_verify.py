@@ -22,6 +22,7 @@ from kiln.storage.settings import StorageSettings
 from kiln.tasks.node.uploads import OutputVerificationFailed, UploadVerify, put_verified
 
 DATA = b"\x89PNG not really, but bytes"
+ATTEMPT = "1-0123abcd"
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def not_echoing(s3_store: S3ObjectStore) -> Iterator[None]:
 
 
 def upload(store: Any, verify: UploadVerify, index: int = 0) -> str:
-    key = output_key(store.prefix, "job1", index, "png")
+    key = output_key(store.prefix, "job1", index, "png", attempt=ATTEMPT)
     return put_verified(store, key, DATA, "image/png", {"job-id": "job1"}, verify)
 
 
@@ -63,14 +64,14 @@ def test_checksum_mode_trusts_a_store_that_echoed_the_checksum(
 ) -> None:
     sha256 = upload(s3_store, "checksum")
     assert heads == []
-    stored = s3_store.head(output_key(s3_store.prefix, "job1", 0, "png"))
+    stored = s3_store.head(output_key(s3_store.prefix, "job1", 0, "png", attempt=ATTEMPT))
     assert stored is not None
     assert (stored.sha256, stored.size) == (sha256, len(DATA))
 
 
 def test_head_mode_reads_every_upload_back(s3_store: S3ObjectStore, heads: list[str]) -> None:
     upload(s3_store, "head")
-    assert heads == [output_key(s3_store.prefix, "job1", 0, "png")]
+    assert heads == [output_key(s3_store.prefix, "job1", 0, "png", attempt=ATTEMPT)]
 
 
 @pytest.mark.usefixtures("not_echoing")
@@ -78,12 +79,12 @@ def test_a_store_that_does_not_confirm_the_checksum_is_read_back(
     s3_store: S3ObjectStore, heads: list[str]
 ) -> None:
     upload(s3_store, "checksum")
-    assert heads == [output_key(s3_store.prefix, "job1", 0, "png")]
+    assert heads == [output_key(s3_store.prefix, "job1", 0, "png", attempt=ATTEMPT)]
 
 
 def test_multipart_uploads_are_read_back(s3_settings: StorageSettings) -> None:
     store = S3ObjectStore.from_settings(s3_settings)
-    key = output_key(store.prefix, "job1", 0, "bin")
+    key = output_key(store.prefix, "job1", 0, "bin", attempt=ATTEMPT)
     big = bytes(6 * 1024 * 1024)
     store.multipart_threshold_bytes = 5 * 1024 * 1024  # S3's smallest part: two parts
     stored = store.put(key, big, "application/octet-stream")
@@ -94,16 +95,22 @@ class LosingStore(LocalObjectStore):
     """A store that ignores checksums and keeps other bytes than it was sent (a broken disk)."""
 
     def put(
-        self, key: str, data: bytes, content_type: str, metadata: dict[str, str] | None = None
+        self,
+        key: str,
+        data: bytes,
+        content_type: str,
+        metadata: dict[str, str] | None = None,
+        *,
+        create_only: bool = False,
     ) -> StoredObject:
-        stored = super().put(key, data[:-1], content_type, metadata)
+        stored = super().put(key, data[:-1], content_type, metadata, create_only=create_only)
         return StoredObject(key, len(data), stored.sha256, content_type, stored.metadata)
 
 
 @pytest.mark.parametrize("verify", ["checksum", "head"])
 def test_a_local_store_is_read_back_in_both_modes(tmp_path: Path, verify: UploadVerify) -> None:
     good = LocalObjectStore(tmp_path / "good", "outputs")
-    stored = good.put(output_key("outputs", "job1", 0, "png"), DATA, "image/png")
+    stored = good.put(output_key("outputs", "job1", 0, "png", attempt=ATTEMPT), DATA, "image/png")
     assert not stored.checksum_verified
     upload(good, verify, index=1)
     with pytest.raises(OutputVerificationFailed):

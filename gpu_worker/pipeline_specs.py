@@ -1,0 +1,237 @@
+"""Pipeline specs: what `--pipeline NAME=SPEC` may say, and the checks a node makes before ranks.
+
+Spec grammar: `tiny` (tiny text-to-image) · `tiny-video` (tiny text-to-video) ·
+`tiny-img2img`, `tiny-inpaint`, `tiny-i2v` (their components, image-conditioned) ·
+`diffusers:<folder or hub id>` · `python:<module>:<factory>` (a `PipelineFactory`, called with
+the device; docs/pipelines.md).
+
+A `python:` module is imported from `sys.path` and then from the working directory, so a
+pipeline module beside the worker is found without `PYTHONPATH`. Ranks are spawned with the
+worker's working directory, so they find it alike.
+
+`check_spec_form` is plain parsing and file checks, no torch: `kiln worker` runs it first, so a
+misspelled spec is refused before anything heavy loads. `check_python_spec` imports the module and
+looks at its factory without calling it (that loads the model; the ranks do it, and
+`kiln pipeline check` does it in-process). Each refusal is a `SpecError`: one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# spec -> (the tiny pipeline whose folder it loads, the diffusers class it runs as, options)
+TINY_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "tiny-img2img": ("tiny", "StableDiffusionImg2ImgPipeline", {"requires_safety_checker": False}),
+    "tiny-inpaint": ("tiny", "StableDiffusionInpaintPipeline", {"requires_safety_checker": False}),
+    "tiny-i2v": ("tiny-video", "WanImageToVideoPipeline", {"expand_timesteps": True}),
+}
+TINY_SPECS = frozenset({"tiny", "tiny-video", *TINY_VARIANTS})
+SPEC_GRAMMAR = (
+    "tiny | tiny-video | tiny-img2img | tiny-inpaint | tiny-i2v | diffusers:<folder or hub id> | "
+    "python:<module>:<factory>"
+)
+# What marks a diffusers target as a folder rather than a hub id (`org/name`).
+_PATH_PREFIXES = ("/", "./", "../", "~")
+
+
+class SpecError(ValueError):
+    """A pipeline spec that cannot be served; the message is one line naming what is wrong."""
+
+
+class NotAPipeline(SpecError, TypeError):
+    """A `python:` factory made something that is not a `Pipeline`."""
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """A parsed spec: its kind (`tiny`, `diffusers`, `python`) and what it points at."""
+
+    text: str
+    kind: str
+    target: str = ""  # the diffusers folder or hub id
+    module: str = ""  # python: the module
+    factory: str = ""  # python: the factory's name in the module
+
+
+def tiny_base(spec: str) -> str:
+    """The tiny pipeline whose folder `spec` loads (`spec` itself unless it is a variant)."""
+    return TINY_VARIANTS[spec][0] if spec in TINY_VARIANTS else spec
+
+
+def parse_spec(spec: str) -> PipelineSpec:
+    """The parts of `spec`; `SpecError` when it follows no form of the grammar."""
+    if spec in TINY_SPECS:
+        return PipelineSpec(spec, "tiny")
+    scheme, _, target = spec.partition(":")
+    if scheme == "diffusers" and target:
+        return PipelineSpec(spec, "diffusers", target=target)
+    if scheme == "python":
+        module, _, factory = target.partition(":")
+        if not module or not factory or ":" in factory:
+            raise SpecError(f"pipeline spec {spec!r}: expected python:<module>:<factory>")
+        return PipelineSpec(spec, "python", module=module, factory=factory)
+    raise SpecError(f"unknown pipeline spec {spec!r}; expected {SPEC_GRAMMAR}")
+
+
+def check_spec_form(spec: str) -> PipelineSpec:
+    """Parse `spec` and check what needs no import of the model's code.
+
+    A diffusers folder exists and holds a saved pipeline; a `python:` module can be found (found,
+    not imported: its import is `check_python_spec`'s).
+    """
+    parsed = parse_spec(spec)
+    if parsed.kind == "diffusers":
+        _check_diffusers_target(parsed)
+    elif parsed.kind == "python":
+        _check_module_findable(parsed)
+    return parsed
+
+
+def _check_module_findable(parsed: PipelineSpec) -> None:
+    make_working_directory_importable()
+    try:
+        found = importlib.util.find_spec(parsed.module) is not None
+    except ModuleNotFoundError:  # a parent package of a dotted name is missing
+        found = False
+    except Exception:  # a parent package failed to import: `import_factory` says how
+        return
+    if not found:
+        raise _no_module(parsed)
+
+
+def _no_module(parsed: PipelineSpec) -> SpecError:
+    return SpecError(
+        f"{parsed.text}: no module named {parsed.module!r} in {os.getcwd()} or on PYTHONPATH"
+    )
+
+
+def _check_diffusers_target(parsed: PipelineSpec) -> None:
+    folder = Path(parsed.target).expanduser()
+    if folder.is_dir():
+        if not (folder / "model_index.json").is_file():
+            raise SpecError(
+                f"{parsed.text}: folder {folder} has no model_index.json, so it is not a saved "
+                "diffusers pipeline"
+            )
+        return
+    if parsed.target.startswith(_PATH_PREFIXES) or folder.exists():
+        raise SpecError(f"{parsed.text}: no such folder {folder}")
+    parts = parsed.target.split("/")
+    if len(parts) > 2 or not all(parts) or any(p.startswith(("-", ".")) for p in parts):
+        # diffusers would try it as a hub id and fail with huggingface_hub's validation error
+        raise SpecError(
+            f"{parsed.text}: {parsed.target!r} is neither a folder here nor a hub id (<org>/<name>)"
+        )
+
+
+def make_working_directory_importable() -> None:
+    """Let `python:` modules in the working directory import, after everything on `sys.path`.
+
+    `python -m` puts the working directory first on `sys.path`, a console script (`kiln`) does
+    not; appended, it never shadows an installed package.
+    """
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+
+
+def import_factory(parsed: PipelineSpec) -> Any:
+    """The factory a `python:` spec names, imported; `SpecError` naming why it cannot be."""
+    make_working_directory_importable()
+    try:
+        module = importlib.import_module(parsed.module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and parsed.module.startswith(exc.name):
+            raise _no_module(parsed) from None
+        raise SpecError(f"{parsed.text}: importing {parsed.module} failed: {exc}") from None
+    except Exception as exc:  # the user's module raised while importing: say where
+        raise SpecError(
+            f"{parsed.text}: importing {parsed.module} raised {one_line(exc)}{_where(exc)}"
+        ) from None
+    factory = getattr(module, parsed.factory, None)
+    if factory is None:
+        raise SpecError(
+            f"{parsed.text}: module {parsed.module} ({_file_of(module)}) has no {parsed.factory!r}"
+        )
+    return factory
+
+
+def check_python_spec(parsed: PipelineSpec, members: tuple[str, ...]) -> None:
+    """Import a `python:` spec's module and check its factory without calling it.
+
+    `members` are the `Pipeline` protocol's members. The factory must be callable with one
+    argument (the device); a factory that is a class, or whose return annotation is one, must
+    define the protocol's methods. What it returns is checked again where it is called.
+    """
+    factory = import_factory(parsed)
+    if not callable(factory):
+        raise NotAPipeline(
+            f"{parsed.text}: {parsed.factory} is a {type(factory).__name__}, not a factory; "
+            "expected a function or class called with the device"
+        )
+    _check_takes_device(parsed, factory)
+    made = factory if inspect.isclass(factory) else _annotated_return(factory)
+    if made is not None:
+        missing = [m for m in members if not _class_has(made, m)]
+        if missing:
+            raise NotAPipeline(
+                f"{parsed.text}: {parsed.factory} makes {made.__name__}, which is not a Pipeline:"
+                f" it lacks {', '.join(missing)} (docs/pipelines.md)"
+            )
+
+
+def _check_takes_device(parsed: PipelineSpec, factory: Any) -> None:
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: it is called as it is
+    try:
+        signature.bind("cpu")
+    except TypeError:
+        raise SpecError(
+            f"{parsed.text}: {parsed.factory}{signature} cannot be called with one argument "
+            "(the device)"
+        ) from None
+
+
+def _annotated_return(factory: Any) -> type | None:
+    try:
+        hints = typing.get_type_hints(factory)
+    except Exception:  # an annotation that does not resolve says nothing either way
+        return None
+    made = hints.get("return")
+    if inspect.isclass(made) and not getattr(made, "_is_protocol", False):
+        return made
+    return None
+
+
+def _class_has(cls: type, member: str) -> bool:
+    # `name` is often set in __init__: an annotation or a class attribute counts as well.
+    if member == "name":
+        return True
+    return callable(getattr(cls, member, None))
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and its message, whitespace folded."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _where(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" ({exc.filename}:{exc.lineno})"
+    frames = inspect.getinnerframes(exc.__traceback__) if exc.__traceback__ else []
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+def _file_of(module: Any) -> str:
+    return str(getattr(module, "__file__", None) or module.__name__)

@@ -1,0 +1,59 @@
+"""Counts of finished jobs, batch lines and batches, and of live batches per status.
+
+`finished_counts` reads `keys.finished_counts`: the terminal transition of a job
+(storage/lua/_machine.lua, `finish`) and the end of a fed batch (batch_finish.lua) add 1 there in
+the same atomic step that ends it; a transition refused or retried (the job already terminal, the
+batch's lease gone) writes nothing, so nothing is counted twice. The hash has no TTL: the counts
+stay right after the records they count have expired, and every API process or node reading it
+sees the same numbers. `live_batches` counts the batches still being fed or finished by status.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kiln.storage.base import StoreBase
+from kiln.storage.boundary import redis_boundary
+from kiln.storage.states import TERMINAL_STATES, JobState
+
+
+@dataclass(frozen=True)
+class FinishedCounts:
+    """Jobs finished per (queue, terminal state), batch lines per state, batches per status."""
+
+    jobs: dict[tuple[str, JobState], int] = field(default_factory=dict)
+    lines: dict[JobState, int] = field(default_factory=dict)
+    batches: dict[str, int] = field(default_factory=dict)
+
+
+@redis_boundary
+def finished_counts(store: StoreBase) -> FinishedCounts:
+    """The counters as they stand (one HGETALL); fields of another form are skipped."""
+    counts = FinishedCounts()
+    for name, value in store.redis.hgetall(store.keys.finished_counts).items():
+        kind, _, rest = name.partition("/")
+        if kind == "batch":
+            counts.batches[rest] = int(value)
+            continue
+        queue, _, state = rest.rpartition("/")
+        if state not in TERMINAL_STATES:
+            continue
+        if kind == "job":
+            counts.jobs[queue, JobState(state)] = int(value)
+        elif kind == "line" and not queue:
+            counts.lines[JobState(state)] = int(value)
+    return counts
+
+
+@redis_boundary
+def live_batches(store: StoreBase) -> dict[str, int]:
+    """Batches still being fed or finished, per status (running, paused, finalizing)."""
+    batch_ids = store.redis.zrange(store.keys.active_batches, 0, -1)
+    if not batch_ids:
+        return {}
+    with store.redis.pipeline(transaction=False) as pipe:
+        for batch_id in batch_ids:
+            pipe.hget(store.keys.batch(batch_id), "status")
+        statuses = pipe.execute()
+    return dict(Counter(status for status in statuses if status))

@@ -1,0 +1,61 @@
+"""After a batch's cancel answers, no line of it starts: real node workers, the feeder in them.
+
+The cancel sets the batch's stop in one step (batch_stop.lua) and a node starts a job in one
+(acquire_start.lua), which refuses a job of a stopped batch: both run on the Redis clock, so every
+job's `started_at` and `running` event come before the batch's `stopped_at`. The feeder's wind-down
+is made slow (a long feed interval) so that, without the fence, the node starts queued lines of
+the canceled batch long before they are canceled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kiln.storage.batch_store import BatchStore
+from kiln.storage.states import JobState
+from kiln.tasks.batches.lines import batch_job_id
+from tests.e2e.cluster import Cluster
+from tests.e2e.test_batches import SLEEPY_PIPELINE, watch, write_batch
+
+
+def test_no_line_starts_after_the_cancel_answered(
+    cluster_factory: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    cluster = cluster_factory(
+        KILN_BATCH_WINDOW="16",
+        KILN_BATCH_FEED_INTERVAL_S="3",  # the wind-down comes seconds after the cancel
+        KILN_BATCH_RESULTS_FLUSH_S="0.5",
+        KILN_BATCH_ITEM_RETENTION_S="3600",  # the records are read at the end
+        KILN_TEST_STEP_SECONDS="0.05",
+    )
+    cluster.start_worker(SLEEPY_PIPELINE)
+    custom_ids = write_batch(tmp_path / "batch.jsonl", 40, steps=3)
+    answer = cluster.run_cli(
+        "batch", "submit", str(tmp_path / "batch.jsonl"), "--pipeline", "sleepy"
+    )
+    assert answer.returncode == 0, answer.stderr
+    batch_id = answer.stdout.strip()
+    job_ids = [batch_job_id(batch_id, custom_id) for custom_id in custom_ids]
+    batches = BatchStore(cluster.store.redis, cluster.store.settings)
+    deadline = time.monotonic() + 120
+    while batches.get_fed(batch_id).counts[JobState.SUCCEEDED] < 2:  # it runs: cancel now
+        assert time.monotonic() < deadline, "the batch never ran"
+        time.sleep(0.02)
+    canceled = batches.stop_batch(batch_id, "canceled")  # what the API's cancel does
+    stopped_at = float(
+        cluster.store.redis.hget(cluster.store.keys.batch(batch_id), "stopped_at") or 0
+    )
+    assert canceled.stop == "canceled"
+    batch, _ = watch(batches, batch_id, timeout_s=120)  # the positive signal: it has ended
+    assert batch.status == "canceled"
+    late: list[str] = []
+    for record in cluster.store.get_many(job_ids):
+        if record is None:
+            continue  # never fed
+        starts = [e.time for e in cluster.store.events(record.id) if e.type == "running"]
+        if any(start > stopped_at for start in starts):
+            late.append(f"{record.id}: started {max(starts) - stopped_at:.3f}s after the cancel")
+    assert late == [], late
+    assert batch.counts[JobState.CANCELED] > 0  # lines were still open when it was canceled
