@@ -1,11 +1,13 @@
 """What goes to the group next: the requests waiting for it, and which of them share a forward.
 
 Requests are compatible when their `batch_key()` is equal (pipeline, size, frames, steps,
-guidance); the pipelines generate every output from its own seeded generator, so a request's
-pixels do not depend on its batch mates. A batch holds at most `max_batch` outputs (a request
-with more outputs than that runs alone), fewer when its pipeline's memory budget says so. The
-window only delays a batch that is not yet full and whose oldest request arrived less than
-`window_s` ago: requests that queued up while the group was busy go at once.
+guidance, inputs, adapters, speed mode: modes never share a forward); the pipelines generate
+every output from its own seeded generator, so in `exact` mode a request's pixels do not depend
+on its batch mates (in a faster mode the cache's skip decision is taken over the whole batch).
+A batch holds at most `max_batch` outputs (a request with more outputs than that runs alone),
+fewer when its pipeline's memory budget says so. The window only delays a batch that is not
+yet full and whose oldest request arrived less than `window_s` ago: requests that queued up while
+the group was busy go at once.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
-from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.common.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.gpu_worker.tickets import StopReason, Ticket
 

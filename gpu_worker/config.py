@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kiln.common.defaults import BATCH_WINDOW_S, DEADLINE_GRACE_S, MAX_BATCH
 from kiln.gpu_worker.parallel import ParallelSpec
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
@@ -24,13 +25,13 @@ class GroupConfig:
     devices: list[str]
     pipelines: dict[str, str]
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    max_batch: int = 4
-    batch_window_s: float = 0.01
+    max_batch: int = MAX_BATCH
+    batch_window_s: float = BATCH_WINDOW_S
     node_name: str = "node"
     # Lifecycle; the defaults are for real models (minutes to load, seconds per step).
     ready_timeout_s: float = 300.0
     shutdown_grace_s: float = 10.0
-    deadline_grace_s: float = 10.0
+    deadline_grace_s: float = DEADLINE_GRACE_S
     collective_timeout_s: float = 300.0
     desync_grace_s: float = 30.0
     verdict_wait_s: float = 2.0

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import InputSchema
 from kiln.gpu_worker.batching import WaitingRequests
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.counters import (
@@ -35,8 +37,6 @@ from kiln.gpu_worker.failures import death_error
 from kiln.gpu_worker.group import GroupMessage, WorkerGroup
 from kiln.gpu_worker.group_slot import GroupSlot
 from kiln.gpu_worker.inflight import InflightBatch, InflightRequests, discard_outputs
-from kiln.gpu_worker.inputs import InputSchema
-from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import (
     BatchDone,
     CoordinatorCommand,
@@ -44,6 +44,7 @@ from kiln.gpu_worker.protocol import (
     GenerationResult,
     GroupAsleep,
     RunBatch,
+    StepPreview,
     StepProgress,
     StopVerdict,
 )
@@ -307,7 +308,21 @@ class Coordinator:
             if isinstance(message, BatchDone):
                 discard_outputs(message.outputs)
             return
+        if isinstance(message, StepPreview):
+            self._on_preview(message)
+            return
         self._inflight.on_message(message)
+
+    def _on_preview(self, message: StepPreview) -> None:
+        """Hand a preview to its request's `on_progress` (as `StepProgress.preview`)."""
+        with self._cond:
+            batch = self._inflight.batch
+            current = batch is not None and batch.batch_id == message.batch_id
+            ticket = batch.tickets.get(message.request_id) if batch and current else None
+        if ticket is None or ticket.future.done():
+            return
+        progress = StepProgress("denoising", message.step, message.total, message.pixels)
+        ticket.report(progress)
 
     def _on_group_death(self, generation: int, reason: str) -> None:
         with self._cond:

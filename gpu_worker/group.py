@@ -13,12 +13,12 @@ import atexit
 import contextlib
 import threading
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import InputSchema
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import WorkerGroupDied
 from kiln.gpu_worker.group_monitor import DeathHandler, GroupMessage, GroupMonitor, MessageHandler
 from kiln.gpu_worker.group_spawn import RankProcesses, wait_for_exit
-from kiln.gpu_worker.inputs import InputSchema
-from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import CoordinatorCommand, ShutdownGroup
 
 __all__ = ["DeathHandler", "GroupMessage", "MessageHandler", "WorkerGroup"]

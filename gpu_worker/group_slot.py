@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import InputSchema
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import RankStartupFailed
 from kiln.gpu_worker.group import GroupMessage, WorkerGroup
-from kiln.gpu_worker.inputs import InputSchema
-from kiln.gpu_worker.limits import DeclaredLimits
 
 # Handlers of the current group's messages and death; they get the group's generation.
 GenerationMessageHandler = Callable[[int, GroupMessage], None]

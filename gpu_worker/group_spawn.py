@@ -18,10 +18,10 @@ from multiprocessing.process import BaseProcess
 
 import torch.distributed as dist
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import InputSchema
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import RankStartupFailed
-from kiln.gpu_worker.inputs import InputSchema
-from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import RankFailed, RankReady
 from kiln.gpu_worker.quiet import quiet_known_warnings

@@ -10,7 +10,8 @@ uploaded object); the node fetches it and hands the ranks its bytes (`gpu_worker
 
 Rank 0 reports each pipeline's schema to the group's owner together with its limits, the node
 announces it in its heartbeat under `inputs`, and the API validates a request's `inputs` against
-it (`tasks.contract.inputs`, which cannot import this package: the JSON keys are the contract).
+it (`tasks.contract.inputs`). The schema's marks and the request fields are
+`kiln.common.request`'s.
 """
 
 from __future__ import annotations
@@ -19,30 +20,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-# One extra input's value as JSON carries it; image references are strings.
-InputValue = bool | int | float | str | None
-InputSchema = dict[str, Any]
-
-FIELD_KEY = "x-kiln-field"  # the Kiln request field this property is
-IMAGE_KEY = "x-kiln-image"  # an image reference (gpu_worker.images)
-
-# The pipeline argument names that are Kiln request fields (and the fields' own names, which a
-# request's `inputs` may use too). `tasks.contract.inputs.INPUT_ALIASES` is the same table; a test
-# keeps the two equal.
-REQUEST_FIELDS: dict[str, str] = {
-    "prompt": "prompt",
-    "negative_prompt": "negative_prompt",
-    "width": "width",
-    "height": "height",
-    "num_inference_steps": "steps",
-    "steps": "steps",
-    "guidance_scale": "guidance_scale",
-    "num_frames": "num_frames",
-    "num_images_per_prompt": "num_outputs",
-    "num_videos_per_prompt": "num_outputs",
-    "num_outputs": "num_outputs",
-    "seed": "seed",
-}
+from kiln.common.request import FIELD_KEY, IMAGE_KEY, InputSchema, InputValue
 
 
 def declared_input_schema(pipeline: object) -> InputSchema | None:

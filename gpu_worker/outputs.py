@@ -17,18 +17,10 @@ import imageio_ffmpeg
 import numpy as np
 from PIL import Image
 
+from kiln.common.media import FORMAT_MEDIA
+from kiln.common.request import IMAGE_FORMATS, VIDEO_FORMATS
 from kiln.gpu_worker.errors import UnsupportedRequest
 
-IMAGE_FORMATS = {
-    "png": ("image/png", "png"),
-    "jpeg": ("image/jpeg", "jpg"),
-    "webp": ("image/webp", "webp"),
-}
-VIDEO_FORMATS = {
-    "mp4": ("video/mp4", "mp4"),
-    "webm": ("video/webm", "webm"),
-    "gif": ("image/gif", "gif"),
-}
 DEFAULT_IMAGE_QUALITY = 90
 # quality None -> the codec's usual default CRF; 1..100 maps linearly onto the CRF range.
 _CRF_RANGE = {"mp4": (51, 23), "webm": (63, 32)}  # (worst CRF, default CRF)
@@ -79,7 +71,7 @@ def encode(frames: np.ndarray, spec: OutputSpec) -> EncodedOutput:
                 f"output_format: {spec.format} holds one image, got {count} frames; "
                 f"use one of {'|'.join(VIDEO_FORMATS)}"
             )
-        content_type, extension = IMAGE_FORMATS[spec.format]
+        content_type, extension = FORMAT_MEDIA[spec.format]
         data = encode_image(video[0], spec)
         return EncodedOutput(data, content_type, extension, width, height, 1)
     if count < 2:
@@ -87,7 +79,7 @@ def encode(frames: np.ndarray, spec: OutputSpec) -> EncodedOutput:
             f"output_format: {spec.format} is a video format and needs 2 or more frames, got "
             f"{count}; use one of {'|'.join(IMAGE_FORMATS)} for a single image"
         )
-    content_type, extension = VIDEO_FORMATS[spec.format]
+    content_type, extension = FORMAT_MEDIA[spec.format]
     if spec.format == "gif":
         return EncodedOutput(
             frames_to_gif(video, spec.fps), content_type, extension, width, height, count

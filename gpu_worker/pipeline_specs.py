@@ -1,6 +1,7 @@
 """Pipeline specs: what `--pipeline NAME=SPEC` may say, and the checks a node makes before ranks.
 
-Spec grammar: `tiny` (tiny text-to-image) · `tiny-video` (tiny text-to-video) ·
+Spec grammar: `tiny` (tiny text-to-image) · `tiny-video` (tiny text-to-video) · `tiny-dit`
+(tiny Flux-style text-to-image, the one with speed modes) ·
 `tiny-img2img`, `tiny-inpaint`, `tiny-i2v` (their components, image-conditioned) ·
 `diffusers:<folder or hub id>` · `python:<module>:<factory>` (a `PipelineFactory`, called with
 the device; docs/pipelines.md).
@@ -33,10 +34,10 @@ TINY_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-inpaint": ("tiny", "StableDiffusionInpaintPipeline", {"requires_safety_checker": False}),
     "tiny-i2v": ("tiny-video", "WanImageToVideoPipeline", {"expand_timesteps": True}),
 }
-TINY_SPECS = frozenset({"tiny", "tiny-video", *TINY_VARIANTS})
+TINY_SPECS = frozenset({"tiny", "tiny-video", "tiny-dit", *TINY_VARIANTS})
 SPEC_GRAMMAR = (
-    "tiny | tiny-video | tiny-img2img | tiny-inpaint | tiny-i2v | diffusers:<folder or hub id> | "
-    "python:<module>:<factory>"
+    "tiny | tiny-video | tiny-dit | tiny-img2img | tiny-inpaint | tiny-i2v | "
+    "diffusers:<folder or hub id> | python:<module>:<factory>"
 )
 # What marks a diffusers target as a folder rather than a hub id (`org/name`).
 _PATH_PREFIXES = ("/", "./", "../", "~")

@@ -13,9 +13,11 @@ from enum import StrEnum
 
 import numpy as np
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.previews import DEFAULT_PREVIEW_FORMAT, DEFAULT_PREVIEW_SIDE
+from kiln.common.request import InputSchema, InputValue
 from kiln.gpu_worker.images import InputImage
-from kiln.gpu_worker.inputs import InputSchema, InputValue, inputs_key
-from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.inputs import inputs_key
 from kiln.gpu_worker.shm import FrameDescriptor
 
 
@@ -35,6 +37,19 @@ class AdapterState:
     loaded: tuple[str, ...] = ()  # least recently used first
     fused: tuple[str, ...] = ()  # folded into the weights now
     loaded_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PreviewSpec:
+    """What previews a request wants: one every `every_steps` steps, longer side ≤ `max_side`."""
+
+    every_steps: int
+    max_side: int = DEFAULT_PREVIEW_SIDE
+    format: str = DEFAULT_PREVIEW_FORMAT  # encoded by the node, off the ranks
+
+    def due(self, step: int) -> bool:
+        """True when step `step` (counted from 1) gets a preview."""
+        return step % self.every_steps == 0
 
 
 @dataclass(frozen=True)
@@ -62,8 +77,15 @@ class GenerationRequest:
     # Image inputs by name, fetched and checked by the node (gpu_worker/images.py); their
     # `extra_inputs` entries hold `sha256:<hex>`, so the batch key tells images apart.
     images: Mapping[str, InputImage] = field(default_factory=dict, kw_only=True)
+    # Previews while denoising (gpu_worker/previews.py); None = none. Not in the batch key: rank
+    # 0 decodes each request's own rows, whatever else shares the forward.
+    preview: PreviewSpec | None = field(default=None, kw_only=True)
+    # `exact`, `balanced` or `fast` (kiln.common.request.SPEED_MODES; gpu_worker/speed.py).
+    speed: str = field(default="exact", kw_only=True)
 
-    def batch_key(self) -> tuple[str, int, int, int, int, float, str, tuple[AdapterRef, ...]]:
+    def batch_key(
+        self,
+    ) -> tuple[str, int, int, int, int, float, str, tuple[AdapterRef, ...], str]:
         """Requests with equal keys can share one forward pass (equal extra inputs included)."""
         return (
             self.pipeline,
@@ -74,6 +96,7 @@ class GenerationRequest:
             self.guidance_scale,
             inputs_key(self.extra_inputs),
             self.loras,  # one forward runs with one set of adapter weights
+            self.speed,  # one forward runs with one cache configuration
         )
 
 
@@ -88,6 +111,27 @@ class StepProgress:
     stage: str
     step: int
     total: int
+    # A preview of the request's first output after this step: uint8 (height, width, 3), not
+    # encoded yet (the caller encodes it off the group's path). Only with stage `denoising`.
+    preview: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class SpeedReport:
+    """How a forward ran its speed mode: the effective configuration, and the blocks it skipped.
+
+    `cache` is the diffusers hook applied (`none` for `exact`), `threshold` its setting; `tf32`
+    whether float32 matmuls ran in TF32 (CUDA only). `block_calls` counts the denoiser's
+    transformer block calls the forward would make without a cache, `block_calls_skipped` those
+    the cache answered from its previous step instead.
+    """
+
+    mode: str
+    cache: str = "none"
+    threshold: float = 0.0
+    tf32: bool = False
+    block_calls: int = 0
+    block_calls_skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +144,7 @@ class RunMetrics:
     batch_size: int
     # Time rank 0 spent waking its pipelines before this forward (0.0: the group was awake).
     wake_s: float = 0.0
+    speed: SpeedReport | None = None  # from pipelines that report one (DiffusersPipeline)
 
 
 @dataclass(frozen=True)
@@ -201,6 +246,17 @@ class StepDone:
 
 
 @dataclass(frozen=True)
+class StepPreview:
+    """Rank 0 -> coordinator: a preview of one request after `step` (uint8 (H, W, 3) pixels)."""
+
+    batch_id: int
+    request_id: str
+    step: int
+    total: int
+    pixels: np.ndarray = field(repr=False)
+
+
+@dataclass(frozen=True)
 class RequestRejected:
     """Rank 0 -> coordinator: the pipeline refused this request (`UnsupportedRequest`)."""
 
@@ -280,5 +336,5 @@ class RankOutcome:
 
 
 CoordinatorCommand = RunBatch | StopVerdict | ShutdownGroup | SleepGroup
-LeaderMessage = StepDone | RequestRejected | BatchDone | BatchFailed | GroupAsleep
+LeaderMessage = StepDone | StepPreview | RequestRejected | BatchDone | BatchFailed | GroupAsleep
 StatusMessage = RankReady | RankFailed | RankFault

@@ -18,11 +18,11 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import InputSchema
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.coordinator import Coordinator
 from kiln.gpu_worker.counters import GroupCounters
-from kiln.gpu_worker.inputs import InputSchema
-from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.gpu_worker.settings import GpuWorkerSettings

@@ -88,6 +88,13 @@ class GpuWorkerSettings(BaseSettings):
         "it (no per-step adapter cost while it stays hot); unset = never fuse.",
     )
 
+    preview_vae: Path | None = Field(
+        default=None,
+        description="Folder of a diffusers AutoencoderTiny (TAESD, TAESDXL, TAESD3, TAEF1) that "
+        "decodes job previews for the pipelines whose latent channels it takes; unset = a "
+        "latent→RGB map fitted to each pipeline's own VAE at start.",
+    )
+
     lora_prefix: str | None = Field(
         default=None,
         description="Folder of the object store (under the storage URL's prefix) holding "
@@ -107,7 +114,7 @@ class GpuWorkerSettings(BaseSettings):
         # the node checks the folder against the store's key rules (tasks/node/adapters.py)
         return value.strip("/") or None if value is not None else None
 
-    @field_validator("model_cache", "compile_cache_dir", "lora_dir")
+    @field_validator("model_cache", "compile_cache_dir", "lora_dir", "preview_vae")
     @classmethod
     def _expand_cache(cls, value: Path | None) -> Path | None:
         # `~` must be expanded here: the ranks get an absolute path and never see the shell.

@@ -1,1 +1,1 @@
-"""Kiln's storage layer: job state in Redis (storage.status) and outputs (storage.objects)."""
+"""Kiln's storage layer: job state in Redis (storage.job_store) and outputs (storage.objects)."""

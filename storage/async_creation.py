@@ -13,6 +13,7 @@ from typing import Any
 import redis.asyncio
 from redis.exceptions import RedisError
 
+from kiln.storage.base import check_acknowledged, wait_command
 from kiln.storage.boundary import translate
 from kiln.storage.creation import CreationOps, Placement
 from kiln.storage.queues import QueueSnapshot
@@ -60,7 +61,13 @@ class AsyncCreation:
     async def _execute(self, calls: list[ScriptCall], raise_on_error: bool = True) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
         queue_by_sha(pipe, calls)
-        return list(await pipe.execute(raise_on_error=raise_on_error))
+        wait = wait_command(self.ops.settings)  # a 201 only once replicas have the job
+        if wait is not None:
+            pipe.execute_command(*wait)
+        replies = list(await pipe.execute(raise_on_error=raise_on_error))
+        if wait is not None:
+            check_acknowledged(self.ops.settings, replies.pop())
+        return replies
 
     async def aclose(self) -> None:
         """Close the client and its pool (a client given a pool leaves it open unless told)."""

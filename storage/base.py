@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 import redis.asyncio
 import redis.asyncio.retry
+import redis.asyncio.sentinel
+import redis.sentinel
 from redis.backoff import EqualJitterBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.errors import JobNotFound, StorageError
+from kiln.storage.errors import JobNotFound, StorageError, StorageUnavailable
 from kiln.storage.keys import Keys, valid_id
 from kiln.storage.records import JobRecord, job_from_hash, pairs_to_dict
-from kiln.storage.scripts import ScriptName, Scripts
+from kiln.storage.scripts import ScriptName, Scripts, first_lost_script, queue_by_sha, source
 from kiln.storage.settings import StorageSettings, masked_url
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _client_options(settings: StorageSettings) -> dict[str, Any]:
@@ -34,33 +43,131 @@ def _client_options(settings: StorageSettings) -> dict[str, Any]:
 _BACKOFF, _RETRIES = EqualJitterBackoff(cap=0.5, base=0.05), 3
 
 
-def redis_client(settings: StorageSettings) -> redis.Redis[str]:
-    """A client for `settings.redis_url` as the stores expect it (str replies, short retries)."""
-    return redis.Redis.from_url(
-        settings.redis_url,
+def _master_options(settings: StorageSettings) -> dict[str, Any]:
+    """What a Sentinel-found primary's connections take from `redis_url`: db, user, password, TLS.
+
+    (Its host and port are the Sentinels' answer, asked again on every new connection.)
+    """
+    parsed = parse_url(settings.redis_url)
+    options: dict[str, Any] = {
+        key: value for key, value in parsed.items() if key in ("db", "username", "password")
+    }
+    if settings.redis_url.startswith("rediss://"):
+        options["ssl"] = True
+    return options
+
+
+def _sentinel_options(settings: StorageSettings) -> dict[str, Any]:
+    """The connections to the Sentinels themselves: short timeouts, so a dead one is skipped."""
+    timeout = settings.redis_connect_timeout_s
+    return {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+
+
+class _WindowRetry(Retry):
+    """Retries a lost connection (the same backoff) until `window_s` after the call began."""
+
+    def __init__(self, window_s: float) -> None:
+        super().__init__(_BACKOFF, -1)  # unbounded count: the window bounds it
+        self._window_s = window_s
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        """Redis-py's retry loop, told to give up once the window has passed."""
+        deadline = time.monotonic() + self._window_s
+
+        def retryable(error: Exception) -> bool:
+            if is_retryable is not None and not is_retryable(error):
+                return False
+            return time.monotonic() < deadline
+
+        # (the installed type stubs predate `with_failure_count`)
+        return super().call_with_retry(  # type: ignore[call-arg]
+            do, fail, retryable, with_failure_count
+        )
+
+
+def _retry(settings: StorageSettings, retries: int) -> Retry:
+    if settings.redis_retry_window_s > 0 and retries > 0:
+        return _WindowRetry(settings.redis_retry_window_s)
+    return Retry(_BACKOFF, retries)
+
+
+def redis_client(settings: StorageSettings, *, retries: int = _RETRIES) -> redis.Redis[str]:
+    """A client for Kiln's Redis as the stores expect it (str replies, short retries).
+
+    With `redis_sentinels`, a client of the primary the Sentinels name: after a failover its
+    connections reconnect to the new primary (a write in flight fails as StorageUnavailable).
+    """
+    options = {
         # bounded, so a flood of clients fails fast instead of opening Redis connections unbounded
-        max_connections=settings.redis_max_connections,
-        retry=Retry(_BACKOFF, _RETRIES),
+        "max_connections": settings.redis_max_connections,
+        "retry": _retry(settings, retries),
         **_client_options(settings),
+    }
+    if not settings.redis_sentinels:
+        return redis.Redis.from_url(settings.redis_url, **options)
+    sentinel = redis.sentinel.Sentinel(
+        settings.sentinel_addresses, sentinel_kwargs=_sentinel_options(settings)
     )
+    client: redis.Redis[str] = sentinel.master_for(
+        settings.redis_sentinel_master, **options, **_master_options(settings)
+    )
+    return client
 
 
-def async_redis_client(
-    settings: StorageSettings, max_connections: int
-) -> redis.asyncio.Redis[str]:
+if TYPE_CHECKING:  # generic in the type stubs only
+    _SentinelPool = redis.asyncio.sentinel.SentinelConnectionPool[
+        redis.asyncio.sentinel.SentinelManagedConnection
+    ]
+    _BlockingPool = redis.asyncio.BlockingConnectionPool[
+        redis.asyncio.sentinel.SentinelManagedConnection
+    ]
+else:
+    _SentinelPool = redis.asyncio.sentinel.SentinelConnectionPool
+    _BlockingPool = redis.asyncio.BlockingConnectionPool
+
+
+class _BlockingSentinelPool(_SentinelPool, _BlockingPool):
+    """The Sentinel-found primary's pool that, like BlockingConnectionPool, waits when full."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        """Close the pool's connections; closing it for good (`aclose`) closes the Sentinels'."""
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # (a primary that moved disconnects only the idle ones)
+            for sentinel in self.sentinel_manager.sentinels:
+                await sentinel.aclose()  # type: ignore[attr-defined]
+
+
+def async_redis_client(settings: StorageSettings, max_connections: int) -> redis.asyncio.Redis[str]:
     """An event loop's client for `settings.redis_url`, configured as `redis_client`'s.
 
     Past `max_connections` a caller waits (up to the socket timeout) for a connection to come
     back, instead of failing at once: an event loop has no thread pool to bound its callers.
     """
-    pool: redis.asyncio.BlockingConnectionPool[redis.asyncio.Connection]
-    pool = redis.asyncio.BlockingConnectionPool.from_url(
-        settings.redis_url,
-        max_connections=max_connections,
-        timeout=settings.redis_socket_timeout_s,
-        retry=redis.asyncio.retry.Retry(_BACKOFF, _RETRIES),
+    options = {
+        "max_connections": max_connections,
+        "timeout": settings.redis_socket_timeout_s,
+        "retry": redis.asyncio.retry.Retry(_BACKOFF, _RETRIES),
         **_client_options(settings),
-    )
+    }
+    if settings.redis_sentinels:
+        sentinel = redis.asyncio.sentinel.Sentinel(
+            settings.sentinel_addresses, sentinel_kwargs=_sentinel_options(settings)
+        )
+        client: redis.asyncio.Redis[str] = sentinel.master_for(
+            settings.redis_sentinel_master,
+            connection_pool_class=_BlockingSentinelPool,
+            **options,
+            **_master_options(settings),
+        )
+        return client
+    pool: redis.asyncio.BlockingConnectionPool[redis.asyncio.Connection]
+    pool = redis.asyncio.BlockingConnectionPool.from_url(settings.redis_url, **options)
     # (decode_responses is the pool's; said again for the type checker, which reads it here)
     return redis.asyncio.Redis(connection_pool=pool, decode_responses=True)
 
@@ -88,7 +195,7 @@ def require_supported_redis(settings: StorageSettings) -> None:
     version read and found too old stops them: a Redis that does not answer yet, or an ACL user
     not allowed INFO, starts the command as it would without the check.
     """
-    client = redis.Redis.from_url(settings.redis_url, **_client_options(settings))
+    client = redis_client(settings, retries=0)
     try:
         version = redis_version(client)
     except redis.exceptions.RedisError:
@@ -109,6 +216,34 @@ def check_client(client: redis.Redis[str]) -> None:
         raise ValueError("the Redis client must be created with decode_responses=True")
 
 
+class ReplicasBehind(StorageUnavailable):
+    """Fewer replicas than `redis_min_replicas_ack` acknowledged a write in time (retryable).
+
+    The write stands on the primary; it may be lost if the primary is lost before a replica
+    has it. A producer told so retries (with its Idempotency-Key, the same job comes back).
+    """
+
+
+def wait_command(settings: StorageSettings) -> tuple[str, int, int] | None:
+    """The `WAIT replicas timeout_ms` a durable write is followed by; None when the rule is off."""
+    if settings.redis_min_replicas_ack <= 0:
+        return None
+    timeout_ms = max(1, int(settings.redis_replica_ack_timeout_s * 1000))
+    return "WAIT", settings.redis_min_replicas_ack, timeout_ms
+
+
+def check_acknowledged(settings: StorageSettings, replicas: object) -> None:
+    """ReplicasBehind unless WAIT's reply counts `redis_min_replicas_ack` replicas (or more)."""
+    if isinstance(replicas, Exception):
+        raise replicas
+    wanted = settings.redis_min_replicas_ack
+    if int(str(replicas)) < wanted:
+        raise ReplicasBehind(
+            f"{replicas} of {wanted} Redis replicas acknowledged the write within "
+            f"{settings.redis_replica_ack_timeout_s}s"
+        )
+
+
 class StoreBase:
     """Client, settings, key names and scripts shared by the job store's parts."""
 
@@ -124,6 +259,41 @@ class StoreBase:
         """The Redis clock (s): the clock of job events, the same for every node."""
         seconds, micros = self.redis.time()
         return float(seconds) + float(micros) / 1e6
+
+    def _run_acknowledged(
+        self, name: ScriptName, keys: list[str], args: list[Any], *, strict: bool
+    ) -> Any:
+        """`_run`, then `WAIT` for `redis_min_replicas_ack` replicas on the same connection.
+
+        (WAIT counts the writes of the connection it runs on: script and WAIT share one
+        pipeline, by sha, the script loaded once Redis answers NOSCRIPT, as after a failover to
+        a primary that never ran it.) `strict`: ReplicasBehind on a shortfall; else a warning,
+        for a write its caller cannot take back.
+        """
+        command = wait_command(self.settings)
+        if command is None:
+            return self._run(name, keys, args)
+        reply, replicas = self._script_then_wait(name, keys, args, command)
+        if first_lost_script([reply]) is not None:
+            self.redis.script_load(source(name))
+            reply, replicas = self._script_then_wait(name, keys, args, command)
+            first_lost_script([reply])  # raises what the script raised (NOSCRIPT included)
+        try:
+            check_acknowledged(self.settings, replicas)
+        except ReplicasBehind as behind:
+            if strict:
+                raise
+            log.warning("a job transition is not on a replica yet: %s", behind)
+        return reply
+
+    def _script_then_wait(
+        self, name: ScriptName, keys: list[str], args: list[Any], command: tuple[str, int, int]
+    ) -> tuple[Any, Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        queue_by_sha(pipe, [(name, keys, args)])
+        pipe.execute_command(*command)
+        reply, replicas = pipe.execute(raise_on_error=False)
+        return reply, replicas
 
     def _run(self, name: ScriptName, keys: list[str], args: list[Any]) -> Any:
         """Run the script `storage/lua/<name>.lua` with these KEYS and ARGV."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from kiln.common.states import is_final_batch
 from kiln.storage.base import StoreBase
-from kiln.storage.batch_records import FINAL_STATUSES
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.keys import valid_id
 
@@ -106,7 +106,7 @@ class BatchFeeding(StoreBase):
         self, batch_id: str, lease: tuple[int, str], status: str, summary_part: str
     ) -> bool:
         """End the batch with `status` and its summary part (fenced); False if not applicable."""
-        if status not in FINAL_STATUSES:
+        if not is_final_batch(status):
             raise ValueError(f"not a final status: {status!r}")
         token, owner = lease
         keys = [

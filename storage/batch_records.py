@@ -12,16 +12,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.common.defaults import BATCH_LANE
+from kiln.common.states import FINAL_BATCH_STATUSES, BatchStatus, JobState, is_final_batch
 from kiln.storage.errors import BatchNotFound, StorageError
 from kiln.storage.keys import valid_id
-from kiln.storage.states import JobState
 
-FINAL_STATUSES = frozenset({"completed", "canceled", "expired", "failed"})
 # why a batch stops before every line ran: its owner canceled it, its window ended, or its input
 # could not be read (`error` says why)
-STOP_REASONS = frozenset({"canceled", "expired", "failed"})
-# a batch whose feeding is paused: its window drains, nothing new is fed, expiry still applies
-PAUSED = "paused"
+STOP_REASONS = FINAL_BATCH_STATUSES - {BatchStatus.completed}
 
 
 @dataclass(frozen=True)
@@ -36,7 +34,7 @@ class NewFedBatch:
     window_s: int
     owner: str | None = None
     pipeline: str | None = None
-    priority: str = "bulk"
+    priority: str = BATCH_LANE
     metadata: dict[str, str] = field(default_factory=dict)
     webhook: dict[str, Any] | None = None
     invalid_part: str | None = None  # result part of the invalid lines (skip_invalid)
@@ -85,12 +83,12 @@ class FedBatch:
     @property
     def final(self) -> bool:
         """Whether the batch has ended (completed, canceled or expired)."""
-        return self.status in FINAL_STATUSES
+        return is_final_batch(self.status)
 
     @property
     def paused(self) -> bool:
         """Whether feeding is paused (the window drains; nothing new is fed)."""
-        return self.status == PAUSED
+        return self.status == BatchStatus.paused
 
     @property
     def unfed(self) -> int:
@@ -124,7 +122,7 @@ def fed_batch_from_hash(batch_id: str, data: dict[str, str], parts: int) -> FedB
         deadline=float(data["deadline"]),
         window_s=int(data.get("window_s", "0")),
         pipeline=data.get("pipeline") or None,
-        priority=data.get("priority", "bulk"),
+        priority=data.get("priority", BATCH_LANE),
         metadata=json.loads(data.get("metadata", "{}")),
         webhook=json.loads(webhook) if webhook else None,
         counts={state: int(data.get(f"n_{state}", "0")) for state in JobState},

@@ -7,10 +7,9 @@ each owner's, the active batches (being fed or finished) and the list of committ
 
 from __future__ import annotations
 
+from kiln.common.states import JobState
 from kiln.storage.base import StoreBase, dumps
 from kiln.storage.batch_records import (
-    FINAL_STATUSES,
-    PAUSED,
     STOP_REASONS,
     BatchConflict,
     FedBatch,
@@ -21,14 +20,12 @@ from kiln.storage.batch_records import (
 )
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.errors import BatchNotFound
+from kiln.storage.index_pages import newest_first
 from kiln.storage.keys import valid_id
 from kiln.storage.records import pairs_to_dict
 from kiln.storage.scripts import ScriptName
-from kiln.storage.states import JobState
 
 __all__ = [
-    "FINAL_STATUSES",
-    "PAUSED",
     "STOP_REASONS",
     "BatchConflict",
     "BatchStore",
@@ -39,8 +36,6 @@ __all__ = [
 ]
 # the active batches one feeder pass looks at
 _ACTIVE_LIMIT = 10_000
-# list_fed reads this many index pages before it hands a cursor back with a short page
-_MAX_SCAN_ROUNDS = 8
 # what the control scripts are asked to do, as the conflict names it
 _ACTIONS = {
     "canceled": "canceled",
@@ -169,25 +164,7 @@ class BatchStore(StoreBase):
         nothing more. Expired batches are skipped and dropped from the index read.
         """
         index = self.keys.batch_owner_list(owner) if owner is not None else self.keys.batch_list
-        if cursor is not None and not (cursor.isascii() and cursor.isdigit()):
-            raise ValueError(f"invalid cursor {cursor!r}")
-        upper = "+inf" if cursor is None else f"({cursor}"
-        found: list[FedBatch] = []
-        for _ in range(_MAX_SCAN_ROUNDS):
-            page = self.redis.zrevrangebyscore(index, upper, "-inf", 0, limit, withscores=True)
-            batches = self.get_fed_many([member for member, _ in page])
-            gone = [m for (m, _), b in zip(page, batches, strict=True) if b is None]
-            if gone:
-                self.redis.zrem(index, *gone)
-            for (_, score), batch in zip(page, batches, strict=True):
-                if batch is not None:
-                    found.append(batch)
-                    if len(found) == limit:
-                        return found, str(int(score))
-            if len(page) < limit:
-                return found, None
-            upper = f"({int(page[-1][1])}"
-        return found, upper[1:]
+        return newest_first(self.redis, index, cursor, limit, self.get_fed_many)
 
     @redis_boundary
     def active_batch_ids(self) -> list[str]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.states import TERMINAL_STATES, JobState
 
 
 @dataclass(frozen=True)

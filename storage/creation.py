@@ -8,13 +8,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.storage.base import StoreBase, dumps
+from kiln.common.states import JobState
+from kiln.storage.base import StoreBase, check_acknowledged, dumps, wait_command
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.errors import BatchNotFound, IdempotencyConflict, StorageError
 from kiln.storage.queues import QueueSnapshot, snapshot_call, snapshot_from
 from kiln.storage.records import JobRecord, NewJob
 from kiln.storage.scripts import ScriptCall, first_lost_script, queue_by_sha, source
-from kiln.storage.states import JobState
 
 # jobs per pipelined round trip in create_jobs: large enough to amortise the round trip
 DEFAULT_CHUNK = 1000
@@ -127,7 +127,7 @@ class CreationOps(StoreBase):
         marked published.
         """
         keys, args = self.create_call(new, max_queued, max_depth, message)
-        return self.created(new, self._run("create", keys, args))
+        return self.created(new, self._run_acknowledged("create", keys, args, strict=True))
 
     def create_call(
         self,
@@ -218,7 +218,13 @@ class CreationOps(StoreBase):
     def _execute(self, calls: list[ScriptCall], raise_on_error: bool = True) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
         queue_by_sha(pipe, calls)
-        return list(pipe.execute(raise_on_error=raise_on_error))
+        wait = wait_command(self.settings)  # on the writes' own connection: see _run_acknowledged
+        if wait is not None:
+            pipe.execute_command(*wait)
+        replies = list(pipe.execute(raise_on_error=raise_on_error))
+        if wait is not None:
+            check_acknowledged(self.settings, replies.pop())
+        return replies
 
     @redis_boundary
     def create_jobs(self, news: Iterable[NewJob], chunk_size: int = DEFAULT_CHUNK) -> None:

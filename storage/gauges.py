@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kiln.common.states import JobState
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.states import JobState
 
 
 @redis_boundary

@@ -84,7 +84,7 @@ class Keys:
         return f"{self.ns}:batch:"
 
     def batch(self, batch_id: str) -> str:
-        """Hash per batch: total, created_at, metadata, n_<state> counters."""
+        """Hash per fed batch: status, cursor, options, `n_<state>` job counters (batch_records)."""
         return self.batch_prefix + batch_id
 
     @property
@@ -202,7 +202,8 @@ class Keys:
     def upload_slot(self, owner: str, upload_id: str) -> str:
         """String (JSON: declared size, content type) of an upload slot the API issued.
 
-        For the API's own PUT (a local store); its TTL is the slot's expiry (storage/uploads.py).
+        For the API's own PUT (a local store); its TTL is the slot's expiry
+        (storage/uploaded_inputs.py).
         """
         return f"{self.ns}:upload:{owner}:{upload_id}"
 

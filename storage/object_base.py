@@ -57,6 +57,20 @@ def output_key(prefix: str, job_id: str, index: int, ext: str, *, attempt: str) 
     return f"{prefix}/{name}" if prefix else name
 
 
+def preview_key(prefix: str, job_id: str, ext: str) -> str:
+    """`{prefix}/{job_id}/preview.{ext}`: a job's newest large preview, replaced by the next one.
+
+    Outside every attempt's folder: it is no output, and a job has at most one.
+    """
+    check_prefix(prefix)
+    if not valid_id(job_id):
+        raise InvalidObjectKey(f"invalid job id {job_id!r}")
+    if not _EXT.fullmatch(ext):
+        raise InvalidObjectKey(f"invalid extension {ext!r}")
+    name = f"{job_id}/preview.{ext}"
+    return f"{prefix}/{name}" if prefix else name
+
+
 def check_key(prefix: str, key: str) -> str:
     """Return `key` if it lies under `prefix` and has only plain segments; else InvalidObjectKey."""
     parts = key.split("/")

@@ -9,6 +9,7 @@ from kiln.storage.object_base import (
     check_key,
     new_attempt_name,
     output_key,
+    preview_key,
 )
 from kiln.storage.s3_store import S3ObjectStore
 from kiln.storage.settings import StorageSettings
@@ -22,6 +23,7 @@ __all__ = [
     "new_attempt_name",
     "open_object_store",
     "output_key",
+    "preview_key",
 ]
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
+from kiln.common.states import JobState
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
+from kiln.storage.index_pages import newest_first
 from kiln.storage.keys import valid_id
 from kiln.storage.records import JobEvent, JobRecord, event_from_entry, job_from_hash
-from kiln.storage.states import JobState
-
-# list_jobs reads this many index pages before it hands a cursor back with a short page,
-# so a rare filter combination cannot make one call scan a whole index
-_MAX_SCAN_ROUNDS = 8
 
 
 class QueryOps(StoreBase):
@@ -82,20 +79,14 @@ class QueryOps(StoreBase):
         if batch_id is not None and not valid_id(batch_id):
             return [], None
         index = self._pick_index(owner, state, batch_id)
-        upper = "+inf" if cursor is None else f"({_parse_cursor(cursor)}"
-        found: list[JobRecord] = []
-        for _ in range(_MAX_SCAN_ROUNDS):
-            page = self.redis.zrevrangebyscore(index, upper, "-inf", 0, limit, withscores=True)
-            records = self._records_of_page(index, [member for member, _ in page])
-            for (_, score), record in zip(page, records, strict=True):
-                if record is not None and _matches(record, owner, state, batch_id):
-                    found.append(record)
-                    if len(found) == limit:
-                        return found, str(int(score))
-            if len(page) < limit:
-                return found, None
-            upper = f"({int(page[-1][1])}"
-        return found, upper[1:]
+        return newest_first(
+            self.redis,
+            index,
+            cursor,
+            limit,
+            self.get_many,
+            lambda record: _matches(record, owner, state, batch_id),
+        )
 
     @redis_boundary
     def prune_indexes(self, limit: int = 1000) -> int:
@@ -135,19 +126,6 @@ class QueryOps(StoreBase):
         if state is not None:
             return self.keys.state_index(JobState(state).value)
         return self.keys.all_index
-
-    def _records_of_page(self, index: str, job_ids: list[str]) -> list[JobRecord | None]:
-        records = self.get_many(job_ids)
-        gone = [job_id for job_id, record in zip(job_ids, records, strict=True) if record is None]
-        if gone:
-            self.redis.zrem(index, *gone)
-        return records
-
-
-def _parse_cursor(cursor: str) -> int:
-    if not cursor.isdigit():
-        raise ValueError(f"invalid cursor {cursor!r}")
-    return int(cursor)
 
 
 def _matches(

@@ -107,8 +107,7 @@ class QueueOps(StoreBase):
 
         True once per restart. A message a consumer was taking from Redis as it went down is
         gone (kombu's Redis transport removes it from the queue before recording it as
-        unacknowledged), while its job stays `queued`: the caller publishes the queue's jobs
-        again.
+        unacknowledged), while its job stays `queued`: the caller audits the queue at once.
         """
         _check_queue(queue)
         key = self.keys.queue_server(queue)

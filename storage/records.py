@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.common.request import Lane
+from kiln.common.states import JobState
 from kiln.storage.keys import valid_id, valid_queue
-from kiln.storage.states import JobState
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class NewJob:
     owner: str | None = None
     idempotency_key: str | None = None
     fingerprint: str | None = None
-    lane: str = "interactive"
+    lane: str = Lane.interactive
     # the queue it waits in (`<lane>.<pipeline>`): its place in that queue's index, the per-queue
     # completion window of its runs; None: no queue index entry (positions unknown)
     queue: str | None = None
@@ -68,25 +69,6 @@ class JobEvent:
     payload: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class BatchRecord:
-    """A batch and how many of its jobs are in each state (moved atomically with each job)."""
-
-    id: str
-    total: int
-    created_at: float
-    metadata: dict[str, str]
-    counts: dict[JobState, int]
-
-    @property
-    def done(self) -> int:
-        """Jobs of the batch in a terminal state."""
-        return sum(n for s, n in self.counts.items() if s not in _LIVE)
-
-
-_LIVE = (JobState.QUEUED, JobState.RUNNING)
-
-
 def _optional_float(value: str | None) -> float | None:
     return float(value) if value else None
 
@@ -126,15 +108,4 @@ def event_from_entry(entry_id: str, fields: dict[str, str]) -> JobEvent:
         type=fields["type"],
         time=float(fields["time"]),
         payload=json.loads(fields["payload"]),
-    )
-
-
-def batch_from_hash(batch_id: str, data: dict[str, str]) -> BatchRecord:
-    """Build a BatchRecord from the fields of a batch hash."""
-    return BatchRecord(
-        id=batch_id,
-        total=int(data["total"]),
-        created_at=float(data["created_at"]),
-        metadata=json.loads(data["metadata"]),
-        counts={state: int(data.get(f"n_{state}", "0")) for state in JobState},
     )

@@ -1,8 +1,9 @@
 """The Lua scripts in storage/lua/: read, assembled with their prelude, registered per client.
 
 Each `<name>.lua` is one script; files whose name starts with `_` are libraries. A script's source
-as Redis sees it is `_prelude.lua`, then the libraries its header includes, then the script run
-as a function under pcall, whose errors leave as error replies (see `source`).
+as Redis sees it is the state names (`state_names`: tables made from kiln/common/states.py, so no
+script spells a state itself), `_prelude.lua`, then the libraries its header includes, then the
+script run as a function under pcall, whose errors leave as error replies (see `source`).
 
 A script starts with a header of `--` lines: what it does and returns, `-- include: _lib` lines,
 one `-- KEYS[i] = what` line per key it touches and one `-- ARGV[i] = what` line per argument
@@ -32,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from redis.exceptions import NoScriptError
 
+from kiln.common.states import TERMINAL_STATES, BatchStatus, JobState
+
 if TYPE_CHECKING:
     import redis
     import redis.asyncio.client
@@ -42,6 +45,7 @@ ScriptName = Literal[
     "cancel",
     "reap",
     "progress",
+    "live_event",
     "create",
     "create_many",
     "acquire",
@@ -54,7 +58,6 @@ ScriptName = Literal[
     "unpublished",
     "publish_node",
     "live_nodes",
-    "create_batch",
     "prune_indexes",
     "apikey_create",
     "apikey_revoke",
@@ -70,6 +73,8 @@ ScriptName = Literal[
     "held_claim",
     "held_jobs",
     "audit_claim",
+    "backlog",
+    "surplus_claim",
 ]
 SCRIPT_NAMES: tuple[ScriptName, ...] = get_args(ScriptName)
 PRELUDE = "_prelude"
@@ -157,11 +162,32 @@ _BODY_OPEN = "local function script_body()"
 _BODY_CLOSE = "end\nreturn reply_of(pcall(script_body))"
 
 
+def _lua_names(table: str, names: Sequence[str], what: str) -> str:
+    # a name that is none (a typo) raises instead of reading as nil, which would compare unequal
+    members = ", ".join(f"{name} = '{name}'" for name in names)
+    strict = f"function(_, name) error('no {what} ' .. tostring(name)) end"
+    return f"local {table} = setmetatable({{{members}}}, {{__index = {strict}}})"
+
+
+@functools.cache
+def state_names() -> str:
+    """The Lua lines that name the states, from kiln.common.states: `S`, `B` and `TERMINAL`."""
+    terminal = ", ".join(f"{state} = true" for state in JobState if state in TERMINAL_STATES)
+    return "\n".join(
+        [
+            "-- state names, from kiln/common/states.py (storage/scripts.py writes these lines)",
+            _lua_names("S", list(JobState), "job state"),
+            _lua_names("B", list(BatchStatus), "batch status"),
+            f"local TERMINAL = {{{terminal}}}",
+        ]
+    )
+
+
 @functools.cache
 def source(name: ScriptName) -> str:
-    """The script as Redis runs it: prelude, included libraries, then the script as a function."""
+    """The script as Redis runs it: state names, prelude, included libraries, then the script."""
     libraries = [read(part) for part in (PRELUDE, *header(name).includes)]
-    return "\n".join([*libraries, _BODY_OPEN, read(name), _BODY_CLOSE])
+    return "\n".join([state_names(), *libraries, _BODY_OPEN, read(name), _BODY_CLOSE])
 
 
 @functools.cache

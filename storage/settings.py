@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # Outputs default to one absolute folder per user, so every process agrees on it whatever folder
 # it starts in; shown as such in README's settings table (tests/docs/settings_tables.py).
@@ -64,6 +65,15 @@ def masked_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def sentinel_address(address: str) -> tuple[str, int]:
+    """(host, port) of a `host:port` Sentinel address (`[v6]:port` too); else ValueError."""
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"redis_sentinels: {address!r} is not host:port")
+    return host, int(port)
+
+
 class StorageSettings(BaseSettings):
     """Where job state (Redis) and outputs (S3 or a local directory) live, and their lifetimes."""
 
@@ -81,6 +91,36 @@ class StorageSettings(BaseSettings):
     redis_connect_timeout_s: float = Field(default=5.0, gt=0, description="Redis connect timeout.")
     redis_max_connections: int = Field(
         default=128, ge=1, description="Size of each process's Redis connection pool."
+    )
+    redis_sentinels: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Redis Sentinels as `host:port` (comma-separated): when set, every Redis "
+        "client (store, API, broker) asks them for the primary of `redis_sentinel_master`; "
+        "`redis_url` then gives only the database, user and password.",
+    )
+    redis_sentinel_master: str = Field(
+        default="mymaster",
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="The master name the Sentinels monitor (with `redis_sentinels`).",
+    )
+    redis_retry_window_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="How long a blocking Redis call retries a lost connection before the store "
+        "reports itself unavailable; 0: three quick retries. On nodes, set it above the "
+        "Sentinels' failover time, so a job's transitions wait a failover out.",
+    )
+    redis_min_replicas_ack: int = Field(
+        default=0,
+        ge=0,
+        description="Replicas that must acknowledge a job's creation, start and end (Redis "
+        "`WAIT`) before Kiln answers or moves on; 0: off (docs/operations.md, Redis failover).",
+    )
+    redis_replica_ack_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How long to wait for those replicas; past it a creation is answered 503 "
+        "(retryable), a node's transition logs a warning and goes on.",
     )
     home: Path | None = Field(
         default=None,
@@ -137,6 +177,29 @@ class StorageSettings(BaseSettings):
             raise ValueError(f"home {str(value)!r} must be an absolute path")
         return expanded.resolve()
 
+    @field_validator("redis_sentinels", mode="before")
+    @classmethod
+    def _split_sentinels(cls, value: object) -> object:
+        # env values are a plain comma list (h1:26379,h2:26379) or a JSON array
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _host_and_port(cls, value: list[str]) -> list[str]:
+        for address in value:
+            sentinel_address(address)  # ValueError naming the one that is not host:port
+        return value
+
+    @property
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        """`redis_sentinels` as (host, port) pairs; empty: no Sentinel, `redis_url` is Redis."""
+        return [sentinel_address(address) for address in self.redis_sentinels]
+
     @field_validator("storage_url")
     @classmethod
     def _absolute_file_url(cls, value: str) -> str:
@@ -144,10 +207,13 @@ class StorageSettings(BaseSettings):
 
     def describe(self) -> str:
         """What a long-running command logs at start: Redis (password masked), namespace, store."""
-        return (
-            f"redis {masked_url(self.redis_url)}, namespace {self.redis_namespace}, "
-            f"storage {self.storage_url}"
-        )
+        redis = masked_url(self.redis_url)
+        if self.redis_sentinels:
+            redis = (
+                f"sentinel master {self.redis_sentinel_master} via "
+                f"{','.join(self.redis_sentinels)} ({redis})"
+            )
+        return f"redis {redis}, namespace {self.redis_namespace}, storage {self.storage_url}"
 
     @model_validator(mode="after")
     def _both_s3_keys_or_neither(self) -> StorageSettings:

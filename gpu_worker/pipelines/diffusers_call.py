@@ -9,23 +9,31 @@ the frames that come back are checked against the size asked for and split per o
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from kiln.common.request import SEED_MAX, InputSchema, InputValue
 from kiln.gpu_worker.errors import JobFailed
-from kiln.gpu_worker.inputs import InputSchema, InputValue, extra_input_names
+from kiln.gpu_worker.inputs import extra_input_names
 from kiln.gpu_worker.pipelines.base import StepCallback
 from kiln.gpu_worker.pipelines.diffusers_schedulers import SCHEDULER_INPUT
 from kiln.gpu_worker.protocol import GenerationRequest
 
-SEED_MASK = (1 << 63) - 1
+
+@runtime_checkable
+class LatentsObserver(Protocol):
+    """A step callback that also looks at the latents after each step (rank 0's previews)."""
+
+    def observe_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
+        """Called after step `step` (from 1) with the batch's latents, before the step is done."""
+        ...
 
 
 def output_seed(seed: int, index: int) -> int:
     """Seed of output `index` of a request: `seed + index`, the same whatever else is batched."""
-    return (seed + index) & SEED_MASK
+    return (seed + index) & SEED_MAX
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
@@ -86,24 +94,34 @@ def extra_kwargs(schema: InputSchema, extra_inputs: Mapping[str, InputValue]) ->
 def step_hook_kwargs(
     pipe: Any, call_params: frozenset[str], steps: int, on_step_end: StepCallback
 ) -> dict[str, Any]:
-    """The pipeline's step callback arguments reporting to `on_step_end`; {} when it has none."""
+    """The pipeline's step callback arguments reporting to `on_step_end`; {} when it has none.
+
+    An `on_step_end` that is a `LatentsObserver` also sees the latents after each step.
+    """
+    observer = on_step_end if isinstance(on_step_end, LatentsObserver) else None
 
     def total() -> int:
         # Pipelines record the true count of timesteps (some schedulers add steps).
         return int(getattr(pipe, "_num_timesteps", None) or steps)
+
+    def observe(step: int, latents: Any) -> None:
+        if observer is not None and isinstance(latents, torch.Tensor):
+            observer.observe_latents(step, total(), latents)
 
     if "callback_on_step_end" in call_params:
         # An exception raised here (StopDenoising) leaves the denoising loop at once.
         def on_step(
             _pipe: Any, step_index: int, _timestep: Any, tensors: dict[str, Any]
         ) -> dict[str, Any]:
+            observe(step_index + 1, tensors.get("latents"))
             on_step_end(step_index + 1, total())
             return tensors
 
         return {"callback_on_step_end": on_step}
     if "callback" in call_params and "callback_steps" in call_params:
 
-        def legacy(step_index: int, _timestep: Any, _latents: Any) -> None:
+        def legacy(step_index: int, _timestep: Any, latents: Any) -> None:
+            observe(step_index + 1, latents)
             on_step_end(step_index + 1, total())
 
         return {"callback": legacy, "callback_steps": 1}

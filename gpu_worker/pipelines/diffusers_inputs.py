@@ -30,17 +30,22 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.gpu_worker.inputs import FIELD_KEY, IMAGE_KEY, REQUEST_FIELDS, InputSchema
-from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import (
+    FIELD_KEY,
+    IMAGE_KEY,
+    MAX_GUIDANCE,
+    MAX_OUTPUTS,
+    MAX_PROMPT,
+    MIN_SIDE,
+    REQUEST_FIELDS,
+    SEED_MAX,
+    InputSchema,
+)
 from kiln.gpu_worker.pipelines.diffusers_schedulers import SCHEDULER_INPUT
 from kiln.gpu_worker.pipelines.image_pipelines import REQUIRED_IMAGES
 from kiln.gpu_worker.pipelines.signature_kinds import json_kind, json_scalar
 
-SEED_MAX = (1 << 63) - 1
-MAX_TEXT = 4000  # the job schema's own longest prompt
-MIN_SIDE = 64  # the job schema's own smallest side
-MAX_GUIDANCE = 50.0  # the job schema's own largest guidance scale
-MAX_OUTPUTS = 16  # the job schema's own most outputs
 DEFAULT_FACTOR = 4  # an unknown number may go up to four times its default
 
 DENIED = frozenset(
@@ -158,8 +163,8 @@ def _kiln_properties(schedulers: list[str]) -> dict[str, Any]:
 def _request_field(name: str, limits: DeclaredLimits, *, is_video: bool) -> dict[str, Any] | None:
     multiple = limits.get("size_multiple", 8)
     fields: dict[str, dict[str, Any]] = {
-        "prompt": {"type": "string", "minLength": 1, "maxLength": MAX_TEXT},
-        "negative_prompt": {"type": "string", "maxLength": MAX_TEXT},
+        "prompt": {"type": "string", "minLength": 1, "maxLength": MAX_PROMPT},
+        "negative_prompt": {"type": "string", "maxLength": MAX_PROMPT},
         "width": _side(limits.get("max_width"), multiple),
         "height": _side(limits.get("max_height"), multiple),
         "num_inference_steps": _bounded("integer", 1, limits.get("max_steps")),
@@ -220,7 +225,7 @@ def _extra_input(pipe: Any, name: str, parameter: inspect.Parameter) -> dict[str
         if kind in ("integer", "number"):
             prop.update(_number_range(pipe, name, default))
         elif kind == "string":
-            prop["maxLength"] = MAX_TEXT
+            prop["maxLength"] = MAX_PROMPT
     if default is not None and json_scalar(default):
         prop["default"] = default
     return prop

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import MAX_SIDE, MAX_STEPS
 
-MAX_SIDE = 4096  # the job schema's own largest side
-MAX_STEPS = 500  # the job schema's own most steps
 FALLBACK_SIDE = 1024
 FALLBACK_STEPS = 50
 FALLBACK_VIDEO_FRAMES = 81  # Wan 2.1's clip length

@@ -9,19 +9,22 @@ geometry `diffusers_limits.py`, the scheduler swap `diffusers_schedulers.py`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import diffusers
 import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import SPEED_KEY, InputSchema
 from kiln.gpu_worker.errors import UnsupportedRequest
-from kiln.gpu_worker.inputs import InputSchema, extra_inputs_refusal
-from kiln.gpu_worker.limits import DeclaredLimits
+from kiln.gpu_worker.inputs import extra_inputs_refusal
+from kiln.gpu_worker.pipeline_specs import TINY_VARIANTS
 from kiln.gpu_worker.pipelines.base import StepCallback
 from kiln.gpu_worker.pipelines.diffusers_call import (
-    SEED_MASK,
     batch_kwargs,
     extra_kwargs,
     output_seed,
@@ -40,9 +43,10 @@ from kiln.gpu_worker.pipelines.diffusers_schedulers import SchedulerChoice
 from kiln.gpu_worker.pipelines.image_pipelines import image_call_kwargs, missing_image
 from kiln.gpu_worker.pipelines.lora import AdapterCache, no_adapters
 from kiln.gpu_worker.pipelines.signature_kinds import call_parameters
-from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.protocol import GenerationRequest, SpeedReport
+from kiln.gpu_worker.speed import SPEED_THRESHOLDS, applied_speed, speed_modes, speed_refusal
 
-__all__ = ["SEED_MASK", "DiffusersPipeline", "default_dtype", "output_seed"]
+__all__ = ["DiffusersPipeline", "default_dtype", "output_seed"]
 
 # Fields every wrapped pipeline honours; the others depend on the pipeline's `__call__`.
 _BASE_FIELDS = frozenset(
@@ -79,6 +83,11 @@ class DiffusersPipeline:
         self._schedulers = SchedulerChoice(pipe)
         self._schema: InputSchema | None = None
         self.adapters: AdapterCache = no_adapters(pipe)  # the loader gives the node's adapters
+        # Speed modes (gpu_worker/speed.py): those the denoiser's cache hook serves, the cache
+        # threshold of each, and what the last forward ran.
+        self.speed_modes = speed_modes(pipe, self.denoiser())
+        self.speed_thresholds = dict(SPEED_THRESHOLDS)
+        self.last_speed: SpeedReport | None = None
 
     @classmethod
     def load(
@@ -96,6 +105,26 @@ class DiffusersPipeline:
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device, name or f"diffusers:{source}", limits)
+
+    def as_variant(self, spec: str) -> DiffusersPipeline:
+        """These components behind the class the tiny variant `spec` names; `self` otherwise.
+
+        `tiny-img2img` and `tiny-inpaint` are the `tiny` pipeline's own components (the same
+        folder in the model cache, no other weights) behind diffusers'
+        `StableDiffusionImg2ImgPipeline` and `StableDiffusionInpaintPipeline`; `tiny-i2v` is
+        `tiny-video`'s components behind `WanImageToVideoPipeline` in its Wan 2.2 form
+        (`expand_timesteps`: the image's latents become the first latent frame, so no image
+        encoder and no wider transformer are needed).
+        """
+        if spec not in TINY_VARIANTS:
+            return self
+        _, class_name, options = TINY_VARIANTS[spec]
+        cls = getattr(diffusers, class_name)
+        takes = inspect.signature(cls.__init__).parameters
+        components = {k: v for k, v in self.pipe.components.items() if k in takes}
+        pipe = cls(**components, **options)
+        pipe.set_progress_bar_config(disable=True)
+        return DiffusersPipeline(pipe, self.device, spec, self.limits())
 
     def supported_fields(self) -> frozenset[str]:
         """The request fields this pipeline's `__call__` can honour."""
@@ -128,6 +157,7 @@ class DiffusersPipeline:
                 is_video=self.is_video,
                 schedulers=self._schedulers.names(),
             )
+            self._schema[SPEED_KEY] = list(self.speed_modes)
         return self._schema
 
     def validate(self, request: GenerationRequest) -> None:
@@ -136,6 +166,7 @@ class DiffusersPipeline:
         refusal = extra_inputs_refusal(self.name, self.input_schema(), request.extra_inputs)
         refusal = refusal or missing_image(self.name, self.input_schema(), request)
         refusal = refusal or self._schedulers.refusal(request.extra_inputs)
+        refusal = refusal or speed_refusal(self.name, self.speed_modes, request.speed)
         if refusal is not None:
             raise UnsupportedRequest(refusal)
         if request.steps < 1:
@@ -185,12 +216,17 @@ class DiffusersPipeline:
             self.validate(request)
         kwargs = self._call_kwargs(requests, on_step_end)
         first = requests[0]
+        self.last_speed = None
         with (
             self.adapters.applied(first),  # outside inference mode: it changes weights
             torch.inference_mode(),
             self._schedulers.applied(first.extra_inputs),
+            applied_speed(
+                self.denoiser(), first.speed, self.device, self.speed_thresholds
+            ) as speed,
         ):
             result = self.pipe(**kwargs)
+        self.last_speed = speed.report()
         frames = result_frames(result, first, is_video=self.is_video, name=self.name)
         return split_per_request(requests, frames)
 

@@ -1,52 +1,26 @@
-"""Image-conditioned pipelines: the tiny variants, and image inputs as call arguments.
+"""Image inputs of a diffusers pipeline: which it requires, and as call arguments.
 
-`tiny-img2img` and `tiny-inpaint` are the `tiny` pipeline's own components (the same folder in
-the model cache, no other weights) behind diffusers' `StableDiffusionImg2ImgPipeline` and
-`StableDiffusionInpaintPipeline`; `tiny-i2v` is `tiny-video`'s components behind
-`WanImageToVideoPipeline` in its Wan 2.2 form (`expand_timesteps`: the image's latents become
-the first latent frame, so no image encoder and no wider transformer are needed).
+The tiny image-conditioned variants (`tiny-img2img`, `tiny-inpaint`, `tiny-i2v`) are built by
+`DiffusersPipeline.as_variant` from `pipeline_specs.TINY_VARIANTS`.
 
 Every image input is resized to the request's width × height before the call, so the output
 has the size the request asked for also where the pipeline itself takes no size (img2img).
-Light to import: diffusers is imported only when a variant is built.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.inputs import image_input_names
-from kiln.gpu_worker.pipeline_specs import TINY_VARIANTS, tiny_base
-
-__all__ = ["TINY_VARIANTS", "as_variant", "image_call_kwargs", "missing_image", "tiny_base"]
 
 if TYPE_CHECKING:
-    from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
     from kiln.gpu_worker.protocol import GenerationRequest
 
 # Image parameters a pipeline cannot run without (diffusers' img2img, inpaint and
 # image-to-video pipelines fail without them): required in the derived input schema.
 REQUIRED_IMAGES = ("image", "mask_image")
-
-
-def as_variant(pipeline: DiffusersPipeline, spec: str) -> DiffusersPipeline:
-    """`pipeline`'s components behind the class `spec` names; `pipeline` itself otherwise."""
-    if spec not in TINY_VARIANTS:
-        return pipeline
-    import diffusers
-
-    from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
-
-    _, class_name, options = TINY_VARIANTS[spec]
-    cls = getattr(diffusers, class_name)
-    takes = inspect.signature(cls.__init__).parameters
-    components = {k: v for k, v in pipeline.pipe.components.items() if k in takes}
-    pipe = cls(**components, **options)
-    pipe.set_progress_bar_config(disable=True)
-    return DiffusersPipeline(pipe, pipeline.device, spec, pipeline.limits())
 
 
 def missing_image(

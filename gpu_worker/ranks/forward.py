@@ -23,9 +23,17 @@ from kiln.gpu_worker.logs import forward_fields
 from kiln.gpu_worker.memory import PeakMemory
 from kiln.gpu_worker.pipelines.base import Pipeline, StopDenoising
 from kiln.gpu_worker.pipelines.lora import adapter_state
-from kiln.gpu_worker.protocol import AdapterState, FailureKind, RankFault, RankOutcome, RunBatch
+from kiln.gpu_worker.protocol import (
+    AdapterState,
+    FailureKind,
+    RankFault,
+    RankOutcome,
+    RunBatch,
+    SpeedReport,
+)
 from kiln.gpu_worker.ranks.process import send_quietly
 from kiln.gpu_worker.ranks.start import RankRuntime
+from kiln.gpu_worker.speed import speed_report
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +78,7 @@ class ForwardResult:
     outputs: list[list[np.ndarray]] | None
     run_s: float
     adapters: AdapterState | None = None  # the pipeline's adapter cache after the forward
+    speed: SpeedReport | None = None  # how the forward ran its speed mode (gpu_worker/speed.py)
 
 
 def forward_batch(
@@ -129,7 +138,8 @@ def run_forward(
     run_s = time.monotonic() - started
     peak_mb = memory.measure().peak_mb
     outcome = RankOutcome(rank, status, kind, message, sync.steps_run, peak_mb)
-    return ForwardResult(outcome, outputs, run_s)
+    speed = speed_report(pipeline) if status == "ok" else None
+    return ForwardResult(outcome, outputs, run_s, speed=speed)
 
 
 def _check_shape(outputs: list[list[np.ndarray]], requests: Sequence[object]) -> None:

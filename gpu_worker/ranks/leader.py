@@ -18,9 +18,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
+import torch
+
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.inputs import declared_input_schema, extra_inputs_refusal
 from kiln.gpu_worker.pipelines import Pipeline
+from kiln.gpu_worker.previews import LatentDecoder, PreviewTap, build_decoders
 from kiln.gpu_worker.protocol import (
     BatchDone,
     BatchFailed,
@@ -36,6 +39,7 @@ from kiln.gpu_worker.protocol import (
     ShutdownGroup,
     SleepGroup,
     StepDone,
+    StepPreview,
     StopVerdict,
     WakeGroup,
 )
@@ -43,7 +47,9 @@ from kiln.gpu_worker.ranks.forward import ForwardResult, StepSync, forward_batch
 from kiln.gpu_worker.ranks.relay import broadcast_command, exchange_outcomes
 from kiln.gpu_worker.ranks.sleep import sleep_rank, wake_rank
 from kiln.gpu_worker.ranks.start import RankRuntime
+from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.gpu_worker.shm import FrameDescriptor, discard_frames, write_frames
+from kiln.gpu_worker.speed import declared_refusal
 
 
 class GroupBroken(RuntimeError):
@@ -104,9 +110,38 @@ class LeaderLink:
             self._queued.append(command)
 
 
+class PreviewingStepSync(StepSync):
+    """Rank 0's step callback when a request of the batch wants previews: it sees the latents."""
+
+    def __init__(self, batch: RunBatch, runtime: RankRuntime, link: LeaderLink, tap: PreviewTap):
+        super().__init__(batch, runtime.control_group, link.decide_stops)
+        self._tap = tap
+
+    def observe_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
+        """Send the previews due after `step` (a `LatentsObserver`, see diffusers_call)."""
+        self._tap.observe(step, total, latents)
+
+
+def step_sync(
+    runtime: RankRuntime, batch: RunBatch, link: LeaderLink, decoder: LatentDecoder | None
+) -> StepSync:
+    """Rank 0's step callback for `batch`: previewing when a request wants previews."""
+    if decoder is not None:
+
+        def send(preview: StepPreview) -> None:
+            link.send(preview)
+
+        tap = PreviewTap(batch, decoder, send)
+        if tap.wanted:
+            return PreviewingStepSync(batch, runtime, link, tap)
+    return StepSync(batch, runtime.control_group, link.decide_stops)
+
+
 def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
     """Take commands from the coordinator, relay batches, report results, until shutdown."""
     args = runtime.args
+    settings = args.settings or GpuWorkerSettings()
+    decoders = build_decoders(runtime.pipelines, settings.preview_vae, runtime.device)
     while True:
         command = link.next_command()
         if isinstance(command, ShutdownGroup):
@@ -124,7 +159,8 @@ def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
             continue
         _relay(runtime, batch)
         link.begin(batch.batch_id)
-        sync = StepSync(batch, runtime.control_group, link.decide_stops)
+        decoder = decoders.get(batch.requests[0].pipeline)
+        sync = step_sync(runtime, batch, link, decoder)
         result = forward_batch(runtime, batch, sync, status)
         outcome = replace(result.outcome, wake_s=wake_s)
         outcomes = exchange_outcomes(outcome, args.world_size, runtime.control_group)
@@ -166,6 +202,9 @@ def _refusal(request: GenerationRequest, pipelines: Mapping[str, Pipeline]) -> s
             refusal = extra_inputs_refusal(request.pipeline, schema, request.extra_inputs)
             if refusal is not None:
                 return refusal
+        refusal = declared_refusal(request.pipeline, pipeline, request.speed)
+        if refusal is not None:  # a pipeline that cannot run the mode never runs it as exact
+            return refusal
         pipeline.validate(request)
     except UnsupportedRequest as exc:
         return str(exc)
@@ -196,6 +235,7 @@ def report_batch(
         steps_run=max(outcome.steps_run for outcome in outcomes),
         batch_size=sum(request.num_outputs for request in batch.requests),
         wake_s=max(outcome.wake_s for outcome in outcomes),  # the group waits for its last
+        speed=result.speed,  # rank 0's: every rank ran the same mode
     )
     if result.outputs is None:  # every request stopped
         all_ids = frozenset(request.request_id for request in batch.requests)

@@ -48,7 +48,7 @@ local function bound_record(c, jk)
 end
 
 local function record_fields(j, time, cseq)
-  local fields = {'id', j[1], 'state', 'queued', 'request', j[2], 'lane', j[3],
+  local fields = {'id', j[1], 'state', S.queued, 'request', j[2], 'lane', j[3],
     'created_at', time, 'created_seq', cseq}
   if j[4] ~= '' then fields[#fields + 1] = 'owner'; fields[#fields + 1] = j[4] end
   if j[5] ~= '' then fields[#fields + 1] = 'batch_id'; fields[#fields + 1] = j[5] end
@@ -100,7 +100,7 @@ local function create_job(c, jk, j, time, cseq)
   if over_queued_cap(c, j[4]) then return 'QUOTA', nil end
   if j[7] ~= '' then redis.call('HSET', jk.idem, 'job_id', j[1], 'fingerprint', j[8]) end
   redis.call('HSET', jk.record, unpack(record_fields(j, time, cseq)))
-  append_event(jk.record, jk.events, c.maxlen, 'queued', time, CREATED)
+  append_event(jk.record, jk.events, c.maxlen, S.queued, time, CREATED)
   index_later(c, jk, j, time, cseq)
   return 1, jk.record
 end

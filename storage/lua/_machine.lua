@@ -37,23 +37,23 @@ end
 local function move_queue_entry(m, job, target)
   if job.queue == '' then return end
   local index = m.queue_index_prefix .. job.queue
-  if job.state == 'queued' then redis.call('ZREM', index, job.id) end
-  if target == 'queued' then redis.call('ZADD', index, redis.call('INCR', m.seq), job.id) end
+  if job.state == S.queued then redis.call('ZREM', index, job.id) end
+  if target == S.queued then redis.call('ZADD', index, redis.call('INCR', m.seq), job.id) end
 end
 
 local function move_counters(m, job, target)
   redis.call('ZREM', m.state_index_prefix .. job.state, job.id)
   redis.call('ZADD', m.state_index_prefix .. target, job.cseq, job.id)
-  if job.state == 'queued' then
+  if job.state == S.queued then
     redis.call('DECR', m.depth)
     owner_count_add(m.owner_queued, job.job_owner, -1)
   end
-  if target == 'queued' then
+  if target == S.queued then
     redis.call('INCR', m.depth)
     owner_count_add(m.owner_queued, job.job_owner, 1)
   end
-  if job.state == 'running' then owner_count_add(m.owner_running, job.job_owner, -1) end
-  if target == 'running' then owner_count_add(m.owner_running, job.job_owner, 1) end
+  if job.state == S.running then owner_count_add(m.owner_running, job.job_owner, -1) end
+  if target == S.running then owner_count_add(m.owner_running, job.job_owner, 1) end
   move_queue_entry(m, job, target)
   move_batch(m, job, target)
 end
@@ -73,7 +73,7 @@ end
 -- after this, only retention keeps the record: no lease, no flag, out of live indexes; its
 -- index entries are listed in m.retired for removal once the record has expired
 local function finish(m, job, time, now_ms, target)
-  if job.state == 'running' then record_completion(m, job, now_ms) end
+  if job.state == S.running then record_completion(m, job, now_ms) end
   -- counted here, in the step that ends the job: a terminal state never changes again, so each
   -- job adds 1 once, and the counts outlive the records (metrics sum them after retention)
   redis.call('HINCRBY', m.finished, 'job/' .. job.queue .. '/' .. target, 1)
@@ -114,8 +114,8 @@ local function transition(m, job, target, payload, fields)
   local time, now_ms = clock()
   if #fields > 0 then redis.call('HSET', m.job, unpack(fields)) end
   redis.call('HSET', m.job, 'state', target)
-  if target == 'running' then payload = enter_running(m, job, time, now_ms, payload)
-  elseif target == 'queued' then enter_queued(m, job, time)
+  if target == S.running then payload = enter_running(m, job, time, now_ms, payload)
+  elseif target == S.queued then enter_queued(m, job, time)
   elseif TERMINAL[target] then finish(m, job, time, now_ms, target) end
   move_counters(m, job, target)
   append_event(m.job, m.events, m.maxlen, target, time, payload)

@@ -1,8 +1,8 @@
 -- prelude: prepended to every script by storage/scripts.py, before the script's includes.
 -- Helpers used by several scripts; it reads no KEYS and no ARGV: a helper takes the keys it
--- touches as parameters.
-
-local TERMINAL = {succeeded = true, failed = true, canceled = true, expired = true}
+-- touches as parameters. Before it, storage/scripts.py puts the state names, made from
+-- kiln/common/states.py: `S.<job state>`, `B.<batch status>` (either raises for a name that is
+-- none) and `TERMINAL[<job state>]`; no script writes a state's name itself.
 
 -- errors reach Python as `KILN_<CODE> <detail>` (storage/boundary.py); every script raises
 -- before its first write, so a refused call changes nothing (an error undoes no write: Redis
@@ -47,7 +47,7 @@ end
 local function check_fence(job, mode, token)
   if mode == 'token' then
     if job.token == '0' or job.token ~= token then raise('STALE', job.id .. ' ' .. token) end
-  elseif mode == 'not_running' and job.state == 'running' then
+  elseif mode == 'not_running' and job.state == S.running then
     raise('STALE', job.id .. ' none')
   end
 end

@@ -19,7 +19,7 @@ end
 local token = redis.call('HINCRBY', job_key, 'fence', 1)
 redis.call('HSET', job_key, 'lease_token', token, 'lease_owner', owner)
 redis.call('SET', lease_key, token .. '|' .. owner, 'PX', ttl_ms)
-if job.state == 'running' then
+if job.state == S.running then
   local _, now_ms = clock()
   redis.call('ZADD', running_key, now_ms + ttl_ms, job.id)
 end

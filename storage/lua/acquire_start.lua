@@ -68,5 +68,5 @@ redis.call('HSET', m.job, 'lease_token', token, 'lease_owner', owner)
 -- the lease first: entering running reads its TTL for the running set's deadline
 redis.call('SET', m.lease, token .. '|' .. owner, 'PX', ttl_ms)
 job.token, job.owner = tostring(token), owner  -- as the record now says (the event names the owner)
-transition(m, job, 'running', payload, {})
+transition(m, job, S.running, payload, {})
 return {token, redis.call('HGETALL', m.job)}

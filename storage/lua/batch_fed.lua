@@ -42,7 +42,7 @@ if part ~= '' then
   redis.call('HINCRBY', batch_key, 'reported', ended)
 end
 local items = tonumber(redis.call('HGET', batch_key, 'items') or '0')
-if tonumber(new_cursor) >= items and redis.call('HGET', batch_key, 'status') == 'running' then
-  redis.call('HSET', batch_key, 'status', 'finalizing')
+if tonumber(new_cursor) >= items and redis.call('HGET', batch_key, 'status') == B.running then
+  redis.call('HSET', batch_key, 'status', B.finalizing)
 end
 return 1

@@ -10,8 +10,8 @@ local action = ARGV[1]
 
 local status = redis.call('HGET', batch_key, 'status')
 if not status then return {} end
-local from, to = 'running', 'paused'
-if action == 'resume' then from, to = 'paused', 'running' end
+local from, to = B.running, B.paused
+if action == 'resume' then from, to = B.paused, B.running end
 if status == to then return {'ok', redis.call('HGETALL', batch_key)} end
 if status ~= from then return {status, redis.call('HGETALL', batch_key)} end
 redis.call('HSET', batch_key, 'status', to)

@@ -18,13 +18,13 @@ local STOPPING = {canceled = 'canceling', expired = 'expiring', failed = 'failin
 local v = redis.call('HMGET', batch_key, 'status', 'stop')
 if not v[1] then return {} end
 local status, stop = v[1], v[2] or ''
-local live = status == 'running' or status == 'paused' or status == 'finalizing'
+local live = status == B.running or status == B.paused or status == B.finalizing
 if live and error_text ~= '' then redis.call('HSET', batch_key, 'error', error_text) end
 if stop == reason then return {'ok', redis.call('HGETALL', batch_key)} end
 if not live then return {status, redis.call('HGETALL', batch_key)} end
-local overrides = stop == 'failed' and reason == 'canceled'
+local overrides = stop == B.failed and reason == B.canceled
 if stop ~= '' and not overrides then
   return {STOPPING[stop] or stop, redis.call('HGETALL', batch_key)}
 end
-redis.call('HSET', batch_key, 'stop', reason, 'stopped_at', (clock()), 'status', 'finalizing')
+redis.call('HSET', batch_key, 'stop', reason, 'stopped_at', (clock()), 'status', B.finalizing)
 return {'ok', redis.call('HGETALL', batch_key)}

@@ -55,7 +55,7 @@ if redis.call('EXISTS', batch_key) == 1 then return {'ok', redis.call('HGETALL',
 local time = (clock())
 local seq = redis.call('INCR', seq_key)
 local deadline = string.format('%.6f', tonumber(time) + tonumber(window_s))
-redis.call('HSET', batch_key, 'created_at', time, 'seq', seq, 'status', 'running', 'fed', 0,
+redis.call('HSET', batch_key, 'created_at', time, 'seq', seq, 'status', B.running, 'fed', 0,
   'offset', 0, 'deadline', deadline, 'window_s', window_s, 'fence', 0)
 for name, value in pairs(cjson.decode(fields)) do redis.call('HSET', batch_key, name, value) end
 for _, state in ipairs(states) do redis.call('HSET', batch_key, 'n_' .. state, 0) end

@@ -34,9 +34,9 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   maxlen = ARGV[8], retention = ARGV[9], window = ARGV[10]}
 
 local job = load_job(m.job, job_id)
-if job.state == 'queued' then
-  transition(m, job, 'canceled', cjson.encode({reason = 'requested'}), {})
-elseif job.state == 'running' then
+if job.state == S.queued then
+  transition(m, job, S.canceled, cjson.encode({reason = 'requested'}), {})
+elseif job.state == S.running then
   redis.call('SET', m.cancel, '1', 'EX', m.retention)
 end
 return redis.call('HGETALL', m.job)

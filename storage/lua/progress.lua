@@ -12,6 +12,6 @@ local job_id, token, progress, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local job = load_job(job_key, job_id)
 if TERMINAL[job.state] then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' progress') end
 check_fence(job, 'token', token)
-if job.state ~= 'running' then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' progress') end
+if job.state ~= S.running then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' progress') end
 redis.call('HSET', job_key, 'progress', progress)
 return append_event(job_key, events_key, maxlen, 'progress', (clock()), progress)

@@ -32,15 +32,15 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   idem_prefix = ARGV[5], queue_index_prefix = ARGV[6], completions_prefix = ARGV[7],
   maxlen = ARGV[8], retention = ARGV[9], window = ARGV[10]}
 
-if redis.call('HGET', m.job, 'state') ~= 'running' then
+if redis.call('HGET', m.job, 'state') ~= S.running then
   redis.call('ZREM', m.running, job_id)
   return 0
 end
 if redis.call('EXISTS', m.lease) == 1 then return 0 end
 local job = load_job(m.job, job_id)
 if redis.call('EXISTS', m.cancel) == 1 then
-  transition(m, job, 'canceled', cjson.encode({reason = 'cancel_requested'}), {})
+  transition(m, job, S.canceled, cjson.encode({reason = 'cancel_requested'}), {})
 else
-  transition(m, job, 'queued', cjson.encode({reason = 'lease_expired'}), {})
+  transition(m, job, S.queued, cjson.encode({reason = 'lease_expired'}), {})
 end
 return 1

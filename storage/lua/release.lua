@@ -13,5 +13,5 @@ local v = redis.call('HMGET', job_key, 'lease_token', 'state')
 if not v[1] or v[1] == '0' or v[1] ~= token then return 0 end
 redis.call('HSET', job_key, 'lease_token', '0')
 redis.call('DEL', lease_key)
-if v[2] == 'running' then redis.call('ZADD', running_key, 0, job_id) end
+if v[2] == S.running then redis.call('ZADD', running_key, 0, job_id) end
 return 1

@@ -17,7 +17,7 @@ if not v[1] or v[1] == '0' or v[1] ~= token then
   return 0
 end
 redis.call('SET', lease_key, v[1] .. '|' .. v[2], 'PX', ttl_ms)
-if v[3] == 'running' then
+if v[3] == S.running then
   local _, now_ms = clock()
   redis.call('ZADD', running_key, now_ms + ttl_ms, job_id)
 end

@@ -1,6 +1,6 @@
--- transition: move a job along one edge of the state machine (storage/states.py), fenced by its
--- lease. A pending cancel turns a retry into `canceled` when honor_cancel is '1' (the job would
--- only be stopped again). Returns the record after the change as a flat HGETALL.
+-- transition: move a job along one edge of the state machine (kiln/common/states.py), fenced by
+-- its lease. A pending cancel turns a retry into `canceled` when honor_cancel is '1' (the job
+-- would only be stopped again). Returns the record after the change as a flat HGETALL.
 -- Errors: NOTFOUND, ILLEGAL (terminal, or not in a source state), STALE (fence), QUOTA (a move
 -- into running while the job's owner has `running cap` running jobs already).
 -- include: _machine
@@ -52,12 +52,12 @@ check_fence(job, fence, token)
 if not string.find(sources, ' ' .. job.state .. ' ', 1, true) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
 end
-if target == 'running' and running_cap ~= '' and job.job_owner ~= ''
+if target == S.running and running_cap ~= '' and job.job_owner ~= ''
     and owner_count(m.owner_running, job.job_owner) >= tonumber(running_cap) then
   raise('QUOTA', job.job_owner .. ' running ' .. running_cap)
 end
 if honor_cancel == '1' and redis.call('EXISTS', m.cancel) == 1 then
-  target, payload, fields = 'canceled', cjson.encode({reason = 'cancel_requested'}), {}
+  target, payload, fields = S.canceled, cjson.encode({reason = 'cancel_requested'}), {}
 end
 transition(m, job, target, payload, fields)
 return redis.call('HGETALL', m.job)

@@ -12,7 +12,7 @@ local ids = redis.call('ZRANGEBYSCORE', unpublished_key, '-inf',
   tonumber(time) - tonumber(older_than_s), 'LIMIT', 0, limit)
 local out = {}
 for _, id in ipairs(ids) do
-  if redis.call('HGET', job_prefix .. id, 'state') == 'queued' then
+  if redis.call('HGET', job_prefix .. id, 'state') == S.queued then
     out[#out + 1] = id
   else
     redis.call('ZREM', unpublished_key, id)

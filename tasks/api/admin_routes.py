@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Query
 
-from kiln.storage.status import JobRecord
+from kiln.storage.job_store import JobRecord
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.deps import Admin, Ctx, admin, api_router, error_docs, field_error
 from kiln.tasks.contract.responses import (

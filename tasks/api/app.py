@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
+from kiln.common.logs import configure_logging, start_json_logging
 from kiln.storage.errors import IdempotencyConflict, StorageUnavailable
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.admin_routes import router as admin_routes
@@ -27,6 +28,7 @@ from kiln.tasks.api.batch_control_routes import router as batch_control_routes
 from kiln.tasks.api.batch_event_routes import router as batch_event_routes
 from kiln.tasks.api.batch_routes import router as batch_routes
 from kiln.tasks.api.body_limit import BodySizeLimit
+from kiln.tasks.api.console import mount_console
 from kiln.tasks.api.context import ApiContext, build_context, check_connection_budget
 from kiln.tasks.api.errors import (
     DescriptorExhaustion,
@@ -42,9 +44,8 @@ from kiln.tasks.api.pipeline_routes import router as pipeline_routes
 from kiln.tasks.api.system_routes import router as system_routes
 from kiln.tasks.api.upload_routes import router as upload_routes
 from kiln.tasks.contract.batches import BATCHES_PATH
-from kiln.tasks.contract.logs import configure_logging, start_json_logging
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.contract.uploads import LOCAL_PUT_PATH
+from kiln.tasks.contract.upload_slots import LOCAL_PUT_PATH
 
 log = logging.getLogger(__name__)
 API_VERSION = "1.0.0"
@@ -93,6 +94,7 @@ def create_app(
         upload_routes,
     ):
         app.include_router(routes)
+    mount_console(app)  # /console: the static page, which calls the routes above
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StorageUnavailable, storage_unavailable)
     app.add_exception_handler(IdempotencyConflict, idempotency_conflict)

@@ -13,13 +13,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kiln.common.defaults import BATCH_LANE
+from kiln.common.request import Lane
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.deps import field_error
 from kiln.tasks.api.json_guard import body_errors
 from kiln.tasks.batches.intake import LineDefaults
 from kiln.tasks.batches.service import BatchOptions, BatchService
 from kiln.tasks.contract.batches import DEFAULT_COMPLETION_WINDOW, parse_completion_window
-from kiln.tasks.contract.schemas import JobRequest, Lane, WebhookEvent, WebhookSpec
+from kiln.tasks.contract.schemas import JobRequest, WebhookEvent, WebhookSpec
 from kiln.tasks.webhooks.ssrf import UnsafeUrl, check_url
 
 
@@ -28,7 +30,7 @@ class BatchParams:
     """The batch options as given (not checked yet)."""
 
     pipeline: str | None = None
-    priority: Lane = Lane.bulk
+    priority: Lane = BATCH_LANE
     completion_window: str = DEFAULT_COMPLETION_WINDOW
     skip_invalid: bool = False
     metadata: str | None = None  # JSON text of an object

@@ -19,6 +19,9 @@ import anyio.to_thread
 from fastapi import Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kiln.common.defaults import BATCH_LANE
+from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
+from kiln.common.request import Lane
 from kiln.tasks.api.batch_deps import BATCH_ERRORS, Batches, BatchId, visible_batch
 from kiln.tasks.api.batch_options import BatchParams, batch_options
 from kiln.tasks.api.batch_uploads import UPLOAD_BODY_SCHEMA, is_json_body, submit_upload
@@ -32,9 +35,10 @@ from kiln.tasks.api.deps import (
     json_error_docs,
     refuse_over_page_limit,
 )
-from kiln.tasks.api.errors import safe_json_response
+from kiln.tasks.api.errors import BATCH_REFUSED_422, safe_json_response
 from kiln.tasks.api.short_ids import IdPrefix, batches_with_prefix
 from kiln.tasks.batches.intake import BatchIntake, IntakeReport
+from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE
 from kiln.tasks.batches.service import new_batch_id, refusal_body
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import (
@@ -44,7 +48,7 @@ from kiln.tasks.contract.batches import (
     BatchList,
     BatchView,
 )
-from kiln.tasks.contract.schemas import Lane, PipelineName
+from kiln.tasks.contract.schemas import PipelineName
 
 router = api_router()
 # chunks of the body handed to the intake thread at once: few thread hops, bounded memory
@@ -59,7 +63,6 @@ LINES_SCHEMA = {
         "additionalProperties": True,
     },
 }
-_REFUSED_422 = {"detail": [{"type": "batch_invalid", "loc": ["body"], "msg": "Invalid batch"}]}
 
 
 @router.post(
@@ -73,7 +76,7 @@ _REFUSED_422 = {"detail": [{"type": "batch_invalid", "loc": ["body"], "msg": "In
             "description": "JSONL: one job request per line, each with a unique `custom_id`; or "
             "a JSON object naming an uploaded file (`input_upload`) with the batch's options.",
             "content": {
-                "application/x-ndjson": {"schema": LINES_SCHEMA},
+                BATCH_INPUT_CONTENT_TYPE: {"schema": LINES_SCHEMA},
                 "application/json": {"schema": UPLOAD_BODY_SCHEMA},
             },
         }
@@ -85,7 +88,7 @@ async def submit_batch(
     caller: Caller,
     service: Batches,
     pipeline: Annotated[PipelineName | None, Query(description="Default pipeline.")] = None,
-    priority: Annotated[Lane, Query(description="Default lane of the lines.")] = Lane.bulk,
+    priority: Annotated[Lane, Query(description="Default lane of the lines.")] = BATCH_LANE,
     completion_window: Annotated[
         str, Query(max_length=16, description="e.g. 24h, 90m, 2d: unstarted lines expire then.")
     ] = DEFAULT_COMPLETION_WINDOW,
@@ -117,7 +120,7 @@ async def submit_batch(
         return JSONResponse({"detail": too_large_detail(limit)}, status_code=413)
     if report.refused:
         await anyio.to_thread.run_sync(intake.abort)
-        return safe_json_response(refusal_body(report), 422, _REFUSED_422)
+        return safe_json_response(refusal_body(report), 422, BATCH_REFUSED_422)
     batch = await anyio.to_thread.run_sync(service.accept, batch_id, report, options)
     view = batch_view(batch)
     return JSONResponse(view.model_dump(mode="json"), status_code=201)
@@ -181,7 +184,7 @@ def list_batches(
         200: {
             "description": "JSONL: one line per finished input line; a finished batch ends with "
             "its summary line.",
-            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            "content": {RESULTS_CONTENT_TYPE: {"schema": {"type": "string"}}},
         },
         **json_error_docs(401, 403, 404),
     },
@@ -191,4 +194,4 @@ def batch_results(caller: Caller, service: Batches, batch_id: BatchId) -> Stream
     """Every result line written so far (output URLs presigned now), streamed."""
     visible_batch(service, caller, batch_id)
     lines: Iterator[bytes] = service.results(batch_id)
-    return StreamingResponse(lines, media_type="application/x-ndjson")
+    return StreamingResponse(lines, media_type=RESULTS_CONTENT_TYPE)

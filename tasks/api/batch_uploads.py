@@ -2,9 +2,9 @@
 
 The body (`contract.batches.BatchFromUpload`, at most `UPLOAD_BODY_MAX` bytes, strict JSON) names
 the caller's own upload and carries the batch's options; the upload must exist, be of a batch
-content type and within `KILN_MAX_BATCH_BYTES` (`storage.uploads.checked_upload`). The file is
-then streamed from the store through the same line checks as a streamed body, and answered the
-same way (201 with the view, or the 422 of a refused file).
+content type and within `KILN_MAX_BATCH_BYTES` (`storage.uploaded_inputs.checked_upload`). The
+file is then streamed from the store through the same line checks as a streamed body, and answered
+the same way (201 with the view, or the 422 of a refused file).
 """
 
 from __future__ import annotations
@@ -18,22 +18,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from kiln.storage.uploads import UploadRefused, checked_upload, resolve_upload
+from kiln.storage.uploaded_inputs import UploadRefused, checked_upload, resolve_upload
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.batch_options import BatchParams, batch_options
 from kiln.tasks.api.body_limit import too_large_detail
 from kiln.tasks.api.deps import field_error
-from kiln.tasks.api.errors import safe_json_response
+from kiln.tasks.api.errors import BATCH_REFUSED_422, safe_json_response
 from kiln.tasks.api.json_guard import body_errors
 from kiln.tasks.batches.service import BatchService, refusal_body
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import BatchFromUpload
-from kiln.tasks.contract.uploads import CONTENT_TYPES
+from kiln.tasks.contract.upload_slots import CONTENT_TYPES
 
 # a JSON body names an upload and options: small, so read whole, and refused past this
 UPLOAD_BODY_MAX = 64 * 1024
 UPLOAD_BODY_SCHEMA = BatchFromUpload.model_json_schema()
-_REFUSED_422 = {"detail": [{"type": "batch_invalid", "loc": ["body"], "msg": "Invalid batch"}]}
 # the options a JSON body carries itself: in the query as well they would be ambiguous
 _OPTIONS = frozenset(BatchFromUpload.model_fields) - {"input_upload"}
 
@@ -106,6 +105,6 @@ async def submit_upload(request: Request, caller: Principal, service: BatchServi
     key = await anyio.to_thread.run_sync(_upload_key, service, caller, body.input_upload)
     batch, report = await anyio.to_thread.run_sync(service.submit_stored, key, options)
     if batch is None:
-        return safe_json_response(refusal_body(report), 422, _REFUSED_422)
+        return safe_json_response(refusal_body(report), 422, BATCH_REFUSED_422)
     view: dict[str, Any] = batch_view(batch).model_dump(mode="json")
     return JSONResponse(view, status_code=201)

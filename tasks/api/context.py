@@ -11,13 +11,14 @@ from celery import Celery
 from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.async_creation import AsyncCreation
 from kiln.storage.base import async_redis_client
+from kiln.storage.job_store import JobStore
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
 from kiln.tasks.api.auth import Authenticator
 from kiln.tasks.api.sse import StreamSlots
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.backlog import BacklogCache
 from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.submit import Submitter, celery_publisher
 from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
@@ -50,8 +51,12 @@ class ApiContext:
         default=None, init=False
     )
 
+    # the backlogs admission control reads (tasks/queue/backlog.py), each kept for a moment
+    backlogs: BacklogCache = field(init=False)
+
     def __post_init__(self) -> None:
         self.sse_limiter = anyio.CapacityLimiter(self.sse_slots.total)
+        self.backlogs = BacklogCache(self.store, self.settings)
 
     def creation(self) -> AsyncCreation:
         """Job creation for the running event loop (a client's connections serve one loop)."""

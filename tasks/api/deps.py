@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kiln.storage.errors import JobNotFound
+from kiln.storage.job_store import JobRecord
 from kiln.storage.keys import valid_id
-from kiln.storage.status import JobRecord
 from kiln.tasks.api.auth import AuthError, Principal
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.json_guard import StrictJsonRoute
@@ -146,7 +146,9 @@ def visible_job(ctx: ApiContext, caller: Principal, job_id: str) -> JobRecord:
     return record
 
 
-def field_error(loc: tuple[str, ...], msg: str, kind: str, value: Any, **ctx: Any) -> Exception:
+def field_error(
+    loc: tuple[str | int, ...], msg: str, kind: str, value: Any, **ctx: Any
+) -> Exception:
     """A 422 in FastAPI's own error shape, naming the field."""
     error: dict[str, Any] = {"loc": loc, "msg": msg, "type": kind, "input": value}
     if ctx:

@@ -23,6 +23,8 @@ from kiln.tasks.api.json_guard import MAX_INT, printable
 log = logging.getLogger(__name__)
 MAX_ECHO_DEPTH = 8
 _FALLBACK_422 = {"detail": [{"type": "value_error", "loc": ["body"], "msg": "Invalid request"}]}
+# what a refused batch file gets if its own 422 body cannot be rendered (batch routes)
+BATCH_REFUSED_422 = {"detail": [{"type": "batch_invalid", "loc": ["body"], "msg": "Invalid batch"}]}
 
 
 def _safe_number(value: int | float) -> int | float | str:

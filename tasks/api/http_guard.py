@@ -26,7 +26,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kiln.tasks.contract.batches import BATCHES_PATH
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.contract.uploads import LOCAL_PUT_PATH
+from kiln.tasks.contract.upload_slots import LOCAL_PUT_PATH
 
 log = logging.getLogger(__name__)
 Phase = Literal["headers", "body", "idle"]

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import Header, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 
+from kiln.common.states import JobState
 from kiln.storage.creation import QueueFull
 from kiln.storage.errors import QuotaExceeded
+from kiln.storage.job_store import JobRecord
 from kiln.storage.keys import valid_id
-from kiln.storage.status import JobRecord
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.deps import (
@@ -26,9 +26,10 @@ from kiln.tasks.api.deps import (
     refuse_over_page_limit,
     visible_job,
 )
-from kiln.tasks.api.limits import refuse_bad_inputs, refuse_over_limits
 from kiln.tasks.api.short_ids import IdPrefix, jobs_with_prefix
 from kiln.tasks.api.upload_routes import refuse_bad_image_refs
+from kiln.tasks.contract.image_refs import ImageRef
+from kiln.tasks.contract.request_check import Violation, check_request, image_refs
 from kiln.tasks.contract.responses import (
     CancelResult,
     JobList,
@@ -36,11 +37,10 @@ from kiln.tasks.contract.responses import (
     WebhookAttemptView,
 )
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.states import JobState
 from kiln.tasks.contract.views import JobView, QueueEstimate, job_view
+from kiln.tasks.queue.backlog import LateStart, late_start, needs_admission
 from kiln.tasks.queue.positions import estimate_from, placement, queue_estimate
 from kiln.tasks.queue.quotas import effective_cap
-from kiln.tasks.queue.submit import UnknownPipeline
 from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 from kiln.tasks.webhooks.ssrf import UnsafeUrl, check_url
 
@@ -48,26 +48,32 @@ router = api_router()
 JSON_TYPE = "application/json"
 
 
-def _check_request(ctx: ApiContext, request: JobRequest, caller: Principal) -> None:
-    known = ctx.submitter.known_pipelines()
-    if request.pipeline not in known:
-        msg = f"unknown pipeline {request.pipeline!r}; served: {', '.join(known) or 'none'}"
-        loc = ("body", "pipeline")
-        raise field_error(loc, msg, "unknown_pipeline", request.pipeline, known=known)
-    refuse_over_limits(ctx.submitter, request)
-    refuse_bad_inputs(ctx.submitter, request)
-    refuse_bad_image_refs(ctx, caller, request)
-    if request.webhook is None:
-        return
+def _refusal(violation: Violation) -> Exception:
+    """The 422 of a request the served pipelines refuse: FastAPI's shape, naming the field."""
+    loc, context = violation.loc(("body",)), violation.context()
+    return field_error(loc, violation.message, violation.kind, violation.value, **context)
+
+
+def _refuse_by_lookups(
+    ctx: ApiContext, caller: Principal, request: JobRequest, refs: Mapping[str, ImageRef]
+) -> None:
+    """The checks that need I/O, after the one pass: image inputs, then the webhook's URL."""
+    refuse_bad_image_refs(ctx, caller, refs)  # an upload's owner and size, a URL's host
+    if request.webhook is not None:
+        _refuse_unsafe_webhook(ctx, request.webhook.url)
+
+
+def _refuse_unsafe_webhook(ctx: ApiContext, url: str) -> None:
+    """422 when webhooks are not configured, or when `url` fails the SSRF rules (DNS)."""
     url_loc = ("body", "webhook", "url")
     secret = ctx.settings.webhook_secret
     if secret is None or not secret.get_secret_value():
         msg = "webhooks are not configured on this server (no KILN_WEBHOOK_SECRET)"
-        raise field_error(url_loc, msg, "webhooks_disabled", request.webhook.url)
+        raise field_error(url_loc, msg, "webhooks_disabled", url)
     try:
-        check_url(request.webhook.url, ctx.policy, ctx.resolve)
+        check_url(url, ctx.policy, ctx.resolve)
     except UnsafeUrl as exc:
-        raise field_error(url_loc, f"refused: {exc}", "unsafe_url", request.webhook.url) from exc
+        raise field_error(url_loc, f"refused: {exc}", "unsafe_url", url) from exc
 
 
 @router.post(
@@ -93,14 +99,21 @@ async def submit_job(
     # Answered on the event loop: a thread hop costs a plain submission more CPU than its own
     # work. What can block goes to a worker thread: reading the nodes' heartbeats (every few
     # seconds), a webhook URL's DNS, an image input's HEAD.
-    if not ctx.submitter.served_is_fresh():
-        await run_in_threadpool(ctx.submitter.known_pipelines)
-    if body.webhook is not None or body.inputs:
-        await run_in_threadpool(_check_request, ctx, body, caller)
+    submitter = ctx.submitter
+    if submitter.served_is_fresh():
+        declared = submitter.declared(body.pipeline)
     else:
-        _check_request(ctx, body, caller)
+        declared = await run_in_threadpool(submitter.declared, body.pipeline)
+    violation = check_request(body, declared)  # every static check, in one pass
+    if violation is not None:
+        raise _refusal(violation)
+    refs = image_refs(body, declared)
+    if refs or body.webhook is not None:
+        await run_in_threadpool(_refuse_by_lookups, ctx, caller, body, refs)
     # Keys are scoped to the API key so two callers never share one.
     scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
+    if needs_admission(body.priority, body.start_by, ctx.settings):
+        await _refuse_late_start(ctx, body, scoped_key)
     max_queued = effective_cap(caller.max_queued, ctx.settings.max_queued_per_key)
     retry_after = {"Retry-After": str(ctx.settings.queue_full_retry_after_s)}
     try:
@@ -110,20 +123,34 @@ async def submit_job(
     except QuotaExceeded as exc:
         detail = f"this API key has {max_queued} queued jobs, its maximum; retry later"
         raise HTTPException(429, detail, headers=retry_after) from exc
-    except UnknownPipeline as exc:
-        raise field_error(
-            ("body", "pipeline"), str(exc), "unknown_pipeline", exc.name, known=exc.known
-        ) from exc
-    except ValidationError as exc:
-        # The Submitter re-checks limits against heartbeats that may have changed since
-        # _check_request: still the caller's request that is over them, so still a 422.
-        errors = [{**err, "loc": ("body", *err["loc"])} for err in exc.errors()]
-        raise RequestValidationError(errors) from exc
     view = job_view(record, ctx.objects, ctx.submitter.live_pipelines(), estimate)
     # already a JobView: sent as it is, sparing FastAPI's validation of it all over again
     return Response(
         view.model_dump_json(), status_code=201 if created else 200, media_type=JSON_TYPE
     )
+
+
+async def _refuse_late_start(ctx: ApiContext, body: JobRequest, scoped_key: str | None) -> None:
+    """429 with Retry-After when the backlog cannot start the job in time (admission control).
+
+    The lane's expected wait comes from a backlog read kept for a moment (tasks/queue/backlog.py);
+    a replay of an Idempotency-Key that already names a job is let through to get that job.
+    """
+    backlogs = ctx.backlogs
+    if scoped_key is None and backlogs.is_fresh(body.pipeline):
+        refusal = _late_start(ctx, body, None)
+    else:
+        refusal = await run_in_threadpool(_late_start, ctx, body, scoped_key)
+    if refusal is not None:
+        headers = {"Retry-After": str(refusal.retry_after_s)}
+        raise HTTPException(429, refusal.message(), headers=headers)
+
+
+def _late_start(ctx: ApiContext, body: JobRequest, scoped_key: str | None) -> LateStart | None:
+    if scoped_key is not None and ctx.store.idempotency_bound(scoped_key):
+        return None
+    backlog, now = ctx.backlogs.now(body.pipeline)
+    return late_start(backlog, body.priority, body.start_by, ctx.settings, now)
 
 
 async def _submit(
@@ -140,7 +167,7 @@ async def _submit(
     written without its message), an idempotent replay's place in line (another job's).
     """
     submitter, every = ctx.submitter, ctx.settings.bulk_share_every
-    new = submitter.prepared(body, owner=caller.key_id, idempotency_key=scoped_key)
+    new = submitter.new_job(body, owner=caller.key_id, idempotency_key=scoped_key)
     if submitter.message_is_ready(new):
         message = submitter.message_for(new)
     else:

@@ -15,6 +15,12 @@
   instances with max, e.g. lines per second
   `max(sum by (instance) (rate(kiln_batch_lines_finished_total[5m])))`.
   A scrape while Redis is down leaves all of these out.
+- The backlog autoscalers read, per known pipeline (tasks/queue/backlog.py has the arithmetic),
+  read from Kiln's records at scrape time (prefetched messages still count as queued):
+  `kiln_pipeline_queued_gpu_seconds{pipeline,lane}` (queued jobs × the mean recent run time),
+  `kiln_pipeline_running_jobs{pipeline}`, `kiln_pipeline_nodes{pipeline,state}` (heartbeats:
+  `live`, and among them `asleep` and `draining`) and `kiln_pipeline_desired_nodes{pipeline}`,
+  the nodes that start every queued job within its lane's target (KEDA scales on it).
 
 Each app has its own registry (several apps may live in one test process). Under `kiln api
 --workers N` the supervisor sets `PROMETHEUS_MULTIPROC_DIR`: the counters and the histogram then
@@ -44,12 +50,13 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.common.states import TERMINAL_STATES
 from kiln.storage.counters import FinishedCounts, finished_counts, live_batches
 from kiln.storage.errors import StorageError
 from kiln.storage.gauges import job_counts, list_lengths
-from kiln.storage.states import TERMINAL_STATES
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.queue.app import transport_options
+from kiln.tasks.queue.backlog import node_counts, read_backlogs
 from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, lane_and_pipeline, queue_name
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,7 @@ class ApiMetrics:
         )
         self.registry.register(QueueCollector(ctx))
         self.registry.register(FinishedCollector(ctx))
+        self.registry.register(BacklogCollector(ctx))
         if shared_dir:
             MultiProcessCollector(self.registry, path=shared_dir)  # type: ignore[no-untyped-call]
         else:
@@ -192,6 +200,56 @@ class FinishedCollector(Collector):
         for labels, count in sorted(by_labels.items()):
             family.add_metric(list(labels), count)
         return family
+
+
+class BacklogCollector(Collector):
+    """Per pipeline: queued GPU-seconds, running jobs, nodes and desired nodes, from Redis."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self._ctx = ctx
+
+    def collect(self) -> Iterable[Metric]:
+        """The four families, or none while Redis does not answer."""
+        ctx = self._ctx
+        pipelines = ctx.submitter.known_pipelines()
+        try:
+            backlogs = read_backlogs(ctx.store, ctx.settings, pipelines)
+            live = ctx.store.live_nodes()
+        except StorageError as exc:
+            log.warning("metrics: pipeline backlogs left out: %s", exc)
+            return
+        queued = GaugeMetricFamily(
+            "kiln_pipeline_queued_gpu_seconds",
+            "Queued work in estimated GPU-seconds (queued jobs x mean recent run time).",
+            labels=["pipeline", "lane"],
+        )
+        running = GaugeMetricFamily(
+            "kiln_pipeline_running_jobs", "Running jobs.", labels=["pipeline"]
+        )
+        nodes = GaugeMetricFamily(
+            "kiln_pipeline_nodes",
+            "Live nodes serving the pipeline (heartbeats); asleep and draining are among them.",
+            labels=["pipeline", "state"],
+        )
+        desired = GaugeMetricFamily(
+            "kiln_pipeline_desired_nodes",
+            "Nodes that would start every queued job within its lane's target start.",
+            labels=["pipeline"],
+        )
+        for backlog in backlogs:
+            name = backlog.pipeline
+            for lane, seconds in backlog.queued_gpu_s.items():
+                queued.add_metric([name, lane], seconds)
+            running.add_metric([name], backlog.running_jobs)
+            counts = node_counts(live, name)
+            for state, count in (
+                ("live", counts.live),
+                ("asleep", counts.asleep),
+                ("draining", counts.draining),
+            ):
+                nodes.add_metric([name, state], count)
+            desired.add_metric([name], backlog.desired_nodes)
+        yield from (queued, running, nodes, desired)
 
 
 class RequestMetrics:

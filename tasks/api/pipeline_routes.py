@@ -1,4 +1,4 @@
-"""`GET /v1/pipelines/{name}`: what a pipeline takes (input schema, limits, adapters)."""
+"""`GET /v1/pipelines/{name}`: what a pipeline takes (schema, limits, adapters) and its backlog."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from fastapi import Depends, HTTPException, Path
 from kiln.tasks.api.deps import Ctx, api_router, error_docs, principal
 from kiln.tasks.contract.limits import PipelineLimits
 from kiln.tasks.contract.loras import adapter_listing
-from kiln.tasks.contract.responses import AdapterInfo, PipelineInfo
+from kiln.tasks.contract.responses import AdapterInfo, PipelineBacklogView, PipelineInfo
+from kiln.tasks.queue.backlog import lane_targets, node_counts, read_backlog
 
 router = api_router()
 PipelineName = Annotated[
@@ -31,18 +32,29 @@ PipelineName = Annotated[
     dependencies=[Depends(principal)],  # any valid key; who the caller is does not matter
 )
 def pipeline(ctx: Ctx, name: PipelineName) -> PipelineInfo:
-    """The pipeline's input schema (as a live node announces it), limits and adapters."""
+    """The pipeline's input schema (as a live node announces it), limits, adapters, backlog."""
     submitter = ctx.submitter
     known = submitter.known_pipelines()
     if name not in known:
         raise HTTPException(404, f"no pipeline {name!r}; known: {', '.join(known) or 'none'}")
-    live = sum(1 for node in ctx.store.live_nodes() if name in node.get("pipelines", []))
+    counts = node_counts(ctx.store.live_nodes(), name)
+    backlog = read_backlog(ctx.store, ctx.settings, name)
     schemas = submitter.inputs_for(name)
     limits = submitter.limits_for(name)
     return PipelineInfo(
         name=name,
-        live_nodes=live,
+        live_nodes=counts.live,
         inputs=schemas[0] if schemas else None,
         limits=(limits[0] if limits else PipelineLimits()).to_dict(),
         adapters=[AdapterInfo(**entry) for entry in adapter_listing(submitter.adapters_for(name))],
+        backlog=PipelineBacklogView(
+            queued=backlog.queued,
+            queued_gpu_seconds=backlog.queued_gpu_s,
+            job_gpu_seconds=backlog.job_gpu_s,
+            running_jobs=backlog.running_jobs,
+            nodes={"live": counts.live, "asleep": counts.asleep, "draining": counts.draining},
+            desired_nodes=backlog.desired_nodes,
+            target_start_s={str(k): v for k, v in lane_targets(ctx.settings).items()},
+            expected_wait_s=backlog.expected_wait_s,
+        ),
     )

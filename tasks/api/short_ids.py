@@ -11,13 +11,13 @@ from typing import Annotated
 
 from fastapi import Query
 
+from kiln.common.states import JobState
 from kiln.storage.id_prefix import MIN_ID_PREFIX, batch_ids_with_prefix, job_ids_with_prefix
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.batches.service import BatchService
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import BatchList
 from kiln.tasks.contract.responses import JobList
-from kiln.tasks.contract.states import JobState
 from kiln.tasks.contract.views import job_view
 
 IdPrefix = Annotated[

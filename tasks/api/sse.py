@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable
 import anyio
 import anyio.to_thread
 
-from kiln.storage.status import JobEvent, JobStore
+from kiln.common.states import is_terminal
+from kiln.storage.job_store import JobEvent, JobStore
 from kiln.tasks.api.auth import Authenticator, AuthError
-from kiln.tasks.contract.states import is_terminal
 from kiln.tasks.contract.views import event_view
 
 log = logging.getLogger(__name__)

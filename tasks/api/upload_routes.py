@@ -2,21 +2,23 @@
 
 A job's image input names an upload (`upload:<id>`) or a URL (`contract.image_refs`). At submit
 the API checks what it can before a node spends time on it: the upload is the caller's own and
-within the limits (`storage.uploads.checked_upload`), the URL passes the SSRF guard with the
+within the limits (`storage.uploaded_inputs.checked_upload`), the URL passes the SSRF guard with the
 input allow-list. The node checks both again when it reads or fetches the image.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
+from kiln.common.media import UPLOAD_ID, UPLOAD_REF_PREFIX
 from kiln.storage.errors import ObjectStoreError
 from kiln.storage.object_base import ObjectStore
 from kiln.storage.object_streams import ObjectWriter, open_writer
-from kiln.storage.uploads import (
+from kiln.storage.uploaded_inputs import (
     IssuedSlot,
     UploadRefused,
     UploadSlots,
@@ -29,11 +31,9 @@ from kiln.storage.uploads import (
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.deps import Caller, Ctx, api_router, error_docs, field_error
-from kiln.tasks.contract.image_refs import UPLOAD_PREFIX, parse_image_ref
-from kiln.tasks.contract.inputs import image_input_names
-from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.image_refs import ImageRef
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.contract.uploads import (
+from kiln.tasks.contract.upload_slots import (
     CONTENT_TYPES,
     LOCAL_PUT_PATH,
     UPLOADS_PATH,
@@ -45,7 +45,7 @@ from kiln.tasks.webhooks.ssrf import UnsafeUrl, UrlPolicy, check_url, policy_fro
 router = api_router()
 # pieces of a PUT body handed to the writer's thread at once: few thread hops, bounded memory
 WRITE_BYTES = 1024 * 1024
-UploadId = Annotated[str, Query(min_length=32, max_length=32, pattern=r"^[0-9a-f]{32}$")]
+UploadId = Annotated[str, Query(min_length=32, max_length=32, pattern=f"^{UPLOAD_ID.pattern}$")]
 
 
 def input_policy(settings: KilnSettings) -> UrlPolicy:
@@ -101,7 +101,7 @@ def create_upload(
     _slots(ctx).issue(caller.key_id, upload_id, IssuedSlot(body.bytes, content_type), expires_s)
     return UploadSlotView(
         upload_id=slot.upload_id,
-        ref=f"{UPLOAD_PREFIX}{slot.upload_id}",
+        ref=f"{UPLOAD_REF_PREFIX}{slot.upload_id}",
         key=slot.key,
         url=slot.url,
         headers=slot.headers,
@@ -185,19 +185,15 @@ async def _stream_into(request: Request, writer: ObjectWriter, max_bytes: int) -
     return size
 
 
-def refuse_bad_image_refs(ctx: ApiContext, caller: Principal, request: JobRequest) -> None:
+def refuse_bad_image_refs(ctx: ApiContext, caller: Principal, refs: Mapping[str, ImageRef]) -> None:
     """422 naming an image input whose upload is not the caller's, or whose URL is unsafe.
 
-    An upload over the limits is refused too. The form was checked with the other inputs.
+    An upload over the limits is refused too. `refs` passed `check_request` (their form).
     """
-    names: set[str] = set()
-    for schema in ctx.submitter.inputs_for(request.pipeline):
-        names |= image_input_names(schema)
-    for name in sorted(names & request.inputs.keys()):
-        value = request.inputs[name]
+    for name, ref in refs.items():
         loc = ("body", "inputs", name)
+        value = ref.text
         try:
-            ref = parse_image_ref(value)
             if ref.kind == "upload":
                 objects = _objects(ctx)
                 key = resolve_upload(objects, caller.key_id, ref.target)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.submit import Submitter
@@ -38,17 +37,9 @@ class LineChecks:
 
     def errors(self, request: JobRequest) -> list[Error]:
         """Why the request would be refused by POST /v1/jobs; [] when it would be accepted."""
-        known = self.submitter.known_pipelines()
-        if request.pipeline not in known:
-            msg = f"unknown pipeline {request.pipeline!r}; served: {', '.join(known) or 'none'}"
-            return [_error(("pipeline",), msg, "unknown_pipeline")]
-        violation = self.submitter.over_limits(request)
+        violation = self.submitter.violation(request)  # the same one pass as POST /v1/jobs
         if violation is not None:
-            loc = (violation.field,) if violation.field else ()
-            return [_error(loc, violation.message, LIMIT_ERROR)]
-        bad = self.submitter.bad_inputs(request)
-        if bad is not None:
-            return [_error(bad.loc(), bad.message, bad.kind)]
+            return [_error(violation.loc(), violation.message, violation.kind)]
         if request.webhook is not None:
             problem = self._webhook_problem(request.webhook.url)
             if problem is not None:

@@ -5,7 +5,7 @@ at a time.
 
 One pass (`tick`) plans its visits (`fairness`: API keys round-robin, each key's window shared
 between its batches, the window sized from the live nodes and from how fast the batches' jobs
-finish between two passes, `pace`) and, for each batch whose lease it holds or can take:
+finish between two passes, `fairness.Pace`) and, for each batch whose lease it holds or can take:
 
 1. writes the result lines of its finished jobs as one part (at least every
    `batch_results_flush_s`), then drops them from the open set (`reporting`);
@@ -13,10 +13,19 @@ finish between two passes, `pace`) and, for each batch whose lease it holds or c
    its jobs within its budget (at most `batch_feed_chunk` lines per visit, and no more than its
    owner's queued cap leaves room for: the lines wait, none is refused), moves the cursor, and
    only then publishes them; a paused batch feeds nothing;
-3. if it was canceled or its completion window ran out: cancels (expires) its open queued jobs,
-   cancels its running ones (cancel only) and ends unfed lines as result lines of that reason;
+3. if it was canceled, its completion window ran out or its input could not be read: winds it
+   down (below);
 4. once every line has its result: writes the summary and ends the batch; batch webhooks go out
    (`notify`).
+
+Winding down cancels (or expires) the batch's open queued jobs, cancels its running ones (cancel
+only: an expired batch lets them finish; a failed one, whose input could not be read, lets its
+open jobs run to their end) and ends the lines never fed as result lines of that reason, a chunk
+per visit. Lines of an input that could not be read end all at once, without result lines (their
+custom_ids cannot be read either): the counts and the batch's `error` say what became of them.
+A line whose job exists although the cursor did not pass it (made by a feeder that died, or
+refused by a cancel while being fed) ends as a job. Once every line has its result the summary is
+written and the batch ends.
 
 Exactly once per line: a line's job id is derived from the batch and its custom_id, and the cursor
 moves (fenced by the lease token, and only from where it was read) after the jobs exist. A feeder
@@ -31,30 +40,38 @@ another node takes over within that.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
 from celery import Celery
 
+from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.batch_feeding import BatchFeeding, FedWrite
 from kiln.storage.batch_records import BatchConflict, FedBatch
 from kiln.storage.batch_store import BatchStore
-from kiln.storage.errors import ObjectStoreError, QuotaExceeded, StorageError
+from kiln.storage.errors import (
+    IllegalTransition,
+    ObjectStoreError,
+    QuotaExceeded,
+    StorageError,
+)
+from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.object_streams import read_range
 from kiln.storage.objects import ObjectStore
-from kiln.storage.status import JobState, JobStore, NewJob
-from kiln.tasks.batches.fairness import plan_pass, window_size
+from kiln.tasks.batches.fairness import Pace, plan_pass, window_size
 from kiln.tasks.batches.lines import Item, batch_job_id, parse_item
 from kiln.tasks.batches.notify import BatchNotifier
-from kiln.tasks.batches.pace import Pace
 from kiln.tasks.batches.reporting import FeederLostLease, Lease, ResultWriter
-from kiln.tasks.batches.winding import WindDown
+from kiln.tasks.batches.results import summary_line, unfed_line
+from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import queue_name
 from kiln.tasks.queue.policy import public_message
 from kiln.tasks.queue.quotas import QueuedCaps
 from kiln.tasks.queue.submit import Submitter
+from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +101,6 @@ class BatchFeeder:
         self.app = app
         self.results = ResultWriter(store, objects, self.feeding, settings)
         self.notifier = BatchNotifier(settings, app)
-        self.winding = WindDown(self, app)
         self.pace = Pace(settings.batch_feed_interval_s)
         keys = ApiKeyStore(store.redis, store.settings)
         self.queued_caps = QueuedCaps(keys, settings.max_queued_per_key)
@@ -152,11 +168,11 @@ class BatchFeeder:
                 pass  # canceled meanwhile: the cancel stands
         batch = self.batches.get_fed(batch_id)
         if batch.stop is not None:
-            self.winding.wind_down(batch, lease)
+            self._wind_down(batch, lease)
         elif not batch.paused:
             self._feed(batch, lease, budget)
         batch = self.batches.get_fed(batch_id)
-        if not self.winding.finish_if_done(batch, lease):
+        if not self._finish_if_done(batch, lease):
             self.notifier.progress(batch)
 
     # --- feeding -----------------------------------------------------------------------------
@@ -281,3 +297,86 @@ class BatchFeeder:
                     items.append(parse_item(raw))
                     ends.append(offset)
         return items, ends
+
+    # --- winding down and the end -------------------------------------------------------------
+    def _wind_down(self, batch: FedBatch, lease: Lease) -> None:
+        """Stop the open jobs, then end the next chunk of unfed lines (fenced)."""
+        reason = batch.stop or "canceled"
+        if reason != "failed":  # a failed batch's open jobs run to their end
+            self._stop_open_jobs(batch.id, reason)
+        if batch.unfed <= 0:
+            return
+        if batch.error is not None:  # the input could not be read: nothing more will be
+            self._end_unreadable(batch, lease, reason)
+            return
+        read = self.read_input(batch, min(self.settings.batch_feed_chunk, batch.unfed))
+        if read is None or not read[0]:
+            return
+        items, ends = read
+        offset = ends[-1]
+        ids = [batch_job_id(batch.id, item.custom_id) for item in items]
+        states = self.feeding.job_states(ids)
+        opened: list[tuple[str, int]] = []
+        ended: list[bytes] = []
+        for job_id, item, state in zip(ids, items, states, strict=True):
+            if state is None:
+                ended.append(unfed_line(item.line, item.custom_id, reason))
+            else:  # made by a feeder that died or was stopped before moving the cursor
+                opened.append((job_id, item.line))
+                if state in (JobState.QUEUED, JobState.RUNNING):
+                    self._stop_job(job_id, reason)
+        part = self.results.put_part(batch, lease, b"".join(ended), "unfed") if ended else ""
+        cursor = (batch.fed + len(items), offset)
+        ending = (len(ended), reason, part)
+        if self.feeding.record_fed(batch.id, lease, batch.fed, cursor, opened, ending) is not (
+            FedWrite.applied
+        ):
+            if part:
+                self.results.drop(part)
+            raise FeederLostLease(batch.id)
+
+    def _stop_open_jobs(self, batch_id: str, reason: str) -> None:
+        feeding = self.feeding
+        open_ids = [job_id for job_id, _ in feeding.open_items(batch_id)]
+        for job_id, state in zip(open_ids, feeding.job_states(open_ids), strict=True):
+            if state in (JobState.QUEUED, JobState.RUNNING):
+                self._stop_job(job_id, reason)
+
+    def _end_unreadable(self, batch: FedBatch, lease: Lease, reason: str) -> None:
+        """End every line not fed yet under `reason`, without result lines (fenced)."""
+        cursor = (batch.items, batch.offset)
+        ending = (batch.unfed, reason, "")
+        written = self.feeding.record_fed(batch.id, lease, batch.fed, cursor, [], ending)
+        if written is not FedWrite.applied:
+            raise FeederLostLease(batch.id)
+        log.info("batch %s: %d unread lines ended (%s)", batch.id, batch.unfed, reason)
+
+    def _stop_job(self, job_id: str, reason: str) -> None:
+        store = self.store
+        try:
+            # cancel: queued ones at once, running ones at their next step; expiry: queued only
+            # (running jobs may finish)
+            stop = store.cancel if reason == "canceled" else store.expire
+            after = stop(job_id)
+        except IllegalTransition:
+            return
+        except StorageError as exc:
+            log.info("batch job %s: could not stop it (%s)", job_id, exc)
+            return
+        if after.state in TERMINAL_STATES and after.request.get("webhook"):
+            event = str(after.state)
+            enqueue_webhook_events(store, job_id, event, record=after, app=self.app)
+
+    def _finish_if_done(self, batch: FedBatch, lease: Lease) -> bool:
+        """End the batch if every line has its result (summary, status, webhook); True if so."""
+        if batch.fed < batch.items or self.feeding.open_items(batch.id):
+            return False
+        status = batch.stop or "completed"
+        ended = dataclasses.replace(batch, status=status, finished_at=time.time())
+        part = self.results.put_part(batch, lease, summary_line(batch_view(ended)), "summary")
+        if not self.feeding.finish_fed(batch.id, lease, status, part):
+            self.results.drop(part)
+            raise FeederLostLease(batch.id)
+        log.info("batch %s %s", batch.id, status)
+        self.notifier.finished(self.batches.get_fed(batch.id))
+        return True

@@ -8,11 +8,14 @@ pipeline, its limits, the webhook rules) plus a `custom_id` unique in the file. 
 `pipeline` or `priority` take the batch's defaults. Blank lines are skipped (they still count for
 line numbers).
 
-Most lines skip the strict-JSON walk (`json_screen` proves from the bytes that it would pass), and
+Most lines skip the strict-JSON walk (`plain_text` proves from the bytes that it would pass), and
 custom_ids are checked for repeats at the end (`unique_ids`, spilled to temporary files), so the
 API's memory stays flat however long the file: a repeat is known only once the file is read.
 Without skip_invalid it then joins the refusal; with it, the repeated lines already written are
-dropped from the committed input (`repeats`).
+dropped from the committed input (`drop_repeats`: only a file with repeats pays for this copy).
+
+A line's errors have POST /v1/jobs's shape, `loc` relative to the line as `api.job_routes` gives
+it for one request; `located` makes it the refused file's (from the body, with the line number).
 
 Without `skip_invalid` one invalid line refuses the whole file: the report carries the first
 errors (line number, field, reason) and the total count, and the caller aborts the writer. With
@@ -23,30 +26,23 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
+from kiln.common.defaults import BATCH_LANE
+from kiln.common.request import DRAWN_SEED_LIMIT
 from kiln.storage.object_base import ObjectStore, StoredObject
-from kiln.storage.object_streams import ObjectWriter
+from kiln.storage.object_streams import ObjectWriter, iter_lines, open_writer
 from kiln.tasks.batches.checks import Error, LineChecks
-from kiln.tasks.batches.json_screen import plain_text
-from kiln.tasks.batches.line_errors import (
-    CUSTOM_ID_MSG,
-    located,
-    plain_error,
-    repeat_error,
-    strip_body,
-    too_long,
-)
-from kiln.tasks.batches.lines import request_item_line
-from kiln.tasks.batches.repeats import drop_repeats
+from kiln.tasks.batches.lines import item_number, request_item_line
 from kiln.tasks.batches.results import invalid_line
-from kiln.tasks.batches.unique_ids import CustomIds
-from kiln.tasks.contract.batches import valid_custom_id
-from kiln.tasks.contract.schemas import DRAWN_SEED_LIMIT, JobRequest
+from kiln.tasks.batches.unique_ids import CustomIds, Repeat
+from kiln.tasks.contract.batches import CUSTOM_ID_MAX, valid_custom_id
+from kiln.tasks.contract.schemas import JobRequest
 
 # Strict-JSON errors of one line (the API's `json_guard.body_errors`): loc starts with "body".
 JsonCheck = Callable[[bytes], list[dict[str, Any]]]
@@ -55,6 +51,12 @@ MAX_ERRORS_SHOWN = 20
 WRITE_BYTES = 256 * 1024
 # far above any valid request (4000-char prompts, 16 metadata entries, a 2 KiB webhook URL)
 DEFAULT_MAX_LINE_BYTES = 256 * 1024
+# what `plain_text` leaves to `body_errors`: bytes that might not be plain
+_SUSPECT = re.compile(
+    rb"\\u(?:0000|[dD][89a-fA-F])"  # an escaped NUL or surrogate
+    rb"|NaN|Infinity"
+    rb"|[0-9](?:[eE][-+]?[0-9]{3}|[0-9]{19})"  # a big exponent, 20 digits in a row
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class LineDefaults:
     """
 
     pipeline: str | None = None
-    priority: str = "bulk"
+    priority: str = BATCH_LANE
     webhook: dict[str, Any] | None = None
     metadata: dict[str, str] = field(default_factory=dict)
 
@@ -294,3 +296,88 @@ class BatchIntake:
         for error in errors:
             if len(shown) < MAX_ERRORS_SHOWN:
                 shown.append(located(number, error))
+
+
+# --- a line's screen and errors, and the repeats dropped -------------------------------------
+
+
+def plain_text(raw: bytes, max_depth: int) -> str | None:
+    r"""The line as text if it plainly holds nothing `body_errors` refuses, else None.
+
+    A cheap proof, from the line's bytes alone, that the API's strict-JSON check would pass it.
+    `api.json_guard.body_errors` parses with a hook on every number and then walks the whole
+    value: the costliest step of accepting a batch. Almost every line of a real file is plain, and
+    for a plain line the walk cannot find anything, for reasons that show in its bytes. One reason
+    per refusal of `body_errors`:
+
+    - not UTF-8: the screen decodes the line itself;
+    - a lone UTF-16 surrogate or a NUL: JSON text can carry them only as escapes, `\uD800` to
+      `\uDFFF` and `\u0000` (strict UTF-8 refuses encoded surrogates, and `json` raw control
+      characters), so without those escapes, neither (other escapes, `\u00e9` say, are fine);
+    - `NaN`, `Infinity`, `-Infinity`: their names;
+    - an integer above 2**64-1 needs 20 digits in a row; a float that overflows to infinity (above
+      1.8e308) needs an exponent of three digits or more, or an integer part of over 200 digits
+      (fraction digits add no magnitude, and JSON allows no leading zeros);
+    - nesting deeper than `max_depth` needs more opening brackets than that.
+
+    A line the screen is unsure of (a prompt that says "NaN", say) simply goes through
+    `body_errors`; the screen only ever skips work, it never decides a refusal.
+    """
+    if raw.count(b"{") + raw.count(b"[") > max_depth or _SUSPECT.search(raw):
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+CUSTOM_ID_MSG = (
+    f"custom_id must be 1-{CUSTOM_ID_MAX} letters, digits, '_' or '-', "
+    "starting with a letter or digit"
+)
+
+
+def repeat_error(repeat: Repeat) -> Error:
+    """The error of a line whose custom_id an earlier line used."""
+    msg = f"duplicate custom_id {repeat.custom_id!r}: first used on line {repeat.first_line}"
+    return {"type": "duplicate_custom_id", "loc": ["custom_id"], "msg": msg}
+
+
+def located(number: int, error: Error) -> Error:
+    """`error` as the refusal of a file reports it: `loc` from the body, with its line."""
+    return {**error, "loc": ["body", "line", number, *error["loc"]], "line": number}
+
+
+def too_long(limit: int) -> Error:
+    """A line over the intake's byte limit."""
+    return {"type": "line_too_long", "loc": [], "msg": f"the line is over {limit} bytes"}
+
+
+def strip_body(error: dict[str, Any]) -> Error:
+    """A strict-JSON error of the line (`json_guard`), its `loc` without the leading "body"."""
+    loc = list(error.get("loc", ()))
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    # a line that does not parse says why (json's reason: "Expecting ',' delimiter"), not only that
+    reason = (error.get("ctx") or {}).get("error")
+    msg = str(reason) if error["type"] == "json_invalid" and reason else error["msg"]
+    return {"type": error["type"], "loc": loc, "msg": msg}
+
+
+def plain_error(error: Any) -> Error:
+    """A pydantic error of the line as JSON can carry it."""
+    # only what encodes as JSON whatever the input held: type, location, message
+    return {"type": str(error["type"]), "loc": list(error["loc"]), "msg": str(error["msg"])}
+
+
+def drop_repeats(objects: ObjectStore, stored: StoredObject, lines: set[int]) -> StoredObject:
+    """Rewrite the committed input `stored` without the items of `lines`, under the same key."""
+    writer = open_writer(objects, stored.key, stored.content_type)
+    try:
+        for raw in iter_lines(objects, stored.key):
+            if raw and item_number(raw) not in lines:
+                writer.write(raw + b"\n")
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise

@@ -12,12 +12,13 @@ import logging
 import time
 import uuid
 
+from kiln.common.states import TERMINAL_STATES
 from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_records import FedBatch
 from kiln.storage.errors import StorageError
+from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import batch_object_key
 from kiln.storage.objects import ObjectStore
-from kiln.storage.status import TERMINAL_STATES, JobStore
 from kiln.tasks.batches.lines import custom_id_of
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, job_line
 from kiln.tasks.contract.settings import KilnSettings

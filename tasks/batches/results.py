@@ -15,9 +15,9 @@ from typing import Any
 
 from kiln.storage.base import dumps
 from kiln.storage.batch_store import BatchStore
+from kiln.storage.job_store import JobRecord
 from kiln.storage.object_streams import iter_lines
 from kiln.storage.objects import ObjectStore
-from kiln.storage.status import JobRecord
 from kiln.tasks.batches.checks import Error
 from kiln.tasks.contract.batches import INVALID, BatchView
 from kiln.tasks.contract.views import output_view

@@ -17,6 +17,7 @@ import dataclasses
 import json
 from collections.abc import Iterable
 
+from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
 from kiln.storage.batch_records import (
     BatchConflict,
     FedBatch,
@@ -28,8 +29,6 @@ from kiln.storage.batch_store import BatchStore
 from kiln.storage.object_streams import batch_object_key, iter_lines, open_writer
 from kiln.storage.objects import ObjectStore
 from kiln.tasks.batches.lines import item_line, parse_item
-
-INPUT_CONTENT_TYPE = "application/x-ndjson"
 
 
 class NothingToRetry(ValueError):
@@ -58,7 +57,7 @@ def write_retry_input(
     """Copy the parent's items of `custom_ids` into the retry's input (renumbered from 1)."""
     wanted = set(custom_ids)
     key = batch_object_key(objects.prefix, retry_id, "input.jsonl")
-    writer = open_writer(objects, key, INPUT_CONTENT_TYPE)
+    writer = open_writer(objects, key, BATCH_INPUT_CONTENT_TYPE)
     count = 0
     try:
         for raw in iter_lines(objects, parent.input_key):

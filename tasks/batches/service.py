@@ -7,19 +7,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
 from kiln.storage.batch_store import BatchStore, FedBatch, NewFedBatch
+from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import batch_object_key, iter_chunks, open_writer
 from kiln.storage.objects import ObjectStore
-from kiln.storage.status import JobStore
 from kiln.tasks.batches.checks import LineChecks
 from kiln.tasks.batches.intake import BatchIntake, IntakeReport, JsonCheck, LineDefaults
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, stream_results
 from kiln.tasks.batches.retry import retry_batch
+from kiln.tasks.contract.batches import DEFAULT_COMPLETION_WINDOW, parse_completion_window
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.submit import Submitter
 from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
-
-INPUT_CONTENT_TYPE = "application/x-ndjson"
 
 
 def new_batch_id() -> str:
@@ -32,7 +32,7 @@ class BatchOptions:
     """What applies to a whole batch: its lines' defaults, its window, how invalid lines count."""
 
     defaults: LineDefaults = field(default_factory=LineDefaults)
-    window_s: int = 24 * 3600
+    window_s: int = parse_completion_window(DEFAULT_COMPLETION_WINDOW)
     skip_invalid: bool = False
     owner: str | None = None
 
@@ -64,9 +64,8 @@ class BatchService:
     def new_intake(self, batch_id: str, options: BatchOptions) -> BatchIntake:
         """An intake writing the batch's input (and, with skip_invalid, its invalid results)."""
         prefix = self.objects.prefix
-        items = open_writer(
-            self.objects, batch_object_key(prefix, batch_id, "input.jsonl"), INPUT_CONTENT_TYPE
-        )
+        input_key = batch_object_key(prefix, batch_id, "input.jsonl")
+        items = open_writer(self.objects, input_key, BATCH_INPUT_CONTENT_TYPE)
         invalid = None
         if options.skip_invalid:
             key = batch_object_key(prefix, batch_id, "results", "invalid.jsonl")

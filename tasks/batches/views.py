@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import time
 
+from kiln.common.request import Lane
+from kiln.common.states import BatchStatus, JobState, is_final_batch
 from kiln.storage.batch_records import FedBatch
-from kiln.storage.states import JobState
-from kiln.tasks.contract.batches import (
-    BatchCounts,
-    BatchOutcome,
-    BatchStatus,
-    BatchView,
-    is_final_batch,
-)
-from kiln.tasks.contract.schemas import Lane, WebhookSpec
+from kiln.tasks.contract.batches import BatchCounts, BatchOutcome, BatchView
+from kiln.tasks.contract.schemas import WebhookSpec
 
 
 def batch_counts(batch: FedBatch) -> BatchCounts:

@@ -66,8 +66,8 @@ def _check_queue(queue: str) -> None:
 
 def _direct(args: argparse.Namespace) -> dict[str, Any]:
     # Deferred: Redis and Celery load only for this command.
+    from kiln.storage.job_store import JobStore
     from kiln.storage.settings import StorageSettings
-    from kiln.storage.status import JobStore
     from kiln.tasks.contract.settings import KilnSettings
     from kiln.tasks.queue import controls
 
@@ -96,7 +96,7 @@ def _direct(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _purge(store: Any, queue: str, settings: Any, storage_settings: Any) -> list[str]:
-    from kiln.storage.status import JobRecord
+    from kiln.storage.job_store import JobRecord
     from kiln.tasks.queue import controls
     from kiln.tasks.queue.app import make_celery_app
     from kiln.tasks.webhooks.enqueue import enqueue_webhook_events

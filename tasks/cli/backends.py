@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Protocol
 
+from kiln.common.states import JobState, is_terminal
 from kiln.tasks.cli.short_ids import resolve_id
 from kiln.tasks.contract.responses import CancelEffect, CancelResult
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.contract.states import JobState, is_terminal
 from kiln.tasks.contract.views import JobView, job_view
 
 
@@ -38,9 +38,9 @@ class DirectBackend:
 
     def __init__(self) -> None:
         # Deferred: Redis, boto3 and Celery load only when the CLI talks to Redis directly.
+        from kiln.storage.job_store import JobStore
         from kiln.storage.objects import open_object_store
         from kiln.storage.settings import StorageSettings
-        from kiln.storage.status import JobStore
         from kiln.tasks.queue.submit import Submitter
 
         storage_settings = StorageSettings()

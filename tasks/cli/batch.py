@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kiln.common.defaults import BATCH_LANE
+from kiln.common.request import Lane
 from kiln.tasks.cli.backends import remote_args
 from kiln.tasks.cli.batch_backends import BatchBackend, backend_for
 from kiln.tasks.cli.batch_display import show_batch, show_batch_list
@@ -24,7 +26,6 @@ from kiln.tasks.cli.batch_submit import submit, wait_and_show
 from kiln.tasks.cli.exits import EXIT_JOB_FAILED, UsageError
 from kiln.tasks.cli.short_ids import BATCH_ID_HELP
 from kiln.tasks.contract.batches import DEFAULT_COMPLETION_WINDOW, RetryInclude
-from kiln.tasks.contract.schemas import Lane
 
 RETRY_INCLUDE = tuple(RetryInclude)
 DOWNLOAD_WORKERS = 8  # the client's default (httpx loads only when a command needs it)
@@ -57,7 +58,10 @@ def _add_submit(actions: Any) -> None:
     s.add_argument("file", metavar="FILE.jsonl", help="one job request and custom_id per line")
     s.add_argument("--pipeline", help="pipeline of the lines that name none (default: default)")
     s.add_argument(
-        "--priority", choices=list(Lane), default=Lane.bulk, help="lane of the lines that name none"
+        "--priority",
+        choices=list(Lane),
+        default=BATCH_LANE,
+        help="lane of the lines that name none",
     )
     s.add_argument(
         "--completion-window",

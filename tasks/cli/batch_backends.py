@@ -91,9 +91,9 @@ class DirectBatches:
 
     def __init__(self) -> None:
         # Deferred: Redis, boto3, Celery and the API's JSON checks load only here.
+        from kiln.storage.job_store import JobStore
         from kiln.storage.objects import open_object_store
         from kiln.storage.settings import StorageSettings
-        from kiln.storage.status import JobStore
         from kiln.tasks.api.json_guard import body_errors
         from kiln.tasks.batches.service import BatchService
         from kiln.tasks.contract.settings import KilnSettings

@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
+from kiln.common.states import is_final_batch
 from kiln.tasks.cli.exits import print_json, stdout_console
-from kiln.tasks.contract.batches import BatchCounts, BatchList, BatchView, is_final_batch
+from kiln.tasks.contract.batches import BatchCounts, BatchList, BatchView
 
 
 def done_count(counts: BatchCounts) -> int:
@@ -40,10 +41,11 @@ def _eta(view: BatchView) -> str:
 def progress_line(view: BatchView) -> str:
     """One line of progress: done / total, rate, ETA, failures."""
     c = view.counts
-    return (
+    line = (
         f"batch {view.id} {view.status}: {done_count(c)}/{c.total} done, {_rate(view)}, "
         f"{_eta(view)}, {not_ok_count(c)} not ok"
     )
+    return f"{line}: {view.error}" if view.error else line
 
 
 class BatchProgress:
@@ -140,6 +142,8 @@ def batch_table(view: BatchView) -> Table:
     """A human view of one batch."""
     table = Table(title=f"batch {view.id}", show_header=False)
     table.add_row("status", view.status + (f" ({view.outcome})" if view.outcome else ""))
+    if view.error:
+        table.add_row("error", view.error)
     if view.parent_id:
         table.add_row("retry of", view.parent_id)
     for name, value in view.counts.model_dump().items():

@@ -50,7 +50,7 @@ def _sink(stack: ExitStack, output: str | None) -> BinaryIO | None:
 
 def _keep_results(lines: Iterator[bytes], output: str | None) -> list[BatchResult]:
     """The result lines that name outputs (written to `output` on the way when given)."""
-    from kiln.tasks.client.batches import parse_batch_line
+    from kiln.tasks.client.client import parse_batch_line
 
     found = []
     with ExitStack() as stack:

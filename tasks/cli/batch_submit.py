@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kiln.common.states import is_final_batch
 from kiln.tasks.cli.batch_backends import BatchBackend, BatchRefused, SubmitOptions
 from kiln.tasks.cli.batch_display import BatchProgress, show_batch
 from kiln.tasks.cli.exits import EXIT_JOB_FAILED, EXIT_USAGE, EXIT_WAIT_TIMEOUT, UsageError
-from kiln.tasks.contract.batches import BatchView, is_final_batch
+from kiln.tasks.contract.batches import BatchView
 
 ERRORS_SHOWN = 20
 POLL_S = 1.0
@@ -127,6 +128,8 @@ def wait_and_show(args: argparse.Namespace, backend: BatchBackend, view: BatchVi
         print(f"kiln: {exc} after {args.timeout:g} s", file=sys.stderr)
         return EXIT_WAIT_TIMEOUT
     show_batch(args.json, view)
+    if view.error:
+        print(f"kiln: batch {view.id} {view.status}: {view.error}", file=sys.stderr)
     return 0 if view.outcome == "succeeded" else EXIT_JOB_FAILED
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kiln.common.states import JobState
 from kiln.storage.base import require_supported_redis
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
@@ -26,11 +27,10 @@ from kiln.tasks.cli.exits import (
     print_json,
     stdout_console,
 )
+from kiln.tasks.cli.input_files import upload_file
 from kiln.tasks.cli.progress import wait_for_jobs
-from kiln.tasks.cli.uploads import upload_file
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.contract.states import JobState
 from kiln.tasks.contract.views import JobView
 
 SUBMIT_FIELDS = (
@@ -100,13 +100,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
         fields["inputs"] = parse_inputs(args.inputs, upload=lambda path: upload_file(args, path))
     if args.loras:
         fields["loras"] = parse_loras(args.loras)
+    if args.preview is not None or args.preview_every is not None:
+        every = args.preview_every
+        fields["preview"] = {"every_steps": every} if every is not None else {}
     request = JobRequest.model_validate(fields)
     backend = backend_for(args)
     view = backend.submit(request, idempotency_key=args.idempotency_key)
-    if not args.wait:
+    if args.preview is None and not args.wait:
         _show(args, [view], ids_only=True)
         return 0
-    return _wait_and_show(args, backend, [view.id])
+    followers = []
+    if args.preview is not None:
+        from kiln.tasks.cli.previews import follow_previews
+
+        followers = follow_previews(backend, [view.id], args.preview)
+    status = _wait_and_show(args, backend, [view.id])
+    for follower in followers:
+        follower.join(timeout=5)  # its stream ends at the terminal event: the newest is written
+    return status
 
 
 def parse_loras(values: list[str]) -> list[dict[str, Any]]:
@@ -194,9 +205,9 @@ def cmd_api(args: argparse.Namespace) -> int:
     if workers == 1:
         serve_api(settings, StorageSettings(), host, port)
         return 0
+    from kiln.common.logs import configure_logging
     from kiln.tasks.api.context import check_connection_budget
     from kiln.tasks.api.supervisor import serve_workers
-    from kiln.tasks.contract.logs import configure_logging
 
     check_connection_budget(settings, StorageSettings())  # per process; refused before any child
     # Plain JSON lines, no stdio capture: each child captures its own output.

@@ -19,6 +19,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from kiln.common.request import VideoFormat
+from kiln.common.states import JobState
 from kiln.storage.base import require_supported_redis
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.backends import HttpBackend
@@ -31,9 +33,9 @@ from kiln.tasks.cli.embedded import (
     free_port,
     kiln_command,
 )
+from kiln.tasks.cli.previews import follow_previews
 from kiln.tasks.cli.progress import wait_for_jobs
-from kiln.tasks.contract.schemas import JobRequest, VideoFormat
-from kiln.tasks.contract.states import JobState
+from kiln.tasks.contract.schemas import JobRequest, PreviewRequest
 from kiln.tasks.contract.views import JobView
 
 PROMPTS = [
@@ -63,6 +65,7 @@ def demo_requests(image_jobs: int) -> list[JobRequest]:
             seed=1000 + i,
             num_outputs=1 + i % 2,
             output_format="png",
+            preview=PreviewRequest(every_steps=2),  # kept in .kiln/previews/ as they come
         )
         for i in range(image_jobs)
     ]
@@ -139,8 +142,6 @@ def _run_jobs(
         "tiny-video",
         "--devices",
         "cpu:2",
-        "--max-batch",
-        "4",
         "--loglevel",
         "WARNING",
     )
@@ -159,8 +160,20 @@ def _run_jobs(
         started = time.monotonic()
         views = [backend.submit(request) for request in demo_requests(image_jobs)]
         console.print(f"submitted {len(views)} jobs through the API")
+        previews: list[Path] = []
+        with_previews = [v.id for v in views if v.parameters.preview is not None]
+        followers = follow_previews(
+            backend, with_previews, logs / "previews", lambda _j, path, _s: previews.append(path)
+        )
         finals = wait_for_jobs(
             backend, [v.id for v in views], timeout_s=300, console=console, check=children.check
+        )
+        for follower in followers:
+            follower.join(timeout=5)  # its job ended: its stream ends at the terminal event
+        console.print(
+            f"{len(previews)} previews written while denoising; the newest of each job in "
+            f"{(logs / 'previews').resolve()}",
+            highlight=False,
         )
         return finals, time.monotonic() - started
 

@@ -18,6 +18,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kiln.common.defaults import BATCH_WINDOW_S, MAX_BATCH
+from kiln.common.request import Lane
 from kiln.storage.errors import JobNotFound, StorageError
 from kiln.tasks.cli import admin as admin_cli
 from kiln.tasks.cli import batch as batch_cli
@@ -37,7 +39,7 @@ from kiln.tasks.cli.exits import (
 )
 from kiln.tasks.cli.progress import JobWaitTimeout
 from kiln.tasks.cli.short_ids import JOB_ID_HELP
-from kiln.tasks.contract.schemas import JobRequest, Lane
+from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 
 __all__ = [
@@ -181,6 +183,16 @@ def _add_submit(sub: Any) -> None:
     p.add_argument(
         "--timeout", type=float, help="seconds to wait with --wait, then exit 3 (default: none)"
     )
+    p.add_argument(
+        "--preview",
+        type=Path,
+        metavar="DIR",
+        help="ask for previews while denoising and keep the newest in DIR/<job_id>.<format> "
+        "(implies --wait; default: no previews)",
+    )
+    p.add_argument(
+        "--preview-every", type=int, metavar="N", help="a preview every N steps (default: 1)"
+    )
     _wait_for_node_arg(p)
     _job_args(p)
 
@@ -198,11 +210,11 @@ def _add_worker(sub: Any) -> None:
     w.add_argument("--pipeline", action="append", default=[], help="NAME or NAME=SPEC; repeatable")
     w.add_argument("--devices", default="cpu:1", help="cpu:N or cuda:0,cuda:1")
     w.add_argument("--queues", default=",".join(Lane), help="lanes, in priority order")
-    w.add_argument("--max-batch", type=int, default=4, help="most jobs run together")
+    w.add_argument("--max-batch", type=int, default=MAX_BATCH, help="most jobs run together")
     w.add_argument(
         "--batch-window-ms",
         type=float,
-        default=0.0,
+        default=BATCH_WINDOW_S * 1000,
         help="how long an idle group waits for compatible jobs to batch with the first "
         "(jobs that queue up while the group is busy are batched anyway)",
     )

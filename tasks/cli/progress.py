@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from kiln.common.states import JobState, is_terminal
 from kiln.tasks.cli.backends import JobsBackend
-from kiln.tasks.contract.states import JobState, is_terminal
 from kiln.tasks.contract.views import JobView
 
 

@@ -1,18 +1,50 @@
-"""Python client of the Kiln HTTP API: typed results, one exception per kind of failure."""
+"""Python client of the Kiln HTTP API: one session, typed results, one exception per failure.
+
+`KilnClient` is the whole session over one connection pool: jobs, uploads, batches, queues and
+nodes. An upload (`upload`) posts for a slot, then PUTs the bytes where the API says: a presigned
+object-store URL (sent without the API key: the signature is the credential) or, for a local
+store, the API's own PUT (sent with it); the slot's `ref` (`upload:<id>`) names it in a job's
+image input. A batch streams from a file (or an iterable of requests) without reading it whole,
+and its results stream back line by line. A refused batch file raises `ValidationFailed`, whose
+`detail` opens with the counts (`batch_invalid`) and then lists the first errors by line.
+`batch_events` follows a batch over server-sent events (`batch.progress`, then one terminal
+`batch.<status>`).
+"""
 
 from __future__ import annotations
 
+import base64
+import json
+import mimetypes
 import time
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import httpx
 from httpx_sse import EventSource
 
-from kiln.tasks.client.batches import BatchCalls
-from kiln.tasks.client.uploads import UploadCalls
+from kiln.common.defaults import BATCH_LANE
+from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
+from kiln.common.states import is_final_batch, is_terminal
+from kiln.tasks.client.batch_downloads import (
+    DEFAULT_DOWNLOAD_WORKERS,
+    DownloadReport,
+    download_outputs,
+    output_files,
+)
 from kiln.tasks.contract.backoff import doubling_delay
+from kiln.tasks.contract.batches import (
+    BATCHES_PATH,
+    DEFAULT_COMPLETION_WINDOW,
+    BatchList,
+    BatchResult,
+    BatchSummary,
+    BatchView,
+    RetryInclude,
+)
 from kiln.tasks.contract.responses import (
     CancelResult,
     DrainResult,
@@ -24,11 +56,19 @@ from kiln.tasks.contract.responses import (
     WebhookAttempts,
 )
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.states import is_terminal
-from kiln.tasks.contract.views import EventView, JobView
+from kiln.tasks.contract.upload_slots import UPLOADS_PATH, UploadSlotView
+from kiln.tasks.contract.views import EventView, JobView, PreviewData, PreviewEvent
 
 # `wait` polls soon after submitting (short jobs finish fast), then backs off to `poll_s`
 FIRST_POLL_S = 0.05
+UPLOAD_CHUNK = 256 * 1024
+BatchLine = BatchResult | BatchSummary
+BatchSource = str | Path | Iterable[JobRequest | dict[str, Any]]
+RETRY_INCLUDE = tuple(RetryInclude)
+
+UploadSource = str | Path | bytes
+# Magic numbers of the formats an image input may have.
+_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
 
 
 class KilnError(Exception):
@@ -106,6 +146,10 @@ _ERRORS: dict[int, type[ApiError]] = {
 }
 
 
+class UploadFailed(RuntimeError):
+    """The object store refused the PUT of an upload (the slot was granted)."""
+
+
 def _describe(detail: Any) -> str:
     if isinstance(detail, list):
         return "; ".join(
@@ -128,12 +172,79 @@ def _raise_for(response: httpx.Response) -> None:
     raise _ERRORS.get(code, ApiError)(code, detail)
 
 
-class KilnClient(BatchCalls, UploadCalls):
-    """A Kiln API: `submit`, `get`, `wait`, `cancel`, `events`, `list`, `webhooks`, `pipeline`.
+def sniff_content_type(data: bytes, name: str | None = None) -> str:
+    """The content type of an image by its first bytes, else by its file name."""
+    for signature, content_type in _SIGNATURES:
+        if data.startswith(signature):
+            return content_type
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    guessed = mimetypes.guess_type(name)[0] if name else None
+    return guessed or "application/octet-stream"
 
-    Batches (`BatchCalls`): `submit_batch`, `get_batch`, `list_batches`, `cancel_batch`,
-    `pause_batch`, `resume_batch`, `retry_batch`, `batch_events`, `batch_results`,
-    `download_batch_results`, `wait_batch`. Inputs (`UploadCalls`): `upload`.
+
+def _file_chunks(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as handle:
+        while chunk := handle.read(UPLOAD_CHUNK):
+            yield chunk
+
+
+def _request_lines(requests: Iterable[JobRequest | dict[str, Any]]) -> Iterator[bytes]:
+    buffer = bytearray()
+    for index, request in enumerate(requests):
+        if isinstance(request, JobRequest):
+            raise TypeError(
+                f"request {index}: a batch line needs a custom_id; pass a dict such as "
+                "{'custom_id': ..., **request.model_dump(exclude_none=True)}"
+            )
+        buffer += json.dumps(request, separators=(",", ":")).encode() + b"\n"
+        if len(buffer) >= UPLOAD_CHUNK:
+            yield bytes(buffer)
+            buffer.clear()
+    if buffer:
+        yield bytes(buffer)
+
+
+def batch_body(source: BatchSource) -> Iterator[bytes]:
+    """The body of a batch upload: a JSONL file's bytes, or one JSON line per request dict."""
+    if isinstance(source, str | Path):
+        return _file_chunks(Path(source))
+    return _request_lines(source)
+
+
+def parse_batch_line(raw: str | bytes) -> BatchLine:
+    """One line of a batch's results: a `BatchResult`, or the final `BatchSummary`."""
+    data = json.loads(raw)
+    if data.get("type") == "summary":
+        return BatchSummary.model_validate(data)
+    return BatchResult.model_validate(data)
+
+
+def preview_image(data: PreviewData, timeout: httpx.Timeout | float = 10.0) -> bytes | None:
+    """A preview's image: decoded from its event, or fetched from its URL; None if it is gone."""
+    try:
+        if data.image_b64 is not None:
+            return base64.b64decode(data.image_b64, validate=True)
+        if data.url is not None and data.url.startswith("file://"):
+            return Path(urllib.parse.unquote(urllib.parse.urlsplit(data.url).path)).read_bytes()
+        if data.url is not None:
+            # a presigned object URL: no API key goes to the object store
+            response = httpx.get(data.url, timeout=timeout)
+            response.raise_for_status()
+            return response.content
+    except (ValueError, OSError, httpx.HTTPError):
+        return None  # replaced or expired meanwhile: a newer preview follows
+    return None
+
+
+class KilnClient:
+    """A Kiln API session.
+
+    Jobs: `submit`, `get`, `wait`, `cancel`, `events`, `list`, `webhooks`, `pipeline`. Inputs:
+    `upload`. Batches: `submit_batch`, `get_batch`, `list_batches`, `cancel_batch`, `pause_batch`,
+    `resume_batch`, `retry_batch`, `batch_events`, `batch_results`, `download_batch_results`,
+    `wait_batch`. Operators: `queues`, `pause_queue`, `resume_queue`, `purge_queue`,
+    `drain_node`, `undrain_node`.
     """
 
     def __init__(
@@ -229,6 +340,11 @@ class KilnClient(BatchCalls, UploadCalls):
                 start = last
                 for event in self._stream(job_id, last):
                     last = event.seq
+                    if event.type == "preview":
+                        preview = self._preview_event(event)
+                        if preview is not None:
+                            yield preview
+                        continue
                     yield event
                     if is_terminal(event.type):
                         return
@@ -240,6 +356,13 @@ class KilnClient(BatchCalls, UploadCalls):
                 if last == after:
                     raise KilnConnectionError(f"event stream of {job_id} broke: {exc}") from exc
                 after = last  # progress was made: resume once more from where it broke
+
+    def _preview_event(self, event: EventView) -> PreviewEvent | None:
+        """A preview with its image's bytes; None when they cannot be had (a newer one comes)."""
+        image = preview_image(PreviewData.model_validate(event.payload), self._http.timeout)
+        if image is None:
+            return None
+        return PreviewEvent(**event.model_dump(), image=image)
 
     def _stream(self, job_id: str, after: int) -> Iterator[EventView]:
         headers = {"Last-Event-ID": str(after), "Accept": "text/event-stream"}
@@ -307,3 +430,170 @@ class KilnClient(BatchCalls, UploadCalls):
             time.sleep(min(doubling_delay(polls, min(FIRST_POLL_S, poll_s), poll_s), left))
             job = self.get(job_id)
         return job
+
+    # --- uploads ---------------------------------------------------------------------------------
+    def upload(
+        self, source: UploadSource, *, content_type: str | None = None, purpose: str = "image"
+    ) -> UploadSlotView:
+        """Upload a file (path) or bytes; returns the slot, whose `ref` a job's input names."""
+        name = None if isinstance(source, bytes) else str(source)
+        data = source if isinstance(source, bytes) else Path(source).read_bytes()
+        content_type = content_type or sniff_content_type(data, name)
+        body = {"content_type": content_type, "bytes": len(data), "purpose": purpose}
+        slot = UploadSlotView.model_validate(self._call("POST", UPLOADS_PATH, json=body).json())
+        if slot.url.startswith(str(self._http.base_url)):
+            self._call("PUT", slot.url, content=data, headers=slot.headers)
+            return slot
+        try:  # a presigned URL: no API key goes to the object store
+            answer = httpx.put(slot.url, content=data, headers=slot.headers, timeout=60.0)
+        except httpx.TransportError as exc:
+            raise UploadFailed(f"PUT of upload {slot.upload_id} failed: {exc}") from exc
+        if not answer.is_success:
+            raise UploadFailed(f"PUT of upload {slot.upload_id}: HTTP {answer.status_code}")
+        return slot
+
+    # --- batches ---------------------------------------------------------------------------------
+    def submit_batch(
+        self,
+        source: BatchSource,
+        *,
+        pipeline: str | None = None,
+        priority: str = BATCH_LANE,
+        completion_window: str = DEFAULT_COMPLETION_WINDOW,
+        skip_invalid: bool = False,
+        metadata: dict[str, str] | None = None,
+        webhook_url: str | None = None,
+        webhook_events: Sequence[str] | None = None,
+        timeout: float | None = None,
+    ) -> BatchView:
+        """Upload a batch (a JSONL file path, or dicts each with a `custom_id`), streamed."""
+        params: dict[str, Any] = {
+            "priority": priority,
+            "completion_window": completion_window,
+            "skip_invalid": "true" if skip_invalid else "false",
+        }
+        if pipeline is not None:
+            params["pipeline"] = pipeline
+        if metadata:
+            params["metadata"] = json.dumps(metadata)
+        if webhook_url is not None:
+            params["webhook_url"] = webhook_url
+        if webhook_events:
+            params["webhook_events"] = ",".join(webhook_events)
+        options: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        response = self._call(
+            "POST",
+            BATCHES_PATH,
+            params=params,
+            content=batch_body(source),
+            headers={"Content-Type": BATCH_INPUT_CONTENT_TYPE},
+            **options,
+        )
+        return BatchView.model_validate(response.json())
+
+    def get_batch(self, batch_id: str) -> BatchView:
+        """The batch's current view (status, counts, throughput, ETA)."""
+        return BatchView.model_validate(self._call("GET", f"{BATCHES_PATH}/{batch_id}").json())
+
+    def list_batches(
+        self, *, cursor: str | None = None, limit: int = 50, id_prefix: str | None = None
+    ) -> BatchList:
+        """One page of the caller's batches, newest first (`id_prefix`: only ids starting so)."""
+        params: dict[str, Any] = {"limit": limit}
+        if cursor is not None:
+            params["cursor"] = cursor
+        if id_prefix is not None:
+            params["id_prefix"] = id_prefix
+        return BatchList.model_validate(self._call("GET", BATCHES_PATH, params=params).json())
+
+    def cancel_batch(self, batch_id: str) -> BatchView:
+        """Stop feeding the batch; its queued jobs are canceled, running ones at the next step."""
+        response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/cancel")
+        return BatchView.model_validate(response.json())
+
+    def pause_batch(self, batch_id: str) -> BatchView:
+        """Stop feeding the batch (jobs already queued or running go on); `resume_batch` undoes."""
+        response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/pause")
+        return BatchView.model_validate(response.json())
+
+    def resume_batch(self, batch_id: str) -> BatchView:
+        """Feed a paused batch again."""
+        response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/resume")
+        return BatchView.model_validate(response.json())
+
+    def retry_batch(self, batch_id: str, include: Iterable[str] = RETRY_INCLUDE) -> BatchView:
+        """A new batch (`parent_id`: this one) of the finished batch's failed/expired lines."""
+        params = {"include": ",".join(include)}
+        response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/retry", params=params)
+        return BatchView.model_validate(response.json())
+
+    def batch_events(self, batch_id: str) -> Iterator[BatchView]:
+        """The batch's view at each change (SSE); ends after the final one.
+
+        A stream the server ends early (its lifetime, KILN_SSE_MAX_LIFETIME_S) is opened again.
+        """
+        headers = {"Accept": "text/event-stream"}
+        while True:
+            for response in self._open_stream(f"/{batch_id}/events", headers):
+                for event in EventSource(response).iter_sse():
+                    if not event.data:  # a comment (keep-alive, end): no event, per the SSE spec
+                        continue
+                    view = BatchView.model_validate_json(event.data)
+                    yield view
+                    if is_final_batch(view.status):
+                        return
+
+    def batch_results_raw(self, batch_id: str) -> Iterator[bytes]:
+        """The batch's result lines so far, as JSONL bytes (newline-terminated), streamed."""
+        for line in self._stream_lines(f"/{batch_id}/results"):
+            if line.strip():
+                yield line.encode() + b"\n"
+
+    def _stream_lines(self, suffix: str, headers: dict[str, str] | None = None) -> Iterator[str]:
+        """The lines of a streamed GET under /v1/batches."""
+        for response in self._open_stream(suffix, headers):
+            yield from response.iter_lines()
+
+    def _open_stream(
+        self, suffix: str, headers: dict[str, str] | None = None
+    ) -> Iterator[httpx.Response]:
+        """The open response of a streamed GET under /v1/batches, yielded once.
+
+        No read timeout: the stream may be long. A refusal raises as `_call` does.
+        """
+        path = f"{BATCHES_PATH}{suffix}"
+        timeout = httpx.Timeout(self._http.timeout.connect, read=None)
+        try:
+            with self._http.stream("GET", path, headers=headers, timeout=timeout) as response:
+                if not response.is_success:
+                    response.read()
+                    _raise_for(response)
+                yield response
+        except httpx.TransportError as exc:
+            raise KilnConnectionError(f"GET {path}: {exc}") from exc
+
+    def download_batch_results(
+        self, batch_id: str, folder: str | Path, *, workers: int = DEFAULT_DOWNLOAD_WORKERS
+    ) -> DownloadReport:
+        """Download every output so far into `folder/<custom_id>/<file>`, sha256-verified.
+
+        Files already there with the right sha256 are kept: calling it again resumes.
+        """
+        results = (line for line in self.batch_results(batch_id) if isinstance(line, BatchResult))
+        return download_outputs(output_files(results, Path(folder)), workers=workers)
+
+    def batch_results(self, batch_id: str) -> Iterator[BatchLine]:
+        """The batch's result lines so far, parsed; a finished batch's last one is the summary."""
+        for raw in self.batch_results_raw(batch_id):
+            yield parse_batch_line(raw)
+
+    def wait_batch(self, batch_id: str, timeout: float = 3600.0, poll_s: float = 1.0) -> BatchView:
+        """Block until the batch is finished; raises `TimeoutError` with the last view seen."""
+        deadline = time.monotonic() + timeout
+        view = self.get_batch(batch_id)
+        while not is_final_batch(view.status):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"batch {batch_id} still {view.status} after {timeout:g} s")
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+            view = self.get_batch(batch_id)
+        return view

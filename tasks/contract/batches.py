@@ -14,7 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.tasks.contract.schemas import Lane, WebhookSpec
+from kiln.common.defaults import BATCH_LANE
+from kiln.common.request import Lane
+from kiln.common.states import BatchStatus
+from kiln.tasks.contract.schemas import WebhookSpec
 from kiln.tasks.contract.views import ErrorView, OutputView
 
 BATCHES_PATH = "/v1/batches"
@@ -29,7 +32,6 @@ _WINDOW = re.compile(r"([0-9]{1,9})([smhd]?)")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 # the status of a result line whose input line was refused (skip_invalid)
 INVALID = "invalid"
-BATCH_CONTENT_TYPES = ("application/x-ndjson", "application/jsonl", "text/plain")
 
 
 def valid_custom_id(value: object) -> bool:
@@ -51,33 +53,8 @@ def parse_completion_window(text: str) -> int:
     return seconds
 
 
-class BatchStatus(StrEnum):
-    """Where a batch is: running (⇄ paused) → finalizing → completed, canceled, expired, failed.
-
-    `failed`: its input could not be read (the view's `error` says why); the lines fed before
-    ran to their end, the others have no result line.
-    """
-
-    validating = "validating"
-    running = "running"
-    paused = "paused"
-    finalizing = "finalizing"
-    completed = "completed"
-    canceled = "canceled"
-    expired = "expired"
-    failed = "failed"
-
-
-FINAL_BATCH_STATUSES = frozenset(
-    {BatchStatus.completed, BatchStatus.canceled, BatchStatus.expired, BatchStatus.failed}
-)
 # how a finished batch went: every line succeeded, some did, or none did
 BatchOutcome = Literal["succeeded", "partial", "failed"]
-
-
-def is_final_batch(status: str) -> bool:
-    """Whether a batch status is final."""
-    return status in FINAL_BATCH_STATUSES
 
 
 class BatchEvent(StrEnum):
@@ -155,7 +132,7 @@ class BatchView(BaseModel):
     eta_s: float | None = Field(default=None, description="Seconds left at that throughput.")
     results_written: int = Field(description="Result lines written so far (invalid included).")
     pipeline: str | None = Field(default=None, description="Default pipeline of the lines.")
-    priority: Lane = Lane.bulk
+    priority: Lane = BATCH_LANE
     metadata: dict[str, str] = Field(default_factory=dict)
     webhook: WebhookSpec | None = None
     parent_id: str | None = Field(default=None, description="The batch this one retries.")
@@ -177,7 +154,7 @@ class BatchFromUpload(BaseModel):
         min_length=1, max_length=64, description="The upload's id (or `upload:<id>`)."
     )
     pipeline: str | None = Field(default=None, max_length=128)
-    priority: Lane = Lane.bulk
+    priority: Lane = BATCH_LANE
     completion_window: str = Field(default=DEFAULT_COMPLETION_WINDOW, max_length=16)
     skip_invalid: bool = False
     metadata: dict[str, str] | None = None

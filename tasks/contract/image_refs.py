@@ -3,21 +3,18 @@
 An image input (`x-kiln-image` in the pipeline's schema) is a string: `upload:<upload_id>` (an
 object uploaded through `POST /v1/uploads` by the same API key) or an `https://` URL (`http://`
 with `KILN_INPUT_ALLOW_HTTP`), which the node fetches through the SSRF guard. Torch-free: the API
-checks the form here; who owns an upload is the API's question (`storage.uploads`).
+checks the form here; who owns an upload is the API's question (`storage.uploaded_inputs`).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-UPLOAD_PREFIX = "upload:"  # storage.uploads.UPLOAD_REF_PREFIX: the same text
-IMAGE_CONTENT_TYPES = frozenset({"image/png", "image/jpeg", "image/webp"})
+from kiln.common.media import UPLOAD_REF_PREFIX, valid_upload_id
+
 UPLOAD_PURPOSES = ("image", "batch")
-BATCH_CONTENT_TYPES = frozenset({"application/x-ndjson", "application/jsonl", "text/plain"})
-_UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -27,14 +24,19 @@ class ImageRef:
     kind: Literal["upload", "url"]
     target: str  # the upload id, or the URL
 
+    @property
+    def text(self) -> str:
+        """The reference as a request gives it: `upload:<upload_id>`, or the URL."""
+        return f"{UPLOAD_REF_PREFIX}{self.target}" if self.kind == "upload" else self.target
+
 
 def parse_image_ref(value: object) -> ImageRef:
     """The reference `value` holds; ValueError (the message says what is wrong) otherwise."""
     if not isinstance(value, str):
         raise ValueError("an image input is a string: upload:<upload_id> or an https:// URL")
-    if value.startswith(UPLOAD_PREFIX):
-        upload_id = value[len(UPLOAD_PREFIX) :]
-        if not _UPLOAD_ID.fullmatch(upload_id):
+    if value.startswith(UPLOAD_REF_PREFIX):
+        upload_id = value[len(UPLOAD_REF_PREFIX) :]
+        if not valid_upload_id(upload_id):
             raise ValueError(f"{value!r} is not upload:<upload_id> (32 hex digits)")
         return ImageRef("upload", upload_id)
     parts = urlsplit(value)

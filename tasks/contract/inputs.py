@@ -7,7 +7,8 @@ imports this module, so the JSON keys are the contract.
 
 Two kinds of names may appear in a request's `inputs`:
 
-- request fields under a pipeline's name (`num_inference_steps` is `steps`; `INPUT_ALIASES`):
+- request fields under a pipeline's name (`num_inference_steps` is `steps`;
+  `kiln.common.request.REQUEST_FIELDS`):
   `JobRequest` lifts them into their top-level fields when it is built, and refuses one whose
   field is also given at the top level (`input_conflict`). Other request fields (`fps`,
   `priority`, ...) belong at the top level only (`request_field`).
@@ -33,39 +34,17 @@ from typing import Any
 
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
+from kiln.common.request import FIELD_KEY, IMAGE_KEY, REQUEST_FIELDS, InputSchema
 from kiln.tasks.contract.image_refs import parse_image_ref
 from kiln.tasks.contract.input_values import value_violation
-
-InputValue = bool | int | float | str | None
-InputSchema = dict[str, Any]
 
 ERROR_TYPE = "pipeline_input"
 UNKNOWN_TYPE = "unknown_input"
 CONFLICT_TYPE = "input_conflict"
 REQUEST_FIELD_TYPE = "request_field"
-FIELD_KEY = "x-kiln-field"
-IMAGE_KEY = "x-kiln-image"
 # The input of img2img, inpaint and video-to-video pipelines that says which share of `steps`
 # denoises: diffusers runs int(steps * strength) of them, and none at all fails the forward.
 STRENGTH_INPUT = "strength"
-
-# Pipeline argument names (and the fields' own names) that are request fields: `inputs` may give
-# them instead of the top-level field. gpu_worker.inputs.REQUEST_FIELDS is the same table (it
-# cannot be imported here; a test keeps the two equal).
-INPUT_ALIASES: dict[str, str] = {
-    "prompt": "prompt",
-    "negative_prompt": "negative_prompt",
-    "width": "width",
-    "height": "height",
-    "num_inference_steps": "steps",
-    "steps": "steps",
-    "guidance_scale": "guidance_scale",
-    "num_frames": "num_frames",
-    "num_images_per_prompt": "num_outputs",
-    "num_videos_per_prompt": "num_outputs",
-    "num_outputs": "num_outputs",
-    "seed": "seed",
-}
 
 
 @dataclass(frozen=True)
@@ -125,13 +104,13 @@ def lift_request_fields(data: dict[str, Any], fields: frozenset[str]) -> dict[st
     """
     inputs = data.get("inputs")
     if not isinstance(inputs, Mapping) or not any(
-        name in INPUT_ALIASES or name in fields for name in inputs
+        name in REQUEST_FIELDS or name in fields for name in inputs
     ):
         return data
     lifted = dict(data)
     extra: dict[str, Any] = {}
     for name, value in inputs.items():
-        target = INPUT_ALIASES.get(name)
+        target = REQUEST_FIELDS.get(name)
         if target is None and name in fields:
             message = f"{name!r} is a request field, not a pipeline input; give it at the top level"
             raise input_error(("inputs", name), REQUEST_FIELD_TYPE, message, value, {})

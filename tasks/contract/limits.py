@@ -1,20 +1,22 @@
 """Pipeline limits: what the API, the Submitter and the node refuse before any rank runs a job.
 
-Each pipeline declares its limits on its ranks (`gpu_worker.limits`); nodes announce them in their
-heartbeat under `limits`, keyed by pipeline name. A pipeline that no live node announces yet falls
-back to the static limits below for the built-in names, so what the tiny pipelines would refuse on
-the node is refused at submit already. Torch-free and gpu_worker-free: the API process imports it.
+Each pipeline declares its limits on its ranks (`kiln.common.limits.DeclaredLimits`); nodes
+announce them in their heartbeat under `limits`, keyed by pipeline name. A pipeline that no live
+node announces yet falls back to what the tiny pipelines declare (`TINY_LIMITS`) for the
+built-in names, so what they would refuse on the node is refused at submit already. Torch-free
+and gpu_worker-free: the API process imports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pydantic_core import PydanticCustomError, ValidationError
 
-from kiln.tasks.contract.schemas import MAX_FRAMES, MAX_SIDE, MAX_STEPS, SIZE_MULTIPLE
+from kiln.common.limits import TINY_LIMITS
+from kiln.common.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, SIZE_MULTIPLE
 
 ERROR_TYPE = "pipeline_limit"
 
@@ -52,6 +54,7 @@ class RequestShape(Protocol):
 class LimitViolation:
     """Why a pipeline refuses a request: the field at fault, the limit's name, a message."""
 
+    kind: ClassVar[str] = ERROR_TYPE
     pipeline: str
     field: str | None  # None when several fields share the blame (the budget)
     limit: str  # the limit's key, e.g. "max_steps"
@@ -174,35 +177,12 @@ class PipelineLimits:
         return LimitViolation(pipeline, None, "max_pixels_frames_outputs", message, total)
 
 
-# Static limits of the built-in names, used until a node announces them: the same numbers the
-# tiny pipelines declare (gpu_worker.limits.TINY_LIMITS, which the contract cannot import;
-# tests/gpu_worker/test_limits.py keeps the two equal). `default` is the tiny image pipeline
-# unless a node announces otherwise.
-TINY_IMAGE = PipelineLimits(
-    max_width=1024,
-    max_height=1024,
-    size_multiple=8,
-    max_steps=200,
-    min_frames=1,
-    max_frames=1,
-    frame_step=1,
-    max_pixels_frames_outputs=1024 * 1024 * 4,
-)
-TINY_VIDEO = PipelineLimits(
-    max_width=512,
-    max_height=512,
-    size_multiple=16,
-    max_steps=200,
-    min_frames=1,
-    max_frames=81,
-    frame_step=4,
-    max_pixels_frames_outputs=256 * 256 * 81,
-)
+# Static limits of the built-in names, used until a node announces them: what the tiny pipelines
+# declare. `default` is the tiny image pipeline unless a node announces otherwise.
 BUILTIN_LIMITS: dict[str, PipelineLimits] = {
-    "tiny": TINY_IMAGE,
-    "tiny-video": TINY_VIDEO,
-    "default": TINY_IMAGE,
+    name: PipelineLimits.from_dict(declared) for name, declared in TINY_LIMITS.items()
 }
+BUILTIN_LIMITS["default"] = BUILTIN_LIMITS["tiny"]
 
 
 def announced_limits(node: Mapping[str, Any]) -> dict[str, PipelineLimits]:
@@ -215,6 +195,14 @@ def announced_limits(node: Mapping[str, Any]) -> dict[str, PipelineLimits]:
         parsed = PipelineLimits.from_dict(declared if isinstance(declared, Mapping) else {})
         limits[str(name)] = parsed
     return limits
+
+
+def declared_limits(pipeline: str, announced: list[PipelineLimits]) -> list[PipelineLimits]:
+    """The limits a request for `pipeline` is held to: the live nodes', else a built-in's."""
+    if announced:
+        return announced
+    builtin = BUILTIN_LIMITS.get(pipeline)
+    return [builtin] if builtin is not None else []
 
 
 def first_violation(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -84,6 +84,7 @@ def _names(value: object) -> tuple[str, ...]:
 class AdapterViolation:
     """A job names an adapter no live node serving its pipeline announces."""
 
+    kind: ClassVar[str] = ERROR_TYPE
     pipeline: str
     index: int
     name: str
@@ -95,14 +96,22 @@ class AdapterViolation:
         known = ", ".join(self.known) or "none"
         return f"no adapter {self.name!r} for pipeline {self.pipeline}; available: {known}"
 
+    @property
+    def value(self) -> str:
+        """The offending input: the adapter's name."""
+        return self.name
+
     def loc(self, prefix: tuple[str | int, ...] = ()) -> tuple[str | int, ...]:
         """Where the error points: `loras[i].name`, after `prefix`."""
         return (*prefix, "loras", self.index, "name")
 
+    def context(self) -> dict[str, Any]:
+        """The error's `ctx`: the pipeline, and the adapters its live nodes offer."""
+        return {"pipeline": self.pipeline, "known": list(self.known)}
+
     def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
         """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
-        ctx = {"pipeline": self.pipeline, "known": list(self.known)}
-        return input_error(self.loc(prefix), ERROR_TYPE, self.message, self.name, ctx)
+        return input_error(self.loc(prefix), self.kind, self.message, self.name, self.context())
 
 
 def first_adapter_violation(

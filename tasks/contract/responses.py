@@ -145,6 +145,32 @@ class AdapterInfo(BaseModel):
     fused_on: list[str] = Field(description="Node ids that keep it fused into the weights now.")
 
 
+class PipelineBacklogView(BaseModel):
+    """A pipeline's backlog as autoscalers and admission read it (docs/operations.md §16)."""
+
+    queued: dict[str, int] = Field(description="Queued jobs per lane.")
+    queued_gpu_seconds: dict[str, float] = Field(
+        description="Queued work per lane in estimated GPU-seconds (jobs × job_gpu_seconds)."
+    )
+    job_gpu_seconds: float = Field(
+        description="What one job counts: the mean run time of the pipeline's runs that ended "
+        "in the last ten minutes, or KILN_JOB_GPU_S_UNKNOWN while none did."
+    )
+    running_jobs: int
+    nodes: dict[str, int] = Field(
+        description="Live nodes serving it (`live`), and among them `asleep` and `draining`."
+    )
+    desired_nodes: int = Field(
+        description="Nodes that would start every queued job within its lane's target start "
+        "(kiln_pipeline_desired_nodes)."
+    )
+    target_start_s: dict[str, float] = Field(description="Each lane's target start.")
+    expected_wait_s: dict[str, float | None] = Field(
+        description="Per lane: when a job submitted now is expected to start (s), from the "
+        "recent completion rate; null while none is known (nothing ended lately, or paused)."
+    )
+
+
 class PipelineInfo(BaseModel):
     """One pipeline as jobs may use it: its input schema, its limits and its adapters."""
 
@@ -160,4 +186,7 @@ class PipelineInfo(BaseModel):
     )
     adapters: list[AdapterInfo] = Field(
         default_factory=list, description="LoRA adapters jobs may name in `loras`, by name."
+    )
+    backlog: PipelineBacklogView | None = Field(
+        default=None, description="Its backlog, nodes and expected wait per lane, read now."
     )

@@ -1,12 +1,13 @@
-"""The job request (docs/contract.md §1): its model, ranges, formats, lanes and webhook spec.
+"""The job request (docs/contract.md §1): its model and webhook spec.
 
-What Kiln sends back (the job view, events) is `contract.views`.
+Its ranges, output formats and lanes are `kiln.common.request`'s (gpu_worker announces the same
+ranges); what Kiln sends back (the job view, events) is `contract.views`.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -20,31 +21,37 @@ from pydantic import (
     model_validator,
 )
 
+from kiln.common.previews import (
+    DEFAULT_PREVIEW_FORMAT,
+    DEFAULT_PREVIEW_SIDE,
+    MAX_PREVIEW_SIDE,
+    MIN_PREVIEW_SIDE,
+    PREVIEW_FORMATS,
+    PreviewFormat,
+)
+from kiln.common.request import (
+    DEFAULT_SPEED,
+    IMAGE_FORMATS,
+    MAX_FRAMES,
+    MAX_GUIDANCE,
+    MAX_OUTPUTS,
+    MAX_PROMPT,
+    MAX_SIDE,
+    MAX_STEPS,
+    MIN_SIDE,
+    SEED_MAX,
+    SIZE_MULTIPLE,
+    VIDEO_FORMATS,
+    Lane,
+    OutputFormat,
+    SpeedMode,
+)
 from kiln.tasks.contract.inputs import lift_request_fields
 from kiln.tasks.contract.loras import MAX_LORAS, LoraSpec, check_unique
 
-# Output formats, the first of each kind the default. gpu_worker/outputs.py encodes exactly these
-# (it cannot import tasks; tests/tasks/test_one_definition.py keeps the two equal).
-ImageFormat = Literal["png", "jpeg", "webp"]
-VideoFormat = Literal["mp4", "webm", "gif"]
-OutputFormat = Literal[ImageFormat, VideoFormat]
-IMAGE_FORMATS: tuple[str, ...] = get_args(ImageFormat)
-VIDEO_FORMATS: tuple[str, ...] = get_args(VideoFormat)
-
-# The schema's own ranges; pipeline limits (contract.limits) are never looser than these.
-MIN_SIDE = 64
-MAX_SIDE = 4096
-SIZE_MULTIPLE = 8
-MAX_STEPS = 500
-MAX_FRAMES = 1024
 METADATA_MAX_ITEMS = 16
 METADATA_KEY_MAX = 64
 METADATA_VALUE_MAX = 512
-# A caller may give any seed up to SEED_MAX (what the pipelines' generators take: gpu_worker's
-# SEED_MASK, kept equal by a test). A seed drawn at submit stays below DRAWN_SEED_LIMIT, so it is
-# exact in every client language's JSON numbers (JavaScript's included).
-SEED_MAX = 2**63 - 1
-DRAWN_SEED_LIMIT = 2**31
 
 PipelineName = Annotated[
     str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -74,19 +81,13 @@ def formats_for(num_frames: int) -> tuple[str, ...]:
     return IMAGE_FORMATS if num_frames == 1 else VIDEO_FORMATS
 
 
-class Lane(StrEnum):
-    """Priority lane of a job; each lane has its own Celery queues."""
-
-    interactive = "interactive"
-    bulk = "bulk"
-
-
 class WebhookEvent(StrEnum):
     """Job events a webhook can subscribe to."""
 
     started = "started"
     progress = "progress"
     completed = "completed"
+    preview = "preview"
 
 
 class WebhookSpec(BaseModel):
@@ -102,8 +103,9 @@ class WebhookSpec(BaseModel):
     events: list[WebhookEvent] = Field(
         default_factory=lambda: [WebhookEvent.completed],
         min_length=1,
-        max_length=3,
-        description="Subset of started, progress (throttled), completed.",
+        max_length=len(WebhookEvent),
+        description="Subset of started, progress (throttled), completed, preview (opt-in: "
+        "each preview event, its image inline or by URL).",
     )
 
     @field_validator("events")
@@ -114,14 +116,34 @@ class WebhookSpec(BaseModel):
         return events
 
 
+class PreviewRequest(BaseModel):
+    """Previews while the job denoises (`preview` events): one every `every_steps` steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    every_steps: int = Field(
+        default=1, strict=True, ge=1, le=MAX_STEPS, description="A preview every N steps."
+    )
+    max_side: int = Field(
+        default=DEFAULT_PREVIEW_SIDE,
+        strict=True,
+        ge=MIN_PREVIEW_SIDE,
+        le=MAX_PREVIEW_SIDE,
+        description="Longer side of a preview, in pixels, at most (never above the output's).",
+    )
+    format: PreviewFormat = Field(
+        default=DEFAULT_PREVIEW_FORMAT, description="|".join(PREVIEW_FORMATS)
+    )
+
+
 class JobRequest(BaseModel):
     """A generation request (`POST /v1/jobs`); every field is range-checked."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     pipeline: PipelineName = Field(default="default", description="Name of a served pipeline.")
-    prompt: str = Field(min_length=1, max_length=4000)
-    negative_prompt: str | None = Field(default=None, max_length=4000)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
+    negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT)
     width: Dimension = 512
     height: Dimension = 512
     num_frames: int = Field(
@@ -131,7 +153,9 @@ class JobRequest(BaseModel):
         default=8, strict=True, ge=1, le=120, description="Frames per second of a video."
     )
     steps: int = Field(default=25, strict=True, ge=1, le=MAX_STEPS)
-    guidance_scale: float = Field(default=7.0, strict=True, ge=0, le=50, allow_inf_nan=False)
+    guidance_scale: float = Field(
+        default=7.0, strict=True, ge=0, le=MAX_GUIDANCE, allow_inf_nan=False
+    )
     seed: int | None = Field(
         default=None,
         strict=True,
@@ -139,7 +163,7 @@ class JobRequest(BaseModel):
         le=SEED_MAX,
         description="Drawn at submit when absent; recorded.",
     )
-    num_outputs: int = Field(default=1, strict=True, ge=1, le=16)
+    num_outputs: int = Field(default=1, strict=True, ge=1, le=MAX_OUTPUTS)
     output_format: OutputFormat | None = Field(
         default=None,
         validate_default=True,
@@ -176,11 +200,23 @@ class JobRequest(BaseModel):
         "e.g. scheduler or strength; request fields under a pipeline's name "
         "(num_inference_steps) move to their top-level field, which must then be absent.",
     )
+    preview: PreviewRequest | None = Field(
+        default=None,
+        description="Previews while denoising, as `preview` events (and webhooks that ask for "
+        "them); off when absent.",
+    )
     loras: list[LoraSpec] = Field(
         default_factory=list,
         max_length=MAX_LORAS,
         description=f"LoRA adapters to apply (≤{MAX_LORAS}, each named once), from those "
         "GET /v1/pipelines/{name} lists; jobs batch together only with equal adapters.",
+    )
+    speed: SpeedMode = Field(
+        default=DEFAULT_SPEED,
+        description="exact runs the model as it is; balanced and fast skip denoiser blocks "
+        "whose output barely changes between steps (faster, slightly different pixels). "
+        "GET /v1/pipelines/{name} lists the modes a pipeline serves (inputs x-kiln-speed-modes); "
+        "one that serves exact only refuses the others. Jobs batch together only in one mode.",
     )
 
     @model_validator(mode="before")
@@ -224,4 +260,8 @@ class JobRequest(BaseModel):
             del record["inputs"]
         if not record["loras"]:
             del record["loras"]  # likewise for requests without adapters
+        if record["preview"] is None:
+            del record["preview"]  # and for requests without previews
+        if record["speed"] == DEFAULT_SPEED:
+            del record["speed"]  # and for requests in the default mode
         return record

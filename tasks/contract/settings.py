@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from kiln.common.defaults import DEADLINE_GRACE_S
+
 
 class KilnSettings(BaseSettings):
     """Everything the tasks package reads from the environment; built once at each entry point."""
@@ -64,7 +66,7 @@ class KilnSettings(BaseSettings):
         description="A node lets one bulk job through after this many interactive ones in a row.",
     )
     deadline_grace_s: float = Field(
-        default=10.0,
+        default=DEADLINE_GRACE_S,
         description="After max_run_seconds: time for a cooperative stop before the kill.",
     )
     metrics_port: int = Field(
@@ -87,6 +89,45 @@ class KilnSettings(BaseSettings):
         gt=0,
         description="The audit republishes a queued job whose message is in no queue, unacked or "
         "held list only once it has been queued this long.",
+    )
+
+    # --- Autoscaling and admission (tasks/queue/backlog.py; docs/operations.md "Autoscaling") --
+    target_start_s_interactive: float = Field(
+        default=30.0,
+        gt=0,
+        description="Target start latency of an interactive job: kiln_pipeline_desired_nodes "
+        "asks for the nodes that start every queued interactive job within it.",
+    )
+    target_start_s_bulk: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Target start latency of a bulk job (bulk may wait): likewise for the whole "
+        "queue, interactive and bulk.",
+    )
+    admit_by_target: bool = Field(
+        default=False,
+        description="Refuse (429) an interactive job without start_by that the backlog cannot "
+        "start within KILN_TARGET_START_S_INTERACTIVE, as if it carried that start_by.",
+    )
+    desired_nodes_max: int = Field(
+        default=64, ge=1, description="Most nodes kiln_pipeline_desired_nodes asks for."
+    )
+    job_gpu_s_unknown: float = Field(
+        default=10.0,
+        gt=0,
+        description="GPU-seconds counted per queued job of a pipeline none of whose runs ended "
+        "in the last ten minutes.",
+    )
+    surplus_exit: bool = Field(
+        default=False,
+        description="An idle node of a pipeline with more live nodes than desired drains and "
+        "exits 0 (for platforms where a node's exit is final: not a Deployment, which restarts).",
+    )
+    surplus_grace_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long a node must be idle and surplus before it drains (a stabilization "
+        "window: a node removed and wanted again pays a whole cold start).",
     )
 
     # --- Logging (every process) --------------------------------------------------------------

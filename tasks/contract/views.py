@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.common.states import JobState, is_terminal
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.states import JobState, is_terminal
 
 if TYPE_CHECKING:
+    from kiln.storage.job_store import JobEvent, JobRecord
     from kiln.storage.objects import ObjectStore
-    from kiln.storage.status import JobEvent, JobRecord
 
 
 class JobParameters(JobRequest):
@@ -209,6 +209,50 @@ class EventView(BaseModel):
     type: str
     time: float
     payload: dict[str, Any] = Field(default_factory=dict)
+
+
+class PreviewData(BaseModel):
+    """The data of a `preview` event: the image inline (base64) when small, else by URL."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    step: int
+    total: int
+    width: int
+    height: int
+    format: str = Field(description="webp|png|jpeg")
+    content_type: str
+    image_b64: str | None = Field(default=None, description="The image, when ≤ 64 KiB.")
+    url: str | None = Field(
+        default=None, description="Where a larger image is (short-lived: the job's newest)."
+    )
+
+
+class OutputData(BaseModel):
+    """The data of an `output` event: one output stored and verified, before the job's end."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int
+    url: str
+    key: str
+    sha256: str
+    bytes: int
+    content_type: str
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None
+
+
+class PreviewEvent(EventView):
+    """A `preview` event as `KilnClient.events()` yields it: with its image's bytes."""
+
+    image: bytes = Field(default=b"", exclude=True, repr=False)
+
+    @property
+    def preview(self) -> PreviewData:
+        """The event's data, typed."""
+        return PreviewData.model_validate(self.payload)
 
 
 def event_view(event: JobEvent) -> EventView:

@@ -4,8 +4,8 @@ The attempt fetches the job's image inputs, has the node's group generate, encod
 the outputs, and ends the job: succeeded; canceled, handed back or left to the lease's new holder
 when it was told to stop; failed, or re-queued for a retry while attempts are left. Every Redis
 write is fenced by the lease token and the outputs go to keys of the attempt's own, created never
-replaced (tasks/node/uploads.py), so an attempt that lost its lease never overwrites the work of
-the node that took over: the fenced `succeed` is what makes an attempt's outputs the job's.
+replaced (tasks/node/output_uploads.py), so an attempt that lost its lease never overwrites the
+work of the node that took over: the fenced `succeed` is what makes an attempt's outputs the job's.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from kiln.common.previews import DEFAULT_PREVIEW_FORMAT
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
 from kiln.gpu_worker.protocol import GenerationResult, StepProgress
 from kiln.storage.errors import IllegalTransition, StaleLease, StorageError
+from kiln.storage.job_store import JobRecord
 from kiln.storage.objects import new_attempt_name
-from kiln.storage.status import JobRecord
-from kiln.tasks.contract.views import with_storage_url
+from kiln.tasks.contract.views import output_url, with_storage_url
 from kiln.tasks.node.compute import generation_request, run_metrics
 from kiln.tasks.node.image_inputs import (
     FetchedImage,
@@ -31,8 +34,9 @@ from kiln.tasks.node.image_inputs import (
 )
 from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome
-from kiln.tasks.node.progress_writer import PendingProgress
-from kiln.tasks.node.uploads import discard_outputs, encode_and_upload
+from kiln.tasks.node.output_uploads import discard_outputs, encode_and_upload
+from kiln.tasks.node.previews import preview_payload
+from kiln.tasks.node.progress_writer import PendingPreview, PendingProgress
 from kiln.tasks.queue.policy import error_dict, retry_delay
 
 log = logging.getLogger(__name__)
@@ -102,6 +106,7 @@ class LeasedAttempt:
             ),
             on_retry=self.node.metrics.count_upload_retry,
             verify=self.settings.upload_verify,
+            on_output=self._announce_output,
         )
         self.node.metrics.observe_stage("encode", report.encode_s)
         self.node.metrics.observe_stage("upload", report.upload_s)
@@ -141,6 +146,9 @@ class LeasedAttempt:
 
         # Both callbacks run on the coordinator's threads between steps: memory only, no I/O.
         def on_progress(progress: StepProgress) -> None:
+            if progress.preview is not None:
+                self._preview(progress, progress.preview)
+                return
             if progress.stage == "decoding" and not decoding_at:
                 decoding_at.append(time.monotonic())
             self._progress(progress.stage, progress.step, progress.total)
@@ -188,6 +196,28 @@ class LeasedAttempt:
             self.node.progress.write_soon(self.job_id, pending)
         else:
             self.node.progress.update(self.job_id, pending, urgent=changed)
+
+    def _preview(self, progress: StepProgress, pixels: np.ndarray) -> None:
+        """Hand the newest preview to the progress writer, which encodes and appends it."""
+        spec = self.record.request.get("preview") or {}
+        preview_format = str(spec.get("format", DEFAULT_PREVIEW_FORMAT))
+        objects, job_id = self.node.objects, self.job_id
+
+        def payload() -> dict[str, Any]:
+            return preview_payload(
+                job_id, progress.step, progress.total, pixels, preview_format, objects
+            )
+
+        after_write = (lambda: self.notify("preview")) if self.progress_webhooks else None
+        self.node.progress.preview(
+            job_id, PendingPreview(self.tracked.lease_token, payload, after_write)
+        )
+
+    def _announce_output(self, index: int, entry: dict[str, Any]) -> None:
+        """An `output` event for one stored and verified output, before the job's end."""
+        located = with_storage_url([entry], self.node.storage_settings.storage_url)[0]
+        payload = {"index": index, "url": output_url(located, self.node.objects), **entry}
+        self.node.progress.event_soon(self.job_id, self.tracked.lease_token, "output", payload)
 
     def _stopped(self) -> None:
         self.node.progress.settle(self.job_id)

@@ -1,17 +1,17 @@
 """The audit of queued jobs whose message is lost: in no queue, not unacknowledged, held by no node.
 
 kombu's Redis transport pops a message with BRPOP and records it in its `unacked` hash one
-pipeline later (tasks/node/unacked.py). A node killed between the two, or a connection lost with
-the BRPOP reply in flight, loses the message, and its job stays `queued` with `published` set:
-the sweeper (unconfirmed publishes) and the held-list recovery (a dead node's deliveries) never
-see it. So one node serving a queue (storage/lua/audit_claim.lua) audits it every
-`queued_audit_interval_s`, and again as soon as a sweeper has claimed a node's lapse
-(storage/lua/held_claim.lua records it): a node killed with a BRPOP reply unread loses that
-message, so after a lapse a job that entered its queue before the dead node's heartbeat deadline
-is a suspect at once, and the loss costs seconds rather than the audit age. A pass reads on only
-when the queue's oldest job entered it over `queued_audit_age_s` ago, or before the latest lapse
-(one index entry and one event read: the usual pass stops there); it then reads, in this order,
-which is the order a message moves in:
+pipeline later (tasks/queue/kombu_redis.py, item 4). A node killed between the two, or a
+connection lost with the BRPOP reply in flight, loses the message, and its job stays `queued`
+with `published` set: the sweeper (unconfirmed publishes) and the held-list recovery (a dead
+node's deliveries) never see it. So one node serving a queue (storage/lua/audit_claim.lua)
+audits it every `queued_audit_interval_s`, and again as soon as a sweeper has claimed a node's
+lapse (storage/lua/held_claim.lua records it): a node killed with a BRPOP reply unread loses
+that message, so after a lapse a job that entered its queue before the dead node's heartbeat
+deadline is a suspect at once, and the loss costs seconds rather than the audit age. A pass
+reads on only when the queue's oldest job entered it over `queued_audit_age_s` ago, or before
+the latest lapse (one index entry and one event read: the usual pass stops there); it then
+reads, in this order, which is the order a message moves in:
 
 1. the job ids of the messages in the queue's lists (every priority list, pages of 1000);
 2. the old queued jobs of the queue's index that are not among them (the suspects);
@@ -32,40 +32,25 @@ suspects remain; nothing for a queue whose head is young.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kombu.transport.redis import Channel
-
+from kiln.common.states import JobState
 from kiln.storage.audit import AUDIT_PAGE
-from kiln.storage.status import JobState
-from kiln.tasks.node.unacked import CLOCK_SLACK_S, WINDOW_LIMIT, run_job_id, unacked_keys
+from kiln.tasks.node.unacked import CLOCK_SLACK_S, WINDOW_LIMIT
+from kiln.tasks.queue.kombu_redis import (
+    listed_run_job_id,
+    queue_list_keys,
+    run_job_id,
+    unacked_keys,
+)
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from kiln.storage.status import JobStore
+    from kiln.storage.job_store import JobStore
 
 # the re-read of kombu's deliveries since a pass began reaches this far past its start (s)
 RECHECK_HORIZON_S = 3600.0
-
-
-def queue_list_keys(app: Celery, queue: str) -> list[str]:
-    """The Redis lists kombu keeps `queue`'s waiting messages in: one per priority step."""
-    options: dict[str, Any] = app.conf.broker_transport_options or {}
-    prefix = str(options.get("global_keyprefix", ""))
-    sep = str(options.get("sep", Channel.sep))
-    steps = options.get("priority_steps", Channel.priority_steps)
-    # kombu's Channel._q_for_pri: priority 0 is the bare queue name
-    return [prefix + (f"{queue}{sep}{step}" if step else queue) for step in steps]
-
-
-def message_job_id(raw: str) -> str | None:
-    """The job id of a queue list entry, or None (not a `run_job` message).
-
-    kombu lists the message alone and keeps an unacked one as `[message, exchange, routing key]`,
-    the form `run_job_id` decodes.
-    """
-    return run_job_id(f"[{raw}]")
 
 
 def _list_entries(store: JobStore, key: str) -> Iterator[str]:
@@ -81,7 +66,7 @@ def listed_job_ids(store: JobStore, app: Celery, queue: str) -> set[str]:
     """The job ids of the messages waiting in `queue`'s lists."""
     ids: set[str] = set()
     for key in queue_list_keys(app, queue):
-        ids.update(filter(None, map(message_job_id, _list_entries(store, key))))
+        ids.update(filter(None, map(listed_run_job_id, _list_entries(store, key))))
     return ids
 
 

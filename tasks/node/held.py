@@ -7,7 +7,8 @@ by default), and the job would sit `queued` that long. So the node records the i
 whose messages it holds as each arrives and at each heartbeat (storage/nodes.py `record_held`),
 and a live node's sweeper publishes again the still-queued jobs of a node whose heartbeat lapsed
 (tasks/node/maintenance.py `sweep_unpublished`). kombu has recorded a delivery a moment before
-the strategy below lists it; a node killed in that moment is covered by tasks/node/unacked.py.
+the strategy below lists it (tasks/queue/kombu_redis.py, item 4); a node killed in that moment
+is covered by tasks/node/unacked.py.
 """
 
 from __future__ import annotations

@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from PIL import Image
 
+from kiln.common.media import IMAGE_CONTENT_TYPES
 from kiln.gpu_worker.images import InputImage
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.storage.errors import ObjectStoreError
 from kiln.storage.object_base import ObjectStore
-from kiln.storage.uploads import UploadRefused, checked_upload, resolve_upload
-from kiln.tasks.contract.image_refs import IMAGE_CONTENT_TYPES, ImageRef, parse_image_ref
+from kiln.storage.uploaded_inputs import UploadRefused, checked_upload, resolve_upload
+from kiln.tasks.contract.image_refs import ImageRef, parse_image_ref
 from kiln.tasks.contract.inputs import image_input_names
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.webhooks.ssrf import (
@@ -41,7 +42,7 @@ from kiln.tasks.webhooks.ssrf import (
 )
 
 if TYPE_CHECKING:  # the node imports the group; this module is used without one too
-    from kiln.storage.status import JobRecord
+    from kiln.storage.job_store import JobRecord
     from kiln.tasks.node.node import Node
 
 # What PIL calls the formats an input may have, by content type.

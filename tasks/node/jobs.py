@@ -23,10 +23,11 @@ from typing import Any
 
 from celery import Celery
 
+from kiln.common.logs import log_context
+from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, QuotaExceeded
-from kiln.storage.status import TERMINAL_STATES, JobRecord, JobState
+from kiln.storage.job_store import JobRecord
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
-from kiln.tasks.contract.logs import log_context
 from kiln.tasks.node.attempt import LeasedAttempt
 from kiln.tasks.node.compute import generation_request
 from kiln.tasks.node.node import Node

@@ -1,4 +1,6 @@
-"""A node's five background loops, one thread each (docs/operations.md §5).
+"""A node's background loops, one thread each (docs/operations.md §5).
+
+The loops it starts (`Maintenance.start`; some only for a `kiln worker` node):
 
 - heartbeat (every `heartbeat_interval_s`): renew held leases, then publish the node's health;
 - reaper (every `reaper_interval_s`): re-queue and re-publish running jobs whose lease expired;
@@ -8,8 +10,10 @@
 - cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel to stop;
 - controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
   drain request (tasks/node/controls.py);
-- restarts (every `reaper_interval_s`, for a `kiln worker` node): after a Redis restart, publish
-  the queued jobs of the node's queues again (messages being taken at the time are lost);
+- restarts (every `reaper_interval_s`, for a `kiln worker` node): after a Redis restart, audit
+  the node's queues at once (messages being taken at the time are lost: `audit_after_restart`);
+- surplus (every `heartbeat_interval_s`, for a `kiln worker` node with `KILN_SURPLUS_EXIT`): an
+  idle node its pipelines no longer need drains and exits (tasks/node/surplus.py);
 - audit (for a `kiln worker` node; due every `queued_audit_interval_s` and after each node lapse,
   asked every `heartbeat_interval_s`): publish again the queued jobs whose message is nowhere
   (tasks/node/audit.py), one node per queue and interval or lapse;
@@ -27,13 +31,14 @@ import logging
 import threading
 from collections.abc import Callable
 
+from kiln.common.states import JobState
 from kiln.storage.errors import StorageError
 from kiln.storage.leases import Renewal
-from kiln.storage.status import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.node.audit import lost_jobs
 from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls
 from kiln.tasks.node.node import JobStopReason, Node
+from kiln.tasks.node.surplus import SurplusWatch
 from kiln.tasks.node.unacked import orphaned_jobs
 
 log = logging.getLogger(__name__)
@@ -41,8 +46,6 @@ log = logging.getLogger(__name__)
 PRUNE_INTERVAL_S = 60.0
 # A heartbeat outlives a few missed intervals, never less than this (docs/operations.md §1).
 HEARTBEAT_TTL_MIN_S = 5.0
-# After a Redis restart, this many of each queue's first queued jobs are published again.
-RESTART_REPUBLISH_LIMIT = 10_000
 # A cancel must land within a denoising step; one pipelined read per poll is cheap.
 CANCEL_POLL_S = 0.02
 
@@ -122,22 +125,25 @@ def publish_queued(node: Node, job_ids: list[str]) -> int:
     return len(queued)
 
 
-def republish_after_restart(node: Node, queues: list[str]) -> int:
-    """After a Redis restart, publish again the queued jobs of `queues`; returns how many.
+def audit_after_restart(node: Node, queues: list[str]) -> int:
+    """After a Redis restart, audit `queues` at once; returns how many jobs were published again.
 
-    The messages consumers were taking as Redis went down are lost while their jobs stay
-    `queued` (storage/queues.py `server_changed`). Which ones cannot be known, and they were at
-    the head of their queue: the first `RESTART_REPUBLISH_LIMIT` queued jobs of each queue are
-    published again. A duplicate message is harmless (the lease and the state run a job once).
+    The messages consumers were taking as Redis went down are lost (popped, never recorded as
+    unacknowledged: tasks/queue/kombu_redis.py, item 4) while their jobs stay `queued`: the
+    queued-jobs audit's loss. As after a node lapse, every job queued before now is a suspect at
+    once, not only those older than the audit age; of several nodes serving a queue, one sees
+    each restart (storage/queues.py `server_changed`).
     """
-    published = 0
     run_id = node.store.server_run_id()
-    for queue in queues:
-        if not node.store.server_changed(queue, run_id):
-            continue
-        published += publish_queued(node, node.store.queued_ids(queue, RESTART_REPUBLISH_LIMIT))
-        log.warning("Redis restarted: the queued jobs of %s published again", queue)
-    return published
+    restarted = [queue for queue in queues if node.store.server_changed(queue, run_id)]
+    if not restarted:
+        return 0
+    log.warning("Redis restarted: auditing %s at once", ", ".join(restarted))
+    settings = node.settings
+    lost = lost_jobs(
+        node.store, node.celery_app, restarted, settings.queued_audit_age_s, node.store.redis_now()
+    )
+    return publish_lost(node, lost)
 
 
 def audit_queued(node: Node, queues: list[str]) -> int:
@@ -157,6 +163,11 @@ def audit_queued(node: Node, queues: list[str]) -> int:
         settings.queued_audit_age_s,
         claim.lapse_deadline_s,
     )
+    return publish_lost(node, lost)
+
+
+def publish_lost(node: Node, lost: list[str]) -> int:
+    """Publish again the audit's `lost` jobs still queued; returns how many."""
     for job_id in lost:
         log.warning(
             "job %s: queued, its message in no queue, unacked or held list and no lease (lost "
@@ -196,7 +207,7 @@ class Maintenance:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        """Send one heartbeat now, then start the five loops (daemon threads; `stop` joins them)."""
+        """Send one heartbeat now, then start the loops (daemon threads; `stop` joins them)."""
         settings = self.node.settings
         node = self.node
         node.held.publish_with(
@@ -213,10 +224,13 @@ class Maintenance:
         ]
         if self.controls is not None:
             loops.append(("controls", CONTROL_POLL_S, self.controls.poll))
-            restarts = functools.partial(republish_after_restart, self.node, self.controls.queues)
+            restarts = functools.partial(audit_after_restart, self.node, self.controls.queues)
             loops.append(("restarts", settings.reaper_interval_s, restarts))
             audit = functools.partial(audit_queued, self.node, self.controls.queues)
             loops.append(("audit", audit_tick_s(self.node), audit))
+            if settings.surplus_exit:  # tasks/node/surplus.py
+                surplus = SurplusWatch(self.node, sorted(self.node.group_config.pipelines))
+                loops.append(("surplus", settings.heartbeat_interval_s, surplus.tick))
         feeder = BatchFeeder(
             node.store, node.objects, node.submitter, settings, node.node_id, node.celery_app
         )

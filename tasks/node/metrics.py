@@ -22,8 +22,8 @@ Each node has its own registry (never the process-wide default), with the proces
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -45,9 +45,6 @@ from prometheus_client.registry import Collector
 
 from kiln.gpu_worker.counters import GroupCounters
 
-if TYPE_CHECKING:
-    from kiln.tasks.node.node import Node
-
 log = logging.getLogger(__name__)
 
 MB = 1024 * 1024
@@ -57,10 +54,13 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class NodeMetrics:
-    """The node's registry and the metrics its job path, heartbeat and uploads count."""
+    """The node's registry and the metrics its job path, heartbeat and uploads count.
 
-    def __init__(self, node: Node) -> None:
-        self.node_id = node.node_id
+    `scraped` is what the node gives to be read at each scrape (its `GroupCollector`).
+    """
+
+    def __init__(self, node_id: str, pipelines: Iterable[str], scraped: Collector) -> None:
+        self.node_id = node_id
         self.registry = CollectorRegistry()
         labels = ["node_id"]
         self.stage_seconds = Histogram(
@@ -98,9 +98,9 @@ class NodeMetrics:
         # Present (at 0) from the first scrape, so rate() and increase() have a start.
         self.lease_renewal_failures.labels(self.node_id)
         self.upload_retries.labels(self.node_id)
-        for pipeline in node.group_config.pipelines:
+        for pipeline in pipelines:
             self.ooms.labels(self.node_id, pipeline)
-        self.registry.register(GroupCollector(node))
+        self.registry.register(scraped)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
@@ -148,23 +148,32 @@ class NodeMetrics:
 
 
 class GroupCollector(Collector):
-    """The series read from the node and its coordinator at scrape time."""
+    """The series read at scrape time: the node's running jobs and its coordinator's counters.
 
-    def __init__(self, node: Node) -> None:
-        self._node = node
+    `jobs_running` counts the jobs the node holds the lease of; `coordinator` is the node's
+    (a test's fake may have no counters); `devices` labels the peak memory.
+    """
+
+    def __init__(
+        self, node_id: str, devices: str, jobs_running: Callable[[], int], coordinator: Any
+    ) -> None:
+        self._node_id = node_id
+        self._devices = devices
+        self._jobs_running = jobs_running
+        self._coordinator = coordinator
 
     def collect(self) -> Iterable[Metric]:
         """Jobs running now, then the coordinator's cumulative counters."""
-        node_id = self._node.node_id
+        node_id = self._node_id
         running = GaugeMetricFamily(
             "kiln_node_jobs_running", "Jobs this node holds the lease of.", labels=["node_id"]
         )
-        running.add_metric([node_id], len(self._node.tracked_jobs()))
+        running.add_metric([node_id], self._jobs_running())
         yield running
-        counters = _counters(self._node.coordinator)
+        counters = _counters(self._coordinator)
         if counters is None:
             return
-        yield from group_families(node_id, ",".join(self._node.group_config.devices), counters)
+        yield from group_families(node_id, self._devices, counters)
 
 
 def _counters(coordinator: Any) -> GroupCounters | None:

@@ -2,8 +2,7 @@
 
 `kiln worker` builds one `Node` in its main process before Celery consumes anything and registers
 `run_job` bound to it (`tasks.node.jobs.register_run_job`); nothing process-wide names the node.
-Its five background loops (heartbeat, reaper, sweeper, pruner, cancel watch) live in
-`tasks.node.maintenance`.
+Its background loops (one thread each) live in `tasks.node.maintenance`, which lists them.
 """
 
 from __future__ import annotations
@@ -22,23 +21,23 @@ from typing import Any, Protocol
 
 from celery import Celery
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import InputSchema
 from kiln.gpu_worker.config import GroupConfig
-from kiln.gpu_worker.inputs import InputSchema
-from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.gpu_worker.replicas import node_coordinator
 from kiln.gpu_worker.sleep import node_asleep, node_warming
 from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.job_store import JobStore
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.queues import DrainRequest
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
 from kiln.tasks.contract.inputs import InputViolation, first_input_violation
 from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, RequestShape
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.adapters import AdapterSources
 from kiln.tasks.node.held import HeldDeliveries
-from kiln.tasks.node.metrics import NodeMetrics
+from kiln.tasks.node.metrics import GroupCollector, NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
 from kiln.tasks.queue.quotas import RunningCaps
 from kiln.tasks.queue.submit import Publish, Submitter, celery_publisher
@@ -170,7 +169,14 @@ class Node:
         self._jobs: dict[str, TrackedJob] = {}
         self._lock = threading.Lock()
         self.started_at = time.time()
-        self.metrics = NodeMetrics(self)  # served by `kiln worker` (tasks/node/metrics.py)
+        scraped = GroupCollector(
+            self.node_id,
+            ",".join(group.devices),
+            lambda: len(self.tracked_jobs()),
+            self.coordinator,
+        )
+        # served by `kiln worker` (tasks/node/metrics.py)
+        self.metrics = NodeMetrics(self.node_id, group.pipelines, scraped)
 
     def start(self) -> None:
         """Spawn and warm up the group, start the progress writer; raises if the group cannot."""

@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kiln.common.limits import DeclaredLimits
+from kiln.common.request import MIN_SIDE, SIZE_MULTIPLE, InputSchema
 from kiln.gpu_worker.errors import UnsupportedRequest
-from kiln.gpu_worker.inputs import InputSchema, declared_input_schema
-from kiln.gpu_worker.limits import DeclaredLimits, declared_limits
+from kiln.gpu_worker.inputs import declared_input_schema
+from kiln.gpu_worker.limits import declared_limits
 from kiln.gpu_worker.pipeline_specs import one_line
 from kiln.gpu_worker.pipelines import (
     Pipeline,
@@ -33,7 +35,7 @@ from kiln.gpu_worker.pipelines import (
 )
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
-from kiln.tasks.contract.schemas import MIN_SIDE, SIZE_MULTIPLE, JobRequest
+from kiln.tasks.contract.schemas import JobRequest
 
 __all__ = ["CheckFailed", "PipelineReport", "SpecError", "check_pipeline", "smallest_request"]
 

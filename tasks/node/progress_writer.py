@@ -6,10 +6,14 @@ and one writer thread flushes what is pending. Stage changes and last steps wake
 steps wait for the throttle interval. Only the newest progress of a job matters, so updates that
 arrive before a flush simply replace each other.
 
-The stages a job's own task thread announces (encoding, uploading) are each written, in order, by
-a second thread (`write_soon`): the round trip overlaps the work it announces instead of delaying
-it, and every stage still gets its event. `settle` waits for them before the job's terminal
-transition, so no stage event can follow the terminal one.
+A job's previews take the same path (`preview`): the newest of each job is kept, and the writer
+thread encodes it (tasks/node/previews.py) and appends its `preview` event.
+
+The stages a job's own task thread announces (encoding, uploading) and its `output` events
+(`event_soon`) are each written, in order, by a second thread (`write_soon`): the round trip
+overlaps the work it announces instead of delaying it, and every stage still gets its event.
+`settle` waits for them before the job's terminal transition, so no stage or output event can
+follow the terminal one.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.storage.errors import StorageError
-from kiln.storage.status import JobStore
+from kiln.storage.job_store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,15 @@ class PendingProgress:
     after_write: Callable[[], None] | None = None
 
 
+@dataclass(frozen=True)
+class PendingPreview:
+    """The newest preview of one job, not yet written: `payload()` encodes it, on the writer."""
+
+    lease_token: int
+    payload: Callable[[], dict[str, Any]]
+    after_write: Callable[[], None] | None = None
+
+
 class ProgressWriter:
     """Writes the newest progress of each job from one background thread."""
 
@@ -43,6 +56,7 @@ class ProgressWriter:
         self.store = store
         self.interval_s = interval_s
         self._pending: dict[str, PendingProgress] = {}
+        self._previews: dict[str, PendingPreview] = {}  # the newest per job: the rest are moot
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # keeps one job's writes in order across threads
         self._wake = threading.Event()
@@ -70,10 +84,36 @@ class ProgressWriter:
         if urgent:
             self._wake.set()
 
+    def preview(self, job_id: str, pending: PendingPreview) -> None:
+        """Record a job's newest preview (memory only; it replaces an unwritten one), wake."""
+        with self._lock:
+            self._previews[job_id] = pending
+        self._wake.set()
+
     def discard(self, job_id: str) -> None:
-        """Forget a job's unwritten progress (its terminal state supersedes it)."""
+        """Forget a job's unwritten progress and preview (its terminal state supersedes them)."""
         with self._lock:
             self._pending.pop(job_id, None)
+            self._previews.pop(job_id, None)
+
+    def event_soon(
+        self, job_id: str, lease_token: int, event_type: str, payload: dict[str, Any]
+    ) -> None:
+        """Append a job's `output` event next, in order with its stages (`settle` waits for it)."""
+
+        def append() -> None:
+            try:
+                self.store.add_live_event(job_id, lease_token, event_type, payload)
+            except StorageError as exc:  # like progress: best effort, a stale token expected
+                log.debug("%s event of %s not written: %s", event_type, job_id, exc)
+
+        try:
+            future = self._ordered.submit(append)
+        except RuntimeError:  # stopped (the node is going down): write it here
+            append()
+            return
+        with self._lock:
+            self._handed_over.setdefault(job_id, []).append(future)
 
     def write_now(self, job_id: str, pending: PendingProgress) -> None:
         """Write a job's progress on the calling thread, superseding anything pending for it.
@@ -110,8 +150,24 @@ class ProgressWriter:
         with self._write_lock:
             with self._lock:
                 pending, self._pending = self._pending, {}
+                previews, self._previews = self._previews, {}
             for job_id, item in pending.items():
                 self._write(job_id, item)
+            for job_id, preview in previews.items():
+                self._write_preview(job_id, preview)
+
+    def _write_preview(self, job_id: str, item: PendingPreview) -> None:
+        try:
+            payload = item.payload()
+            self.store.add_live_event(job_id, item.lease_token, "preview", payload)
+        except StorageError as exc:  # best effort, as progress
+            log.debug("preview of %s not written: %s", job_id, exc)
+            return
+        except Exception:  # an encoder's failure costs the preview, never the job
+            log.exception("preview of %s could not be encoded", job_id)
+            return
+        if item.after_write is not None:
+            item.after_write()
 
     def _write(self, job_id: str, item: PendingProgress) -> None:
         try:

@@ -2,7 +2,8 @@
 
 A node lists each `run_job` message as held the moment its strategy gets it (tasks/node/held.py),
 but kombu's Redis transport has recorded the delivery as unacknowledged a moment earlier (its
-`unacked` hash, indexed by time in `unacked_index`: `QoS.append`, before the consumer callback).
+`unacked` hash, indexed by time in `unacked_index`, before the consumer callback: the layout and
+the order are tasks/queue/kombu_redis.py's, items 3 and 4).
 A node killed in between leaves a delivery no list names, which kombu restores only after the
 visibility timeout (`restore_visible`, an hour). The dead node died between its last held-list
 write and its heartbeat deadline (storage/nodes.py `LapsedHolder`), so the sweeper reads kombu's
@@ -14,7 +15,7 @@ a queued job is leased and started by one delivery only (storage/lua/acquire_sta
 others are deferred (lease busy) or dropped (finished) by tasks/node/jobs.py.
 
 Not closed from here: kombu pops a message with BRPOP and records it in `unacked` with one
-pipeline after the reply is read (`Channel._brpop_read` -> `_deliver` -> `QoS.append`). A node
+pipeline after the reply is read (tasks/queue/kombu_redis.py, item 4). A node
 killed between the two, or a connection lost with the BRPOP reply in flight, loses the message:
 it is in neither the queue nor `unacked`: the queued-jobs audit (tasks/node/audit.py) publishes
 its job again; a claimed lapse makes that audit due at once, for every job queued before the dead
@@ -23,22 +24,17 @@ node's deadline (a connection lost without a death waits for `queued_audit_age_s
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kombu.serialization import loads
-from kombu.transport.redis import Channel
-
+from kiln.common.states import JobState
 from kiln.storage.nodes import LapsedHolder
-from kiln.storage.status import JobState
-from kiln.tasks.queue.app import RUN_JOB_TASK
+from kiln.tasks.queue.kombu_redis import run_job_id, unacked_keys
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from kiln.storage.status import JobStore
+    from kiln.storage.job_store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +73,6 @@ def orphaned_jobs(store: JobStore, app: Celery) -> list[str]:
     return sorted(listed | unlisted)
 
 
-def unacked_keys(app: Celery) -> tuple[str, str]:
-    """The `unacked_index` and `unacked` keys of kombu for `app`'s broker (with its key prefix)."""
-    options: dict[str, Any] = app.conf.broker_transport_options or {}
-    prefix = str(options.get("global_keyprefix", ""))
-    index = str(options.get("unacked_index_key", Channel.unacked_index_key))
-    deliveries = str(options.get("unacked_key", Channel.unacked_key))
-    return prefix + index, prefix + deliveries
-
-
 def lapse_windows(holders: list[LapsedHolder]) -> list[tuple[float, float]]:
     """The times (s) the lapsed nodes may have died in, widened by the slack, overlaps merged."""
     spans = sorted(
@@ -100,25 +87,6 @@ def lapse_windows(holders: list[LapsedHolder]) -> list[tuple[float, float]]:
         else:
             merged.append((since_s, until_s))
     return merged
-
-
-def run_job_id(value: str) -> str | None:
-    """The job id of a `run_job` delivery as kombu stores it (`[message, exchange, key]`).
-
-    None for another task's message or one that does not decode (it is left to kombu).
-    """
-    try:
-        message = json.loads(value)[0]
-        if message["headers"].get("task") != RUN_JOB_TASK:
-            return None
-        body = message["body"]
-        if message["properties"].get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        args = loads(body, message["content-type"], message["content-encoding"])[0]
-        return str(args[0])
-    except (ValueError, LookupError, TypeError, AttributeError):
-        log.warning("an unacked delivery that does not decode as a kiln message; left to kombu")
-        return None
 
 
 def unclaimed_queued(store: JobStore, job_ids: set[str]) -> set[str]:

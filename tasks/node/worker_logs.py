@@ -1,6 +1,6 @@
 """`kiln worker`'s logging: with `KILN_LOG_FORMAT=json`, Celery logs through Kiln's handler.
 
-Kiln sets the root handler up before Celery starts (tasks/contract/logs.py), then answers Celery's
+Kiln sets the root handler up before Celery starts (kiln/common/logs.py), then answers Celery's
 `setup_logging` signal, which makes Celery leave the handlers alone (it only takes the level of
 `--loglevel` from it) and skip its stdout redirection; the worker runs with `--quiet`, so no text
 banner is printed. Celery's own lines about a `run_job` (received, succeeded, failed) carry the
@@ -19,7 +19,7 @@ from typing import Any
 
 from celery.signals import setup_logging, task_postrun, task_prerun
 
-from kiln.tasks.contract.logs import (
+from kiln.common.logs import (
     StdioCapture,
     bind_log_context,
     configure_logging,

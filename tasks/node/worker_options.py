@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.common.defaults import BATCH_WINDOW_S, MAX_BATCH
 from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, node_queues
 
 
@@ -23,8 +24,8 @@ class WorkerOptions:
     pipelines: dict[str, str] = field(default_factory=dict)
     devices: str = "cpu:1"
     lanes: tuple[str, ...] = LANES
-    max_batch: int = 4
-    batch_window_ms: float = 0.0
+    max_batch: int = MAX_BATCH
+    batch_window_ms: float = BATCH_WINDOW_S * 1000
     parallel: str = "auto"
     concurrency: int | None = None
     webhooks: bool = False

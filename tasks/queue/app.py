@@ -7,6 +7,7 @@ worker imports `node.jobs`, where the GPU work lives.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from celery import Celery
 from kombu import Queue
@@ -32,10 +33,32 @@ def transport_options(settings: KilnSettings, namespace: str) -> dict[str, Any]:
     }
 
 
+def broker_url(settings: KilnSettings, storage_settings: StorageSettings) -> str:
+    """KILN_BROKER_URL, else Kiln's Redis: `redis_url`, or kombu's `sentinel://` list for it.
+
+    Through Sentinels the broker finds the same primary the store does (its database, user and
+    password from `redis_url`), so a job's message and its record stay on one Redis.
+    """
+    if settings.broker_url:
+        return settings.broker_url
+    if not storage_settings.redis_sentinels:
+        return storage_settings.redis_url
+    parts = urlsplit(storage_settings.redis_url)
+    credentials = parts.netloc.rpartition("@")[0]
+    user_info = f"{credentials}@" if credentials else ""
+    return ";".join(
+        f"sentinel://{user_info}{address}{parts.path}"
+        for address in storage_settings.redis_sentinels
+    )
+
+
 def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -> Celery:
     """A Celery app for producers and workers alike; status lives in Kiln's store, not here."""
-    broker_url = settings.broker_url or storage_settings.redis_url
-    app = Celery("kiln", broker=broker_url, set_as_current=False)
+    broker = broker_url(settings, storage_settings)
+    options = transport_options(settings, storage_settings.redis_namespace)
+    if broker.startswith("sentinel://"):  # kombu's Sentinel transport asks for this primary
+        options["master_name"] = storage_settings.redis_sentinel_master
+    app = Celery("kiln", broker=broker, set_as_current=False)
     LanePriorityCycle.bulk_every = settings.bulk_share_every
     app.conf.update(
         task_acks_late=True,
@@ -49,7 +72,7 @@ def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
-        broker_transport_options=transport_options(settings, storage_settings.redis_namespace),
+        broker_transport_options=options,
         broker_connection_retry_on_startup=True,
         task_default_queue=WEBHOOKS_QUEUE,
         task_queues=[Queue(WEBHOOKS_QUEUE)],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pydantic import TypeAdapter, ValidationError
 
 from kiln.storage.errors import IllegalTransition, JobNotFound
-from kiln.storage.status import JobRecord, JobStore
+from kiln.storage.job_store import JobRecord, JobStore
 from kiln.tasks.contract.schemas import PipelineName
 from kiln.tasks.queue.lanes import LANES, queue_name
 

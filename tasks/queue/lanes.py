@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kiln.tasks.contract.schemas import Lane
+from kiln.common.request import Lane
 from kiln.tasks.contract.settings import KilnSettings
 
 LANES: tuple[Lane, ...] = tuple(Lane)  # in priority order

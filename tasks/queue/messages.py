@@ -5,9 +5,10 @@ Publishing through kombu costs each job another Redis round trip after its recor
 but its message does not (closed later by the sweeper). `CeleryMessages` instead lets Celery
 build the message exactly as `send_task` would (headers, properties, body encoding, priority
 and the list key the Redis transport would push to), but on a channel whose `_put` hands the
-serialized message back instead of sending it: the creation script (storage/lua/create.lua)
-then pushes it in the same step that writes the record. Workers see the very message kombu would
-have sent (tests/tasks/test_submit_messages.py runs a real `celery worker` on them).
+serialized message back instead of sending it (tasks/queue/kombu_redis.py `PushCapture`): the
+creation script (storage/lua/create.lua) then pushes it in the same step that writes the
+record. Workers see the very message kombu would have sent (tests/tasks/test_submit_messages.py
+runs a real `celery worker` on them).
 
 Only where the broker is the Redis that holds Kiln's records and task events are off: otherwise
 the ordinary publish (`usable_for`).
@@ -21,36 +22,13 @@ import re
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from celery import Celery
-from kombu import Connection, Producer
-from kombu.transport import redis as redis_transport
-from kombu.utils.json import dumps
 
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import RUN_JOB_TASK
-
-
-class _CapturingChannel(redis_transport.Channel):
-    """A Redis transport channel that keeps the messages it would push instead of pushing them."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.captured: list[tuple[str, str]] = []
-
-    def _put(self, queue: str, message: dict[str, Any], **_kwargs: Any) -> None:
-        # (the stubs of kombu's Redis channel lack these attributes)
-        if self._expires and queue in self._expires:  # type: ignore[attr-defined]
-            raise ValueError(f"queue {queue!r} expires: its messages are published by kombu")
-        priority = self._get_message_priority(message, reverse=False)
-        key = self._q_for_pri(queue, priority)  # type: ignore[attr-defined]
-        self.captured.append((self.global_keyprefix + key, dumps(message)))
-
-
-class _CapturingTransport(redis_transport.Transport):
-    Channel = _CapturingChannel
+from kiln.tasks.queue.kombu_redis import PushCapture, envelope_parts
 
 
 class CeleryMessages:
@@ -66,13 +44,7 @@ class CeleryMessages:
 
     def __init__(self, app: Celery) -> None:
         self.app = app
-        self._connection = Connection(
-            app.conf.broker_url,
-            transport=_CapturingTransport,
-            transport_options=dict(app.conf.broker_transport_options or {}),
-        )
-        self._channel: _CapturingChannel | None = None
-        self._producer: Producer | None = None
+        self._capture = PushCapture(app)
         self._lock = threading.Lock()  # a kombu channel is one thread's at a time
         self._templates: dict[str, _Template] = {}
 
@@ -107,7 +79,6 @@ class CeleryMessages:
     ) -> tuple[str, str]:
         """The message as Celery's `send_task` builds it, captured before it is pushed."""
         with self._lock:
-            channel, producer = self._open()
             try:
                 self.app.send_task(
                     RUN_JOB_TASK,
@@ -115,23 +86,16 @@ class CeleryMessages:
                     task_id=task_id,
                     queue=queue,
                     countdown=countdown or None,
-                    producer=producer,
+                    producer=self._capture.producer(),
                 )
-                (captured,) = channel.captured  # the queue's own exchange routes to it alone
             finally:
-                channel.captured.clear()
-        return captured
-
-    def _open(self) -> tuple[_CapturingChannel, Producer]:
-        if self._channel is None or self._producer is None:
-            channel = self._connection.channel()
-            assert isinstance(channel, _CapturingChannel)
-            self._channel, self._producer = channel, Producer(channel)
-        return self._channel, self._producer
+                captured = self._capture.take()
+        (message,) = captured  # the queue's own exchange routes to it alone
+        return message
 
     def close(self) -> None:
         """Release the channel's Redis connections."""
-        self._connection.release()
+        self._capture.close()
 
 
 # job ids the template takes as they are: nothing in them needs escaping in JSON or a repr
@@ -153,11 +117,7 @@ class _Template:
     @classmethod
     def of(cls, built: tuple[str, str]) -> _Template:
         key, message = built
-        parsed = json.loads(message)
-        body = parsed["body"]
-        tag = parsed["properties"]["delivery_tag"]
-        if parsed["properties"].get("body_encoding") != "base64":
-            raise ValueError("kombu no longer encodes Redis message bodies as base64")
+        body, tag = envelope_parts(json.loads(message))
         # where each placeholder stands must be unambiguous, else a fill would put ids elsewhere
         expected = {_PLACEHOLDER_TASK: 3, _PLACEHOLDER_JOB: 1, body: 1, tag: 1}
         found = {text: message.count(text) for text in expected}

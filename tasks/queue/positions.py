@@ -15,10 +15,11 @@ lately) or a paused queue: no estimate.
 
 from __future__ import annotations
 
+from kiln.common.request import Lane
+from kiln.common.states import JobState
 from kiln.storage.creation import Placement
+from kiln.storage.job_store import JobRecord, JobStore
 from kiln.storage.queues import QueueSnapshot
-from kiln.storage.status import JobRecord, JobState, JobStore
-from kiln.tasks.contract.schemas import Lane
 from kiln.tasks.contract.views import QueueEstimate
 from kiln.tasks.queue.lanes import LANES, queue_name
 

@@ -10,8 +10,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kiln.storage.status import JobStore
-from kiln.tasks.contract.inputs import InputSchema, announced_inputs
+from kiln.common.request import InputSchema
+from kiln.storage.job_store import JobStore
+from kiln.tasks.contract.inputs import announced_inputs
 from kiln.tasks.contract.limits import PipelineLimits, announced_limits
 from kiln.tasks.contract.loras import NodeAdapters, announced_adapters
 

@@ -18,17 +18,18 @@ from typing import Any, Protocol
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
+from kiln.common.request import DRAWN_SEED_LIMIT, InputSchema
 from kiln.storage.errors import StorageError
-from kiln.storage.status import JobRecord, JobStore, NewJob, request_fingerprint
-from kiln.tasks.contract.inputs import InputSchema, InputViolation, first_input_violation
-from kiln.tasks.contract.limits import (
-    BUILTIN_LIMITS,
-    LimitViolation,
-    PipelineLimits,
-    first_violation,
+from kiln.storage.job_store import JobRecord, JobStore, NewJob, request_fingerprint
+from kiln.tasks.contract.limits import PipelineLimits, declared_limits
+from kiln.tasks.contract.loras import NodeAdapters
+from kiln.tasks.contract.request_check import (
+    PipelineDecl,
+    PipelineUnknown,
+    Violation,
+    check_request,
 )
-from kiln.tasks.contract.loras import NodeAdapters, first_adapter_violation
-from kiln.tasks.contract.schemas import DRAWN_SEED_LIMIT, JobRequest
+from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from kiln.tasks.queue.lanes import queue_name
@@ -49,7 +50,7 @@ class UnknownPipeline(ValueError):
     """The request names a pipeline no configuration or live node serves."""
 
     def __init__(self, name: str, known: Sequence[str]) -> None:
-        super().__init__(f"unknown pipeline {name!r}; served: {', '.join(known) or 'none'}")
+        super().__init__(PipelineUnknown(name, tuple(known)).message)
         self.name = name
         self.known = list(known)
 
@@ -74,7 +75,7 @@ def new_job_id() -> str:
 
 
 class Submitter:
-    """Validates pipelines, writes `queued` records and publishes them."""
+    """Checks requests against what nodes serve, writes `queued` records and publishes them."""
 
     def __init__(
         self,
@@ -106,29 +107,29 @@ class Submitter:
 
     def limits_for(self, pipeline: str) -> list[PipelineLimits]:
         """Limits of each live node announcing `pipeline`, else a built-in name's static ones."""
-        announced = self._served_now().limits.get(pipeline)
-        if announced:
-            return announced
-        builtin = BUILTIN_LIMITS.get(pipeline)
-        return [builtin] if builtin is not None else []
-
-    def over_limits(self, request: JobRequest) -> LimitViolation | None:
-        """Why no live node (nor the static limits) takes `request`; None when one does."""
-        return first_violation(request.pipeline, self.limits_for(request.pipeline), request)
+        return declared_limits(pipeline, self._served_now().limits.get(pipeline, []))
 
     def inputs_for(self, pipeline: str) -> list[InputSchema]:
         """The input schema of each live node announcing one for `pipeline`."""
         return self._served_now().inputs.get(pipeline, [])
 
-    def bad_inputs(self, request: JobRequest) -> InputViolation | None:
-        """Why no live node's schema takes the request's `inputs` and steps; None if one does."""
-        return first_input_violation(
-            request.pipeline, self.inputs_for(request.pipeline), request.inputs, request.steps
-        )
-
     def adapters_for(self, pipeline: str) -> list[NodeAdapters]:
         """The adapters of each live node announcing them for `pipeline`."""
         return self._served_now().adapters.get(pipeline, [])
+
+    def declared(self, pipeline: str) -> PipelineDecl:
+        """What the served pipelines declare about `pipeline`, from one read of the heartbeats."""
+        served = self._served_now()
+        return PipelineDecl(
+            known=tuple(served.names),
+            limits=tuple(declared_limits(pipeline, served.limits.get(pipeline, []))),
+            inputs=tuple(served.inputs.get(pipeline, [])),
+            adapters=tuple(served.adapters.get(pipeline, [])),
+        )
+
+    def violation(self, request: JobRequest) -> Violation | None:
+        """Why what nodes serve would refuse `request` (`check_request`); None when it passes."""
+        return check_request(request, self.declared(request.pipeline))
 
     def _served_now(self) -> Served:
         return self._served.now()
@@ -148,16 +149,15 @@ class Submitter:
         `max_queued`: QuotaExceeded (nothing written) while `owner` has that many queued jobs;
         `max_depth`: QueueFull (nothing written) while that many jobs are queued in all.
         """
-        new = self.prepared(
-            request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id
-        )
+        self._refuse(request)
+        new = self.new_job(request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id)
         record, created = self.store.create_job(
             new, max_queued=max_queued, max_depth=max_depth, message=self.message_for(new)
         )
         self.accepted(record, created)
         return record, created
 
-    def prepared(
+    def new_job(
         self,
         request: JobRequest,
         *,
@@ -165,14 +165,21 @@ class Submitter:
         idempotency_key: str | None = None,
         batch_id: str | None = None,
     ) -> NewJob:
-        """The job `submit` would write for `request`, checked against what nodes serve."""
-        # Refusals: UnknownPipeline, or a pydantic ValidationError naming the pipeline limit the
-        # request is over or the input the pipeline refuses (what JobRequest's callers already
-        # handle as an invalid request).
-        self._check_pipeline(request.pipeline)
-        self._check_limits(request)
-        return self._new_job(
-            request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id
+        """The job `submit` writes for `request`, which its caller has checked (`violation`)."""
+        effective = request
+        if request.seed is None:
+            effective = request.model_copy(update={"seed": random.randrange(DRAWN_SEED_LIMIT)})
+        return NewJob(
+            id=new_job_id(),
+            request=effective.model_dump(mode="json"),
+            batch_id=batch_id,
+            metadata=dict(request.metadata or {}),
+            owner=owner,
+            idempotency_key=idempotency_key,
+            # of the request as sent (defaults filled, no drawn seed): a replay must match it
+            fingerprint=request_fingerprint(request.to_record()) if idempotency_key else None,
+            lane=str(request.priority),
+            queue=queue_name(str(request.priority), request.pipeline),
         )
 
     def message_for(self, new: NewJob) -> tuple[str, str] | None:
@@ -214,9 +221,8 @@ class Submitter:
     ) -> list[str]:
         """Accept many jobs with one pipelined write, then publish each; returns their ids."""
         for index, request in enumerate(requests):
-            self._check_pipeline(request.pipeline)
-            self._check_limits(request, (index,))
-        news = [self._new_job(r, owner=owner, batch_id=batch_id) for r in requests]
+            self._refuse(request, (index,))
+        news = [self.new_job(r, owner=owner, batch_id=batch_id) for r in requests]
         self.store.create_jobs(news)
         for new in news:
             self._publish_and_mark(new.id, queue_name(new.lane, new.request["pipeline"]))
@@ -234,44 +240,14 @@ class Submitter:
             # The record is written: the sweeper re-publishes unconfirmed jobs, nothing is lost.
             log.warning("publishing job %s failed (%s); the sweeper will retry", job_id, exc)
 
-    def _check_pipeline(self, name: str) -> None:
-        known = self.known_pipelines()
-        if name not in known:
-            raise UnknownPipeline(name, known)
+    def _refuse(self, request: JobRequest, loc: tuple[str | int, ...] = ()) -> None:
+        """Raise why what nodes serve refuses `request`, as JobRequest's callers already catch.
 
-    def _check_limits(self, request: JobRequest, loc: tuple[str | int, ...] = ()) -> None:
-        violation = self.over_limits(request)
+        UnknownPipeline for its pipeline's name; else a pydantic ValidationError at `loc`
+        naming the limit, input or adapter the pipeline refuses.
+        """
+        violation = self.violation(request)
+        if isinstance(violation, PipelineUnknown):
+            raise UnknownPipeline(violation.pipeline, violation.known)
         if violation is not None:
             raise violation.error(loc)
-        bad = self.bad_inputs(request)
-        if bad is not None:
-            raise bad.error(loc)
-        unknown = first_adapter_violation(
-            request.pipeline, self.adapters_for(request.pipeline), request.loras
-        )
-        if unknown is not None:
-            raise unknown.error(loc)
-
-    def _new_job(
-        self,
-        request: JobRequest,
-        *,
-        owner: str | None,
-        idempotency_key: str | None = None,
-        batch_id: str | None = None,
-    ) -> NewJob:
-        effective = request
-        if request.seed is None:
-            effective = request.model_copy(update={"seed": random.randrange(DRAWN_SEED_LIMIT)})
-        return NewJob(
-            id=new_job_id(),
-            request=effective.model_dump(mode="json"),
-            batch_id=batch_id,
-            metadata=dict(request.metadata or {}),
-            owner=owner,
-            idempotency_key=idempotency_key,
-            # of the request as sent (defaults filled, no drawn seed): a replay must match it
-            fingerprint=request_fingerprint(request.to_record()) if idempotency_key else None,
-            lane=str(request.priority),
-            queue=queue_name(str(request.priority), request.pipeline),
-        )

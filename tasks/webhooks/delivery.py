@@ -18,8 +18,8 @@ from typing import Any, Literal
 import httpx
 
 from kiln.storage.errors import JobNotFound
+from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import ObjectStore
-from kiln.storage.status import JobEvent, JobRecord, JobStore
 from kiln.tasks.contract.backoff import scheduled_delay
 from kiln.tasks.contract.responses import WebhookOutcome
 from kiln.tasks.contract.settings import KilnSettings

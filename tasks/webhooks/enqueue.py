@@ -18,12 +18,12 @@ from typing import Any
 
 from celery import Celery, current_app, shared_task
 
+from kiln.common.states import JobState, is_terminal
+from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import open_object_store
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobEvent, JobRecord, JobStore
 from kiln.tasks.contract.schemas import WebhookEvent
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.contract.states import JobState, is_terminal
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
 
 # imported for its Celery task: the webhook worker's app includes this module only

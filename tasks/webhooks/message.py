@@ -15,10 +15,10 @@ from typing import Any
 
 from standardwebhooks import Webhook
 
+from kiln.common.states import TERMINAL_STATES, JobState, is_terminal
+from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import ObjectStore
-from kiln.storage.status import JobEvent, JobRecord, JobStore
 from kiln.tasks.contract.schemas import WebhookEvent
-from kiln.tasks.contract.states import TERMINAL_STATES, JobState, is_terminal
 from kiln.tasks.contract.views import JobView, Metrics, Progress, job_view
 
 USER_AGENT = "Kiln-Webhooks/1"
@@ -27,6 +27,7 @@ EVENT_TYPES: dict[str, frozenset[str]] = {
     WebhookEvent.started: frozenset({JobState.RUNNING}),
     WebhookEvent.progress: frozenset({"progress"}),
     WebhookEvent.completed: frozenset(TERMINAL_STATES),
+    WebhookEvent.preview: frozenset({"preview"}),
 }
 # events looked through for the one a webhook reports: it is the newest of its kind when the
 # webhook is queued right after the write, so a short look back is plenty
@@ -63,6 +64,9 @@ def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) ->
     if source.type == JobState.RUNNING:
         attempts = int(source.payload.get("attempts", record.attempts))
         update.update(started_at=source.time, attempts=attempts, progress=None)
+    elif source.type == "preview":  # a preview is taken while denoising, after its step
+        step, total = source.payload.get("step"), source.payload.get("total")
+        update["progress"] = Progress(stage="denoising", step=step, total=total)
     else:
         update["progress"] = Progress.model_validate(source.payload)
     return view.model_copy(update=update)
@@ -82,6 +86,8 @@ def webhook_payload(
         "seq": source.seq,
         "data": view_at(record, source, objects).model_dump(mode="json"),
     }
+    if source.type == "preview":  # the preview event's own data: its image inline or by URL
+        body["preview"] = source.payload
     return json.dumps(body, separators=(",", ":"))
 
 

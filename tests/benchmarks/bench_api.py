@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
+from kiln.storage.job_store import JobStore, NewJob  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
-from kiln.storage.status import JobStore, NewJob  # noqa: E402
 from kiln.tasks.api.auth import hash_api_key, new_api_key  # noqa: E402
 from kiln.tasks.cli.embedded import free_port, wait_for_port  # noqa: E402
 from kiln.tasks.client.client import KilnClient  # noqa: E402

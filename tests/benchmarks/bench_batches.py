@@ -43,12 +43,12 @@ import redis
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from kiln.common.states import JobState  # noqa: E402
 from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
 from kiln.storage.batch_feeding import BatchFeeding  # noqa: E402
 from kiln.storage.batch_store import BatchStore  # noqa: E402
+from kiln.storage.job_store import JobStore  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
-from kiln.storage.states import JobState  # noqa: E402
-from kiln.storage.status import JobStore  # noqa: E402
 from kiln.tasks.api.auth import hash_api_key, new_api_key  # noqa: E402
 from kiln.tasks.cli.embedded import free_port, wait_for_port  # noqa: E402
 from kiln.tasks.client.client import KilnClient  # noqa: E402

@@ -39,13 +39,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
+from kiln.storage.job_store import JobStore, NewJob  # noqa: E402
 from kiln.storage.objects import new_attempt_name, output_key  # noqa: E402
 from kiln.storage.s3_store import S3ObjectStore  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
-from kiln.storage.status import JobStore, NewJob  # noqa: E402
 from kiln.tasks.api.auth import Authenticator, hash_api_key, new_api_key  # noqa: E402
+from kiln.tasks.node.output_uploads import UploadVerify, encode_and_upload, put_verified  # noqa: E402
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter  # noqa: E402
-from kiln.tasks.node.uploads import UploadVerify, encode_and_upload, put_verified  # noqa: E402
 
 Timed = Callable[[int], object]
 

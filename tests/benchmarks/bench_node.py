@@ -53,12 +53,13 @@ import boto3  # noqa: E402
 import torch  # noqa: E402
 from moto.server import ThreadedMotoServer  # noqa: E402
 
+from kiln.common.states import TERMINAL_STATES, JobState  # noqa: E402
 from kiln.gpu_worker.config import available_cores  # noqa: E402
 from kiln.gpu_worker.outputs import OutputSpec, encode  # noqa: E402
 from kiln.gpu_worker.pipelines import Pipeline, load_pipeline  # noqa: E402
 from kiln.gpu_worker.protocol import GenerationRequest  # noqa: E402
+from kiln.storage.job_store import JobRecord, JobStore  # noqa: E402
 from kiln.storage.objects import ObjectStore, new_attempt_name, output_key  # noqa: E402
-from kiln.storage.status import TERMINAL_STATES, JobRecord, JobState, JobStore  # noqa: E402
 from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
 from tests.benchmarks.baseline_worker import BaselineProcess  # noqa: E402
 from tests.benchmarks.bench_pipelines import image_like  # noqa: E402

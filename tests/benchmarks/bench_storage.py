@@ -18,8 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere in the repo
 
+from kiln.common.states import JobState
+from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobState, JobStore, NewJob
+from tests.storage.fed_batches import record_fed_batch
 
 
 def make_jobs(count: int, batch_id: str) -> list[NewJob]:
@@ -68,14 +70,14 @@ def timed_run(
     namespace = f"kiln-bench-{secrets.token_hex(6)}"
     store = JobStore.from_settings(StorageSettings(redis_url=redis_url, redis_namespace=namespace))
     try:
-        store.create_batch("bench", count)
+        batches = record_fed_batch(store, "bench", count)
         jobs = make_jobs(count, "bench")
         memory_before = store.redis.info("memory")["used_memory"]
         started = time.perf_counter()
         create(store, jobs)
         elapsed = time.perf_counter() - started
         memory_after = store.redis.info("memory")["used_memory"]
-        batch = store.get_batch("bench")
+        batch = batches.get_fed("bench")
         assert batch.counts[JobState.QUEUED] == count == store.queue_depth()
         return count / elapsed, (memory_after - memory_before) / count
     finally:

@@ -7,20 +7,22 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from unittest.mock import patch
 
+from kiln.common.states import TERMINAL_STATES
+from kiln.storage.job_store import JobRecord, JobStore
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import TERMINAL_STATES, JobRecord, JobStore
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.submit import Submitter, celery_publisher
+from tests.waiting import wait_for_changes, wait_until
 
 SLEEPY = "python:tests.e2e.pipelines:sleepy"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,14 +64,35 @@ class WorkerProcess:
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Block until the node's heartbeat appears (its group is up and warm)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(n.get("node_id") == self.node_id for n in self.store.live_nodes()):
-                return
-            if self.process.poll() is not None:
-                raise RuntimeError(f"worker exited early:\n{self.log()}")
-            time.sleep(0.2)
-        raise TimeoutError(f"worker {self.node_id} not ready after {timeout_s}s:\n{self.log()}")
+
+        def heartbeat() -> dict[str, Any] | None:
+            assert self.process.poll() is None, f"worker {self.node_id} exited early"
+            return self.heartbeat()
+
+        try:
+            wait_until(heartbeat, timeout_s=timeout_s, poll_s=0.2, what=f"{self.node_id} ready")
+        except AssertionError as failed:
+            raise AssertionError(f"{failed}\n{self.log()}") from None
+
+    def heartbeat(self) -> dict[str, Any] | None:
+        """The node's live heartbeat (what it published last), or None."""
+        return next((n for n in self.store.live_nodes() if n["node_id"] == self.node_id), None)
+
+    def heartbeats(self, count: int = 2) -> dict[str, Any]:
+        """Wait for `count` heartbeats written after this call; what the last one published.
+
+        The positive signal for "nothing happens" checks: the node was up and ran its loops
+        (controls poll, audits) while the test looked, however slow the machine.
+        """
+        nodes_key = self.store.keys.nodes  # node id -> heartbeat deadline, moved on each beat
+        wait_for_changes(
+            lambda: self.store.redis.zscore(nodes_key, self.node_id),
+            count,
+            what=f"{count} heartbeats of {self.node_id}",
+        )
+        info = self.heartbeat()
+        assert info is not None, f"{self.node_id}'s heartbeat lapsed:\n{self.log()}"
+        return info
 
     def log(self) -> str:
         """The worker's output so far (tail: for a failure's message)."""
@@ -170,7 +193,7 @@ class Cluster:
         return worker
 
     def submit(self, **fields: object) -> str:
-        """Submit a job through `tasks.submit`; returns its id."""
+        """Submit a job through `tasks.queue.submit`; returns its id."""
         record, _ = self.submitter.submit(JobRequest.model_validate(fields))
         return record.id
 
@@ -189,25 +212,27 @@ class Cluster:
     ) -> JobRecord:
         """Poll until the job reaches one of `states` (default: any terminal state)."""
         wanted = {str(s) for s in states} or {str(s) for s in TERMINAL_STATES}
-        deadline = time.monotonic() + timeout_s
-        record = self.store.get(job_id)
-        while str(record.state) not in wanted:
-            if time.monotonic() > deadline:
-                logs = "\n".join(w.log() for w in self.workers)
-                raise TimeoutError(f"job {job_id} still {record.state} after {timeout_s}s\n{logs}")
-            time.sleep(0.05)
-            record = self.store.get(job_id)
-        return record
+        try:
+            return wait_until(
+                lambda: self.store.get(job_id),
+                lambda record: str(record.state) in wanted,
+                timeout_s=timeout_s,
+                what=f"job {job_id} {sorted(wanted)}",
+            )
+        except AssertionError as failed:
+            logs = "\n".join(w.log() for w in self.workers)
+            raise AssertionError(f"{failed}\n{logs}") from None
 
     def wait_for_step(self, job_id: str, step: int, timeout_s: float = 60.0) -> None:
         """Poll until the job reports at least `step` denoising steps."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            progress = self.store.get(job_id).progress or {}
-            if progress.get("stage") == "denoising" and int(progress.get("step", 0)) >= step:
-                return
-            time.sleep(0.02)
-        raise TimeoutError(f"job {job_id} never reached step {step}")
+        wait_until(
+            lambda: self.store.get(job_id).progress or {},
+            lambda progress: progress.get("stage") == "denoising"
+            and int(progress.get("step", 0)) >= step,
+            timeout_s=timeout_s,
+            poll_s=0.02,
+            what=f"job {job_id} at step {step}",
+        )
 
     def completion_count(self, job_id: str) -> int:
         """How many times a sleepy pipeline finished this job."""

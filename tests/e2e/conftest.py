@@ -12,9 +12,12 @@ from urllib.parse import urlparse
 import boto3
 import pytest
 
+from kiln.tasks.api.app import create_app
+from kiln.tasks.client.client import KilnClient
 from tests.conftest import delete_namespace
 from tests.e2e.cluster import Cluster
 from tests.e2e.services import FlakyProxy, PrivateRedis
+from tests.tasks.helpers import ThreadServer, api_settings
 
 S3_REGION = "us-east-1"
 S3_KEY = "testing"  # moto accepts any credentials
@@ -96,6 +99,16 @@ def module_cluster_factory(
     """Clusters shared by the tests of one module."""
     with clusters(redis_url, s3_server, tmp_path_factory.mktemp("clusters")) as make:
         yield make
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[KilnClient]:
+    """A client of an in-process API (auth off) in front of the module's own `cluster` fixture."""
+    with (
+        ThreadServer(create_app(api_settings(auth_enabled=False), cluster.storage_settings)) as api,
+        KilnClient(api.url) as made,
+    ):
+        yield made
 
 
 @pytest.fixture

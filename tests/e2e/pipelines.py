@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kiln.common.limits import DeclaredLimits
 from kiln.gpu_worker.errors import UnsupportedRequest
-from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.pipelines.base import StepCallback
 from kiln.gpu_worker.protocol import GenerationRequest
 

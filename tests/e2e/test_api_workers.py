@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.embedded import free_port, wait_for_port
+from tests.waiting import wait_until
 
 BODY = {"prompt": "a kiln at dusk", "width": 64, "height": 64, "steps": 1}
 
@@ -48,14 +48,6 @@ class WorkersApi:
         entries = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         env = dict(e.decode().split("=", 1) for e in entries if b"=" in e)
         return Path(env["PROMETHEUS_MULTIPROC_DIR"])
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not seen within {timeout_s}s: {what}")
-        time.sleep(0.1)
 
 
 def alive(pid: int) -> bool:
@@ -85,7 +77,7 @@ def start_api(
         api = WorkersApi(process, port)
         started.append(api)
         wait_for_port(port, timeout_s=60)
-        wait_until(lambda: len(api.children()) == 2, 30, "two children")
+        wait_until(api.children, lambda children: len(children) == 2, timeout_s=30)
         return api
 
     yield start
@@ -153,7 +145,7 @@ def test_killed_child_is_replaced_and_sigterm_stops_everything(
     # the API answers meanwhile: the other child, or the replacement for connections the kernel
     # gave the dead child's socket (which waits for it)
     submit(api.url, 10)
-    wait_until(lambda: len(api.children() - {victim}) == 2, 30, "a replacement child")
+    wait_until(lambda: api.children() - {victim}, lambda others: len(others) == 2, timeout_s=30)
     replacement = api.children() - children
     assert len(replacement) == 1
     submit(api.url, 10)
@@ -174,4 +166,4 @@ def test_children_stop_when_the_supervisor_is_killed(
     children = api.children()
     api.process.kill()
     api.process.wait(timeout=30)
-    wait_until(lambda: not any(alive(pid) for pid in children), 30, "the children stopped")
+    wait_until(lambda: {pid for pid in children if alive(pid)}, lambda left: not left, timeout_s=30)

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from kiln.common.states import JobState
 from kiln.storage.batch_store import BatchStore, FedBatch
 from kiln.storage.errors import StorageError
-from kiln.storage.states import JobState
 from kiln.tasks.batches.lines import batch_job_id
 from tests.e2e.cluster import SLEEPY, Cluster, WorkerProcess
 from tests.e2e.services import PrivateRedis
+from tests.waiting import wait_until
 
 # The issue's figure is 10,000 lines (`make test-soak`, about 4 minutes here); the default run
 # keeps the same scenario at a size that fits the suite's time.
@@ -57,23 +58,25 @@ def read_batch(batches: BatchStore, batch_id: str) -> FedBatch | None:
         return None
 
 
-def wait_until(
+def wait_for_batch(
     batches: BatchStore,
     batch_id: str,
     done: Callable[[FedBatch], bool],
     timeout_s: float,
     alive: list[WorkerProcess],
 ) -> FedBatch:
-    """Poll the batch until `done`; fails at once if a node that must stay up has exited."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """The batch once `done`; fails at once if a node that must stay up has exited."""
+
+    def observe() -> FedBatch | None:
         for node in alive:
             assert node.process.poll() is None, f"{node.node_id} exited:\n{node.log()}"
-        batch = read_batch(batches, batch_id)
-        if batch is not None and done(batch):
-            return batch
-        time.sleep(0.1)
-    raise TimeoutError(f"batch {batch_id}: {read_batch(batches, batch_id)}")
+        return read_batch(batches, batch_id)
+
+    batch = wait_until(
+        observe, lambda seen: seen is not None and done(seen), timeout_s=timeout_s, what=batch_id
+    )
+    assert batch is not None
+    return batch
 
 
 def succeeded(count: int) -> Callable[[FedBatch], bool]:
@@ -107,18 +110,21 @@ def finish_after_restart(
     status, so that its supervisor starts it again; this test is that supervisor.
     """
     replacement = None
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
+
+    def observe() -> FedBatch | None:
+        nonlocal replacement
         if replacement is None and node.process.poll() is not None:
             assert node.process.returncode != 0, f"exited 0, not restarted:\n{node.log()}"
             replacement = start_node(cluster)
         if replacement is not None:
             assert replacement.process.poll() is None, replacement.log()
-        batch = read_batch(batches, batch_id)
-        if batch is not None and batch.final:
-            return batch, replacement
-        time.sleep(0.2)
-    raise TimeoutError(f"batch {batch_id}: {read_batch(batches, batch_id)}")
+        return read_batch(batches, batch_id)
+
+    batch = wait_until(
+        observe, lambda seen: seen is not None and seen.final, timeout_s=600, what=batch_id
+    )
+    assert batch is not None
+    return batch, replacement
 
 
 @pytest.mark.slow
@@ -137,9 +143,9 @@ def test_a_large_batch_survives_a_node_kill_and_a_redis_restart(
     batch_id = answer.stdout.strip()
     batches = BatchStore(cluster.store.redis, cluster.store.settings)
 
-    wait_until(batches, batch_id, succeeded(LINES // 5), 240, alive=[first, second])
+    wait_for_batch(batches, batch_id, succeeded(LINES // 5), 240, alive=[first, second])
     first.kill9()  # mid-batch: its running forward, its leases and (maybe) the feeder die
-    wait_until(batches, batch_id, succeeded(LINES // 2), 240, alive=[second])
+    wait_for_batch(batches, batch_id, succeeded(LINES // 2), 240, alive=[second])
     private_redis.restart(down_s=RESTART_GRACE_S)
     batch, replacement = finish_after_restart(cluster, batches, batch_id, second)
     elapsed = time.monotonic() - started

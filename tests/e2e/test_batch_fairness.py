@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.batch_store import BatchStore
-from kiln.storage.states import JobState
 from kiln.tasks.batches.lines import batch_job_id
 from tests.e2e.cluster import SLEEPY, Cluster
+from tests.waiting import wait_until
 
 WINDOW = 6  # jobs of one key's batches queued or running at once
 CONCURRENCY = 2  # deliveries the node may hold at once (both may be reserved ahead)
@@ -74,10 +75,7 @@ def submit_batches(cluster: Cluster, folder: Path, **counts: int) -> list[tuple[
 
 def wait_final(cluster: Cluster, batch_id: str, timeout_s: float = 120.0) -> None:
     batches = BatchStore(cluster.store.redis, cluster.store.settings)
-    deadline = time.monotonic() + timeout_s
-    while not batches.get_fed(batch_id).final:
-        assert time.monotonic() < deadline, batches.get_fed(batch_id)
-        time.sleep(0.05)
+    wait_until(lambda: batches.get_fed(batch_id), lambda batch: batch.final, timeout_s=timeout_s)
 
 
 def finish_times(cluster: Cluster, job_ids: list[str]) -> list[float]:
@@ -105,10 +103,12 @@ def test_interactive_jobs_start_ahead_of_queued_bulk_lines(
 ) -> None:
     ((batch_id, bulk_jobs),) = submit_batches(cluster, tmp_path, night=40)
     batches = BatchStore(cluster.store.redis, cluster.store.settings)
-    deadline = time.monotonic() + 60
-    while batches.get_fed(batch_id).counts[JobState.SUCCEEDED] < 3:  # the batch is under way
-        assert time.monotonic() < deadline, batches.get_fed(batch_id)
-        time.sleep(0.02)
+    wait_until(  # the batch is under way
+        lambda: batches.get_fed(batch_id).counts[JobState.SUCCEEDED],
+        lambda succeeded: succeeded >= 3,
+        timeout_s=60,
+        poll_s=0.02,
+    )
     submitted = time.time()  # from the first interactive submission
     interactive = [
         cluster.submit(

@@ -9,18 +9,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_store import BatchStore, FedBatch
-from kiln.storage.states import JobState
 from kiln.tasks.batches.lines import batch_job_id
 from tests.e2e.cluster import REPO_ROOT, SLEEPY, Cluster
+from tests.waiting import wait_until
 
 SLEEPY_PIPELINE = f"sleepy={SLEEPY}"
 FAST_FEEDING = {
@@ -68,26 +68,21 @@ def start_submit(cluster: Cluster, path: Path, *args: str) -> subprocess.Popen[s
 
 
 def the_batch(batches: BatchStore, timeout_s: float = 60.0) -> FedBatch:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        page, _ = batches.list_fed()
-        if page:
-            return page[0]
-        time.sleep(0.05)
-    raise TimeoutError("no batch was recorded")
+    page = wait_until(lambda: batches.list_fed()[0], timeout_s=timeout_s, what="a batch recorded")
+    return page[0]
 
 
 def watch(batches: BatchStore, batch_id: str, timeout_s: float) -> tuple[FedBatch, int]:
     """Poll until the batch ends; returns it and the most of its jobs queued or running."""
     most = 0
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def observe() -> FedBatch:
+        nonlocal most
         batch = batches.get_fed(batch_id)
         most = max(most, batch.counts[JobState.QUEUED] + batch.counts[JobState.RUNNING])
-        if batch.final:
-            return batch, most
-        time.sleep(0.05)
-    raise TimeoutError(f"batch {batch_id} did not finish in {timeout_s}s: {batch}")
+        return batch
+
+    return wait_until(observe, lambda batch: batch.final, timeout_s=timeout_s), most
 
 
 def read_results(cluster: Cluster, batch_id: str, out: Path) -> list[dict[str, Any]]:
@@ -186,10 +181,7 @@ def test_feeder_node_killed_mid_batch_another_takes_over_no_line_skipped_or_fed_
     batch_id = answer.stdout.strip()
     batches = BatchStore(cluster.store.redis, cluster.store.settings)
     feeding = BatchFeeding(cluster.store.redis, cluster.store.settings)
-    deadline = time.monotonic() + 120
-    while batches.get_fed(batch_id).fed < 40:
-        assert time.monotonic() < deadline, "feeding did not start"
-        time.sleep(0.02)
+    wait_until(lambda: batches.get_fed(batch_id).fed, lambda fed: fed >= 40, timeout_s=120)
     feeder = feeding.feeder_of(batch_id)
     victim = first if feeder == first.node_id else second
     survivor = second if victim is first else first
@@ -197,7 +189,7 @@ def test_feeder_node_killed_mid_batch_another_takes_over_no_line_skipped_or_fed_
     victim.kill9()
     try:
         batch, most_live = watch(batches, batch_id, timeout_s=240)
-    except TimeoutError as exc:
+    except AssertionError as exc:
         raise AssertionError(f"{exc}; stuck: {stuck_lines(cluster, batch_id, custom_ids)}") from exc
     assert batch.status == "completed"
     assert feeding.feeder_of(batch_id) is None  # released at the end

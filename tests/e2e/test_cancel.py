@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.e2e.cluster import SLEEPY, Cluster
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,5 +51,7 @@ def test_running_job_canceled_stops_within_a_step(sleepy_cluster: Cluster) -> No
     # Every step writes progress here. The step in flight when the flag landed may finish (+1);
     # its progress write may trail our read by one step (+1); nothing beyond that.
     assert max(steps) <= step_at_cancel + 2, (step_at_cancel, max(steps))
-    time.sleep(0.5)
+    # a heartbeat written after the node let go of the job: its run is over, stopped or not
+    (worker,) = sleepy_cluster.workers
+    wait_until(lambda: worker.heartbeats(1)["jobs_running"], lambda running: running == 0)
     assert sleepy_cluster.completion_count(job_id) == 0

@@ -22,6 +22,7 @@ from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.queue.app import transport_options
 from kiln.tasks.queue.submit import Submitter, job_queue
 from tests.e2e.cluster import REPO_ROOT, SLEEPY, Cluster, WorkerProcess
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -99,10 +100,11 @@ def test_node_restarted_under_its_id_gets_back_what_it_held(
     ghost = cluster.store.acquire_lease(record.id, "ghost/1")
     cluster.submitter.publish(record)  # delivered to the holder: lease busy, held for 600 s
     held = cluster.store.keys.held_deliveries
-    deadline = time.monotonic() + 60
-    while record.id not in (cluster.store.redis.hget(held, node_id) or ""):
-        assert time.monotonic() < deadline, holder.log()
-        time.sleep(0.05)
+    wait_until(
+        lambda: cluster.store.redis.hget(held, node_id) or "",
+        lambda listed: record.id in listed,
+        timeout_s=60,
+    )
     cluster.store.release_lease(record.id, ghost)
     holder.kill9()
     start_node(cluster, node_id)

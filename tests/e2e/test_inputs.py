@@ -17,13 +17,10 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from kiln.gpu_worker.pipelines import load_pipeline
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.protocol import GenerationRequest
-from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.tasks.api.app import create_app
 from kiln.tasks.api.context import build_context
 from kiln.tasks.client.client import KilnClient, ValidationFailed
@@ -31,20 +28,12 @@ from kiln.tasks.contract.schemas import InputScalar, JobRequest
 from kiln.tasks.contract.views import JobView
 from tests.e2e.cluster import Cluster
 from tests.e2e.image_server import CAT, image_server
+from tests.e2e.tiny_jobs import PIXEL_TOLERANCE, TINY_JOB, computed_here, stored_pixels
 from tests.tasks.helpers import Api, ThreadServer, api_settings
 
 pytestmark = pytest.mark.timeout(600)
 
-JOB: dict[str, Any] = {
-    "pipeline": "tiny",
-    "prompt": "a kiln at night",
-    "width": 64,
-    "height": 64,
-    "steps": 4,
-    "seed": 11,
-    "guidance_scale": 5.0,
-}
-PIXEL_TOLERANCE = 1  # another process, another thread count: a level out of 255 at most
+JOB: dict[str, Any] = {**TINY_JOB, "steps": 4}
 IMAGE_PIPELINES = ["tiny-img2img", "tiny-inpaint"]
 ALLOW = {"KILN_INPUT_ALLOW_HTTP": "true", "KILN_INPUT_ALLOW_HOSTS": "127.0.0.1"}
 IMAGE_JOB: dict[str, Any] = {
@@ -55,45 +44,21 @@ IMAGE_JOB: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def cluster(module_cluster_factory: Callable[..., Cluster]) -> Iterator[Cluster]:
+def cluster(module_cluster_factory: Callable[..., Cluster]) -> Cluster:
     made = module_cluster_factory()
     # One worker for the scheduler and the image-input tests: the image pipelines share its start.
     made.start_worker("tiny", *IMAGE_PIPELINES, devices="cpu:1", extra_env=ALLOW)
-    yield made
-    made.stop_all()
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[KilnClient]:
-    settings = api_settings(auth_enabled=False)
-    with (
-        ThreadServer(create_app(settings, cluster.storage_settings)) as server,
-        KilnClient(server.url) as api,
-    ):
-        yield api
-
-
-def pixels(cluster: Cluster, job_id: str) -> np.ndarray:
-    record = cluster.wait_for(job_id, timeout_s=120)
-    assert str(record.state) == "succeeded", record.error
-    (output,) = record.outputs
-    return np.asarray(Image.open(io.BytesIO(cluster.objects.get(output["key"]))).convert("RGB"))
+    return made
 
 
 def reference(scheduler: str) -> np.ndarray:
     """The job computed here, in this process, by a tiny pipeline whose scheduler is `scheduler`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        pipeline = load_pipeline("tiny", torch.device("cpu"), GpuWorkerSettings())
-        assert isinstance(pipeline, DiffusersPipeline)
+
+    def use_scheduler(pipeline: DiffusersPipeline) -> None:
         classes = {c.__name__: c for c in pipeline.pipe.scheduler.compatibles}
         pipeline.pipe.scheduler = classes[scheduler].from_config(pipeline.pipe.scheduler.config)
-        request = GenerationRequest(request_id="ref", **JOB)
-        ((frames,),) = pipeline.run([request], lambda _step, _total: None)
-    finally:
-        torch.set_num_threads(threads)
-    return np.asarray(frames[0])
+
+    return computed_here(GenerationRequest(request_id="ref", **JOB), prepare=use_scheduler)
 
 
 def test_the_node_announces_the_schema_and_the_api_serves_it(
@@ -120,11 +85,9 @@ def test_a_scheduler_input_runs_end_to_end_as_that_scheduler(
     default = client.submit(JobRequest(**JOB))
     ddim = client.submit(JobRequest(**JOB, inputs={"scheduler": "DDIMScheduler"}))
     assert ddim.parameters.inputs == {"scheduler": "DDIMScheduler"}
-    default_pixels, ddim_pixels = pixels(cluster, default.id), pixels(cluster, ddim.id)
-    difference = np.abs(default_pixels.astype(int) - ddim_pixels.astype(int))
-    assert difference.max() > 10 * PIXEL_TOLERANCE  # another scheduler, another picture
-    expected = reference("DDIMScheduler")
-    assert np.abs(expected.astype(int) - ddim_pixels.astype(int)).max() <= PIXEL_TOLERANCE
+    default_pixels, ddim_pixels = (stored_pixels(cluster, job.id) for job in (default, ddim))
+    assert np.abs(default_pixels - ddim_pixels).max() > 10 * PIXEL_TOLERANCE  # another picture
+    assert np.abs(reference("DDIMScheduler") - ddim_pixels).max() <= PIXEL_TOLERANCE
 
 
 # --- image inputs (docs/contract.md §2b) -------------------------------------------------------

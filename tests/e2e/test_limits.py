@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from pydantic import ValidationError
 
-from kiln.storage.status import NewJob
+from kiln.storage.job_store import NewJob
 from kiln.tasks.contract.schemas import JobRequest
 from tests.e2e.cluster import SLEEPY, Cluster
 from tests.e2e.pipelines import MAX_STEPS

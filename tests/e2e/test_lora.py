@@ -11,42 +11,28 @@ uvicorn API.
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from kiln.gpu_worker.pipelines import load_pipeline
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.protocol import AdapterRef, GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
-from kiln.tasks.api.app import create_app
 from kiln.tasks.client.client import KilnClient, ValidationFailed
 from kiln.tasks.contract.loras import LoraSpec
 from kiln.tasks.contract.schemas import JobRequest
 from tests.e2e.cluster import Cluster
-from tests.gpu_worker.conftest import wait_until
+from tests.e2e.tiny_jobs import PIXEL_TOLERANCE, TINY_JOB, computed_here, stored_pixels
 from tests.gpu_worker.tiny_lora import build_tiny_lora
-from tests.tasks.helpers import ThreadServer, api_settings
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
-JOB: dict[str, Any] = {
-    "pipeline": "tiny",
-    "prompt": "a kiln at night",
-    "width": 64,
-    "height": 64,
-    "steps": 3,
-    "seed": 11,
-    "guidance_scale": 5.0,
-}
 ADAPTERS = {"ember": 1, "frost": 2, "smoke": 3}  # name -> seed of its random weights
-PIXEL_TOLERANCE = 1  # another process, another thread count: a level out of 255 at most
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +47,7 @@ def lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(module_cluster_factory: Callable[..., Cluster], lora_dir: Path) -> Iterator[Cluster]:
+def cluster(module_cluster_factory: Callable[..., Cluster], lora_dir: Path) -> Cluster:
     made = module_cluster_factory()
     # Two ranks splitting each forward's rows: a rank without the batch's adapters would compute
     # its half of the picture without them.
@@ -71,40 +57,13 @@ def cluster(module_cluster_factory: Callable[..., Cluster], lora_dir: Path) -> I
         extra_env={"KILN_LORA_CACHE_COUNT": "2"},
         extra_args=["--lora-dir", str(lora_dir), "--parallel", "batch", "--batch-window-ms", "300"],
     )
-    yield made
-    made.stop_all()
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[KilnClient]:
-    settings = api_settings(auth_enabled=False)
-    with (
-        ThreadServer(create_app(settings, cluster.storage_settings)) as server,
-        KilnClient(server.url) as api,
-    ):
-        yield api
-
-
-def pixels(cluster: Cluster, job_id: str) -> np.ndarray:
-    record = cluster.wait_for(job_id, timeout_s=120)
-    assert str(record.state) == "succeeded", record.error
-    (output,) = record.outputs
-    image = Image.open(io.BytesIO(cluster.objects.get(output["key"]))).convert("RGB")
-    return np.asarray(image).astype(np.int16)
+    return made
 
 
 def alone(lora_dir: Path, name: str, scale: float) -> np.ndarray:
     """The job with this one adapter, computed here by a pipeline that ran nothing else."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        settings = GpuWorkerSettings(lora_dir=lora_dir)
-        pipeline = load_pipeline("tiny", torch.device("cpu"), settings)
-        request = GenerationRequest(request_id="ref", **JOB, loras=(AdapterRef(name, scale),))
-        ((frames,),) = pipeline.run([request], lambda _step, _total: None)
-    finally:
-        torch.set_num_threads(threads)
-    return np.asarray(frames[0]).astype(np.int16)
+    request = GenerationRequest(request_id="ref", **TINY_JOB, loras=(AdapterRef(name, scale),))
+    return computed_here(request, GpuWorkerSettings(lora_dir=lora_dir))
 
 
 def held(cluster: Cluster, client: KilnClient) -> tuple[list[str], list[str]]:
@@ -115,7 +74,7 @@ def held(cluster: Cluster, client: KilnClient) -> tuple[list[str], list[str]]:
 
 
 def job(*loras: LoraSpec) -> JobRequest:
-    return JobRequest(**JOB, loras=list(loras))
+    return JobRequest(**TINY_JOB, loras=list(loras))
 
 
 def test_an_adapter_no_node_offers_is_a_422_naming_it(cluster: Cluster, client: KilnClient) -> None:
@@ -135,7 +94,7 @@ def test_two_jobs_with_different_adapters_each_get_their_own_picture(
     ember = client.submit(job(LoraSpec(name="ember", scale=0.8)))
     frost = client.submit(job(LoraSpec(name="frost", scale=0.8)))
     assert ember.parameters.loras[0].name == "ember"
-    ember_pixels, frost_pixels = pixels(cluster, ember.id), pixels(cluster, frost.id)
+    ember_pixels, frost_pixels = stored_pixels(cluster, ember.id), stored_pixels(cluster, frost.id)
     assert np.abs(ember_pixels - frost_pixels).max() > 10 * PIXEL_TOLERANCE
     assert np.abs(ember_pixels - alone(lora_dir, "ember", 0.8)).max() <= PIXEL_TOLERANCE
     assert np.abs(frost_pixels - alone(lora_dir, "frost", 0.8)).max() <= PIXEL_TOLERANCE
@@ -144,8 +103,6 @@ def test_two_jobs_with_different_adapters_each_get_their_own_picture(
     ember_end = cluster.store.get(ember.id).finished_at or 0.0
     frost_end = cluster.store.get(frost.id).finished_at or 0.0
     last = "ember" if ember_end > frost_end else "frost"
-    pixels(cluster, client.submit(job(LoraSpec(name="smoke"))).id)
+    stored_pixels(cluster, client.submit(job(LoraSpec(name="smoke"))).id)
     expected = (sorted([last, "smoke"]), sorted([last, "smoke"]))
-    assert wait_until(lambda: held(cluster, client) == expected, timeout_s=30), held(
-        cluster, client
-    )
+    wait_until(lambda: held(cluster, client), lambda seen: seen == expected)

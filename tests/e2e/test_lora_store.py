@@ -9,43 +9,29 @@ Real worker subprocess (tiny, one CPU rank), real Redis, moto S3 (server mode), 
 
 from __future__ import annotations
 
-import io
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from kiln.gpu_worker.pipelines import load_pipeline
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.pipelines.lora import ADAPTER_WEIGHTS, STORE_CACHE_FOLDER
 from kiln.gpu_worker.settings import GpuWorkerSettings
-from kiln.tasks.api.app import create_app
 from kiln.tasks.client.client import KilnClient
 from kiln.tasks.contract.loras import LoraSpec
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.node.adapters import store_adapter_folder
 from tests.e2e.cluster import Cluster
+from tests.e2e.tiny_jobs import PIXEL_TOLERANCE, TINY_JOB, stored_pixels
 from tests.gpu_worker.tiny_lora import build_tiny_lora
-from tests.tasks.helpers import ThreadServer, api_settings
 
 pytestmark = pytest.mark.timeout(600)
 
-JOB: dict[str, Any] = {
-    "pipeline": "tiny",
-    "prompt": "a kiln at night",
-    "width": 64,
-    "height": 64,
-    "steps": 3,
-    "seed": 11,
-    "guidance_scale": 5.0,
-}
 PREFIX = "loras"
-PIXEL_TOLERANCE = 1  # one process, one rank: the same weights give the same picture
 
 
 @pytest.fixture(scope="module")
@@ -78,24 +64,6 @@ def cluster(
     shutil.rmtree(models / STORE_CACHE_FOLDER, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[KilnClient]:
-    settings = api_settings(auth_enabled=False)
-    with (
-        ThreadServer(create_app(settings, cluster.storage_settings)) as server,
-        KilnClient(server.url) as api,
-    ):
-        yield api
-
-
-def pixels(cluster: Cluster, job_id: str) -> np.ndarray:
-    record = cluster.wait_for(job_id, timeout_s=120)
-    assert str(record.state) == "succeeded", record.error
-    (output,) = record.outputs
-    image = Image.open(io.BytesIO(cluster.objects.get(output["key"]))).convert("RGB")
-    return np.asarray(image).astype(np.int16)
-
-
 def test_an_adapter_only_in_the_store_makes_the_lora_dir_ones_picture(
     cluster: Cluster, client: KilnClient, folders: tuple[Path, Path]
 ) -> None:
@@ -105,10 +73,13 @@ def test_an_adapter_only_in_the_store_makes_the_lora_dir_ones_picture(
     assert [a.name for a in client.pipeline("tiny").adapters] == ["ember", "ember-copy"]
     fetched = models / STORE_CACHE_FOLDER / "tiny" / "ember-copy" / ADAPTER_WEIGHTS
     assert not fetched.exists()  # first use fetches it, not the start
-    from_store = client.submit(JobRequest(**JOB, loras=[LoraSpec(name="ember-copy", scale=0.8)]))
-    from_dir = client.submit(JobRequest(**JOB, loras=[LoraSpec(name="ember", scale=0.8)]))
-    plain = client.submit(JobRequest(**JOB))
-    store_pixels, dir_pixels = pixels(cluster, from_store.id), pixels(cluster, from_dir.id)
+    jobs = [
+        JobRequest(**TINY_JOB, loras=[LoraSpec(name="ember-copy", scale=0.8)]),  # from the store
+        JobRequest(**TINY_JOB, loras=[LoraSpec(name="ember", scale=0.8)]),  # from the lora dir
+        JobRequest(**TINY_JOB),  # plain
+    ]
+    submitted = [client.submit(job).id for job in jobs]
+    store_pixels, dir_pixels, plain_pixels = (stored_pixels(cluster, j) for j in submitted)
     assert np.abs(store_pixels - dir_pixels).max() <= PIXEL_TOLERANCE
-    assert np.abs(store_pixels - pixels(cluster, plain.id)).max() > 10 * PIXEL_TOLERANCE
+    assert np.abs(store_pixels - plain_pixels).max() > 10 * PIXEL_TOLERANCE
     assert fetched.is_file()

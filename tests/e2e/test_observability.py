@@ -24,10 +24,11 @@ from celery import Celery
 from celery.events.state import State
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.storage.status import JobState
+from kiln.common.states import JobState
 from kiln.tasks.queue.app import transport_options
 from tests.e2e.cluster import REPO_ROOT, SLEEPY, Cluster, WorkerProcess
 from tests.e2e.pipelines import FAIL_PROMPT
+from tests.waiting import wait_until
 
 OBSERVED_ENV = {"KILN_LOG_FORMAT": "json", "KILN_TASK_EVENTS": "true"}
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -187,10 +188,8 @@ class TaskEvents:
 
     def __enter__(self) -> TaskEvents:
         self._thread.start()
-        deadline = time.monotonic() + 20  # subscribed once the worker's heartbeat arrives
-        while not self.events:
-            assert time.monotonic() < deadline, "no Celery event arrived"
-            time.sleep(0.1)
+        # subscribed once the worker's heartbeat arrives
+        wait_until(lambda: len(self.events), timeout_s=20, what="a Celery event")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -225,15 +224,19 @@ class TaskEvents:
 
     def final(self, task_id: str, timeout_s: float = 15.0) -> str:
         """The task's state once a terminal event arrived."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def state() -> str | None:
             with self._lock:
                 task = self.state.tasks.get(task_id)
-                state = task.state if task is not None else None
-            if state in ("SUCCESS", "FAILURE", "REVOKED", "RETRY"):
-                return str(state)
-            assert time.monotonic() < deadline, f"task {task_id} still {state}"
-            time.sleep(0.1)
+                return None if task is None else str(task.state)
+
+        final = wait_until(
+            state,
+            lambda seen: seen in ("SUCCESS", "FAILURE", "REVOKED", "RETRY"),
+            timeout_s=timeout_s,
+            what=f"task {task_id} final",
+        )
+        return str(final)
 
 
 def test_task_states_tell_the_truth(stack: Stack) -> None:
@@ -275,10 +278,12 @@ def test_task_states_tell_the_truth(stack: Stack) -> None:
     prefix = transport_options(cluster.settings, cluster.storage_settings.redis_namespace)[
         "global_keyprefix"
     ]
-    deadline = time.monotonic() + 5
-    while cluster.store.redis.hlen(f"{prefix}unacked"):
-        assert time.monotonic() < deadline, "a run_job message was never acknowledged"
-        time.sleep(0.1)
+    wait_until(
+        lambda: cluster.store.redis.hlen(f"{prefix}unacked"),
+        lambda unacked: unacked == 0,
+        timeout_s=5,
+        what="every run_job message acknowledged",
+    )
 
 
 def test_every_log_line_is_json(cluster_factory: Callable[..., Cluster]) -> None:

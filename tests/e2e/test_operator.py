@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
+from kiln.common.request import Lane
+from kiln.common.states import JobState
 from kiln.storage.apikeys import ApiKeyStore
-from kiln.storage.status import JobState
-from kiln.tasks.contract.schemas import JobRequest, Lane
+from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.queue.positions import queue_estimate
 from tests.e2e.cluster import SLEEPY, Cluster, WorkerProcess
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,14 +59,6 @@ def heartbeat(cluster: Cluster, node: WorkerProcess) -> dict[str, Any]:
     return next(n for n in cluster.store.live_nodes() if n["node_id"] == node.node_id)
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.1)
-
-
 def admin(cluster: Cluster, *args: str) -> dict[str, Any]:
     result = cluster.run_cli("admin", *args, "--json")
     assert result.returncode == 0, result.stderr
@@ -81,11 +75,13 @@ def test_paused_jobs_stay_queued_in_order_and_run_once_resumed(
 ) -> None:
     for queue in QUEUES:
         assert admin(cluster, "pause", queue)["changed"] is True
-    wait_until(lambda: consuming(cluster, node) == [], what="the node stops consuming")
+    wait_until(lambda: consuming(cluster, node), lambda queues: queues == [])
     assert heartbeat(cluster, node)["paused_queues"] == sorted(QUEUES)
     bulk = [submit(cluster, Lane.bulk) for _ in range(2)]
     interactive = submit(cluster)
-    time.sleep(2.0)  # many polls and fetches: nothing may start
+    # Two heartbeats after the submissions: the node ran its loops with the jobs queued
+    seen = node.heartbeats(2)
+    assert (seen["consuming"], seen["jobs_running"]) == ([], 0)
     jobs = [interactive, *bulk]
     assert [str(cluster.store.get(j).state) for j in jobs] == ["queued"] * 3
     status = cluster.run_cli("status", bulk[1], "--json")
@@ -102,7 +98,7 @@ def test_paused_jobs_stay_queued_in_order_and_run_once_resumed(
     for job_id in jobs:
         assert str(cluster.wait_for(job_id, timeout_s=60).state) == "succeeded"
         assert cluster.store.get(job_id).attempts == 1
-    wait_until(lambda: consuming(cluster, node) == QUEUES, what="the node consumes again")
+    wait_until(lambda: consuming(cluster, node), lambda queues: queues == QUEUES)
 
 
 def test_purge_cancels_queued_jobs_and_leaves_the_running_one(
@@ -111,7 +107,7 @@ def test_purge_cancels_queued_jobs_and_leaves_the_running_one(
     running = submit(cluster, Lane.bulk, steps=240)  # 12 s
     cluster.wait_for(running, states=["running"], timeout_s=30)
     admin(cluster, "pause", "bulk.sleepy")
-    wait_until(lambda: "bulk.sleepy" not in consuming(cluster, node), what="bulk paused")
+    wait_until(lambda: consuming(cluster, node), lambda queues: "bulk.sleepy" not in queues)
     queued = [submit(cluster, Lane.bulk) for _ in range(3)]
     purged = admin(cluster, "purge", "bulk.sleepy")
     assert purged == {"queue": "bulk.sleepy", "canceled": 3, "job_ids": queued}
@@ -159,7 +155,7 @@ def test_drain_finishes_the_running_job_takes_no_new_one_and_exits(cluster: Clus
     cluster.wait_for(long_job, states=["running"], timeout_s=30)
     request = admin(cluster, "drain", drained.node_id, "--exit")
     assert request == {"node_id": drained.node_id, "drain_requested": True, "exit": True}
-    wait_until(lambda: heartbeat(cluster, drained)["draining"] is True, what="draining")
+    wait_until(lambda: heartbeat(cluster, drained), lambda info: info["draining"] is True)
     late = submit(cluster, pipeline="sleepy2")
     done = cluster.wait_for(long_job, timeout_s=60)
     assert (str(done.state), done.attempts, done.error) == ("succeeded", 1, None)
@@ -189,8 +185,9 @@ def test_positions_predict_the_order_jobs_start_in(cluster: Cluster) -> None:
         extra_env={"KILN_TEST_STEP_SECONDS": "0.01"},
         extra_args=["--concurrency", "1", "--max-batch", "1"],
     )
-    time.sleep(2.0)  # started while both its queues are paused: it consumes neither
-    assert consuming(cluster, worker) == []
+    # started while both its queues are paused: two heartbeats on, it consumes neither
+    seen = worker.heartbeats(2)
+    assert (seen["consuming"], seen["jobs_running"]) == ([], 0)
     assert all(str(cluster.store.get(j).state) == "queued" for j in bulk + interactive)
     # both at once (one HDEL): resumed one by one, the first could run jobs before the other
     cluster.store.redis.hdel(cluster.store.keys.paused_queues, *queues)

@@ -15,7 +15,6 @@ import hashlib
 import io
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from PIL import Image
 
 from tests.e2e.cluster import Cluster, WorkerProcess
 from tests.e2e.pipelines import noise_frames
+from tests.waiting import wait_until
 
 ROUNDS = int(os.environ.get("KILN_TEST_RACE_ROUNDS", "1"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180 + 40 * ROUNDS)]
@@ -35,14 +35,6 @@ PIPELINE = "sleepy=python:tests.e2e.pipelines:dtype_noise"
 SIZE = 768  # a noise PNG of this size takes ~0.2 s to encode: the node is caught in the act
 OUTPUTS = 4
 DTYPES = ("float32", "bfloat16")
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @contextmanager
@@ -79,7 +71,12 @@ def race_once(cluster: Cluster, nodes: dict[str, tuple[WorkerProcess, str]], see
         seed=seed,
     )
     # encoding or uploading: past every check for a lost lease before the outputs are written
-    wait_until(lambda: stage_of(cluster, job_id) in {"encoding", "uploading"}, 90, "encoding")
+    wait_until(
+        lambda: stage_of(cluster, job_id),
+        lambda stage: stage in {"encoding", "uploading"},
+        timeout_s=90,
+        poll_s=0.01,  # the stage lasts ~0.2 s: look often enough to catch it
+    )
     late, late_dtype = nodes[holder_of(cluster, job_id)]
     with frozen(late):
         caught = cluster.store.get(job_id)
@@ -94,8 +91,8 @@ def race_once(cluster: Cluster, nodes: dict[str, tuple[WorkerProcess, str]], see
     # the late node resumes, writes its outputs and is refused at its commit
     wait_until(
         lambda: f"job {job_id} ended elsewhere" in late.output()[resumed_from:],
-        60,
-        f"the late attempt's end in {late.node_id}'s log",
+        timeout_s=60,
+        what=f"the late attempt's end in {late.node_id}'s log",
     )
     assert len(record.outputs) == OUTPUTS
     for index, output in enumerate(record.outputs):

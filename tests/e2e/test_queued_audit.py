@@ -18,6 +18,7 @@ from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.queue.app import transport_options
 from kiln.tasks.queue.submit import Submitter, job_queue
 from tests.e2e.cluster import SLEEPY, Cluster
+from tests.waiting import wait_for_changes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -59,7 +60,10 @@ def test_a_job_whose_message_was_lost_runs_once_after_the_audit_age(
     assert f"job {lost.id}: {AUDITED}" in log
     assert f"job {twice.id}: {AUDITED}" not in log
     # the duplicate's leftovers are dropped, never run: still once after the audit's next passes
-    time.sleep(3)
+    audits = cluster.store.keys.queued_audits  # queue -> when a node last claimed its audit
+    wait_for_changes(
+        lambda: cluster.store.redis.hget(audits, job_queue(twice)), 2, what="two audit passes"
+    )
     assert cluster.completion_count(twice.id) == 1
     assert cluster.completion_count(lost.id) == 1
 

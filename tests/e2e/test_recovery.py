@@ -18,6 +18,7 @@ from kiln.tasks.queue.app import transport_options
 from kiln.tasks.queue.submit import Submitter
 from tests.e2e.cluster import SLEEPY, Cluster
 from tests.e2e.services import FlakyProxy, PrivateRedis
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -82,10 +83,12 @@ def test_node_killed_mid_job_finishes_on_the_other_node(
     assert_one_output_set(cluster, job_id, num_outputs=1)
     survivor = second if victim is first else first
     assert any(e.payload.get("node_id") == survivor.node_id for e in cluster.store.events(job_id))
-    deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")], "ranks outlived their node"
+    wait_until(
+        lambda: [pid for pid in ranks if os.path.exists(f"/proc/{pid}")],
+        lambda left: not left,
+        timeout_s=10,
+        what="ranks gone with their node",
+    )
 
 
 def test_sigterm_with_grace_finishes_the_running_job(
@@ -137,7 +140,7 @@ def test_poison_job_fails_after_max_attempts_without_looping(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
     cluster = cluster_factory(KILN_MAX_ATTEMPTS="3", KILN_RETRY_BACKOFF_S="0.2")
-    cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
+    worker = cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})
     job_id = cluster.submit(pipeline="sleepy", prompt="poison", width=64, height=64, steps=4)
     record = cluster.wait_for(job_id, timeout_s=180)
     assert str(record.state) == "failed"
@@ -145,7 +148,11 @@ def test_poison_job_fails_after_max_attempts_without_looping(
     assert record.error is not None
     assert record.error["retryable"] is False
     events_then = len(cluster.store.events(job_id))
-    time.sleep(3)
+    # Two heartbeats on, the node ran its loops and holds no message of the job (a retry's
+    # countdown would be listed): nothing is left that could run it again.
+    assert worker.heartbeats(2)["jobs_running"] == 0
+    held = cluster.store.redis.hget(cluster.store.keys.held_deliveries, worker.node_id) or ""
+    assert job_id not in held
     assert len(cluster.store.events(job_id)) == events_then, "a failed job must not run again"
     running_events = [e for e in cluster.store.events(job_id) if e.type == "running"]
     assert len(running_events) == 3
@@ -165,11 +172,15 @@ def test_object_store_unreachable_during_upload_retries_then_succeeds(
     )
     s3_proxy.down()
     job_id = cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=4)
-    deadline = time.monotonic() + 60
-    while (cluster.store.get(job_id).progress or {}).get("stage") != "uploading":
-        assert time.monotonic() < deadline, "job never reached uploading"
-        time.sleep(0.05)
-    time.sleep(4)
+    wait_until(
+        lambda: cluster.store.get(job_id).progress or {},
+        lambda progress: progress.get("stage") == "uploading",
+        timeout_s=60,
+    )
+    # The node tried the store three times over (each try: KILN_OBJECT_STORE_MAX_ATTEMPTS
+    # connections refused) and holds on to the job
+    refused = s3_proxy.refused
+    wait_until(lambda: s3_proxy.refused, lambda now: now >= refused + 3 * 2)
     record = cluster.store.get(job_id)
     assert str(record.state) == "running"
     assert record.outputs == []
@@ -224,10 +235,7 @@ def test_node_killed_holding_a_message_does_not_stall_its_job(
         deliveries = [v for v in cluster.store.redis.hvals(unacked) if record.id in v]
         return listed and len(deliveries) == 1 and '"eta": null' not in deliveries[0]
 
-    deadline = time.monotonic() + 60
-    while not holds_the_countdown():
-        assert time.monotonic() < deadline, holder.log()
-        time.sleep(0.05)
+    wait_until(holds_the_countdown, timeout_s=60, what=f"the countdown held by {holder.node_id}")
     cluster.store.release_lease(record.id, ghost)
     holder.kill9()
     cluster.start_worker(SLEEPY_PIPELINE, extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})

@@ -6,12 +6,12 @@ give identical outputs whichever group ran them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pytest
 
 from tests.e2e.cluster import Cluster
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # a worker of two groups: ~20-35 s
 
@@ -31,13 +31,13 @@ def denoising_span(cluster: Cluster, job_id: str) -> tuple[float, float]:
 
 def batches_per_group(cluster: Cluster, total: int, timeout_s: float = 30.0) -> list[int]:
     """Each group's batches as the heartbeat reports them, once they add up to `total`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def batches() -> list[int]:
         (node,) = cluster.store.live_nodes()
-        batches = [int(group["batches_run"]) for group in node["coordinator"]["groups"]]
-        if sum(batches) >= total or time.monotonic() > deadline:
-            return batches
-        time.sleep(0.1)  # the heartbeat after the jobs finished is still to come
+        return [int(group["batches_run"]) for group in node["coordinator"]["groups"]]
+
+    # the heartbeat after the jobs finished may be still to come
+    return wait_until(batches, lambda seen: sum(seen) >= total, timeout_s=timeout_s)
 
 
 def test_two_jobs_submitted_together_run_at_once_on_two_groups(

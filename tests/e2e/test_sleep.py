@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import httpx
 
-from kiln.storage.states import JobState
+from kiln.common.states import JobState
 from tests.e2e.cluster import SLEEPY, Cluster
 from tests.e2e.test_observability import free_port, scrape, start_api, submit_over_http, value
-from tests.gpu_worker.conftest import wait_until
+from tests.waiting import wait_until
 
 SLEEP_FLAGS = ("--idle-sleep-s", "0.5", "--sleep-mode", "drop")
 
@@ -41,7 +41,9 @@ def test_an_idle_node_sleeps_and_the_next_job_wakes_it(
     api = start_api(cluster)
     try:
         # Started and idle for longer than the threshold already: the node sleeps.
-        assert wait_until(lambda: node_view(api.url, worker.node_id).get("asleep") is True)
+        wait_until(
+            lambda: node_view(api.url, worker.node_id), lambda node: node.get("asleep") is True
+        )
 
         woken = submit_over_http(api, prompt="wakes it", pipeline="sleepy", steps=2)
 
@@ -52,7 +54,7 @@ def test_an_idle_node_sleeps_and_the_next_job_wakes_it(
         assert value(samples, "kiln_node_wake_seconds_count") == 1
         # Idle again after the job: asleep again, a second sleep counted (a heartbeat from
         # before the job would still say asleep, with one).
-        assert wait_until(lambda: sleeps_of(node_view(api.url, worker.node_id)) == 2)
+        wait_until(lambda: node_view(api.url, worker.node_id), lambda node: sleeps_of(node) == 2)
         again = node_view(api.url, worker.node_id)
         assert again["asleep"] is True
         coordinator = again["coordinator"]

@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
+from kiln.common.request import Lane
 from kiln.tasks.cli.main import EXIT_WAIT_TIMEOUT
-from kiln.tasks.contract.schemas import JobRequest, Lane
+from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.queue.submit import Submitter
 from tests.e2e.cluster import SLEEPY, Cluster
 

@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kiln.tasks.contract.schemas import JobRequest, Lane
+from kiln.common.request import Lane
+from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.submit import Submitter, celery_publisher
 from tests.e2e.cluster import SLEEPY, Cluster

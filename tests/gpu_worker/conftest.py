@@ -7,7 +7,6 @@ tests only read from them; tests that kill or rebuild groups use their own.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,9 +16,9 @@ from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.coordinator import Coordinator
 from kiln.gpu_worker.protocol import GenerationRequest
 from tests.gpu_worker.fixtures import spec
+from tests.waiting import GENEROUS_S as GENEROUS_S
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-GENEROUS_S = 120.0  # a shared 2-core machine can be slow; never a threshold of what we measure
 
 FIXTURE_PIPELINES = {
     "base": spec("base"),
@@ -69,16 +68,6 @@ def process_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return state == "Z"
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = GENEROUS_S) -> bool:
-    """Poll `predicate` every 50 ms until it holds or the (generous) timeout passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def start_coordinator(devices: str, pipelines: dict[str, str], **options: object) -> Coordinator:

@@ -30,10 +30,10 @@ from tests.gpu_worker.conftest import (
     process_gone,
     request,
     start_coordinator,
-    wait_until,
 )
 from tests.gpu_worker.fixtures import fails_to_load, ooms, raises, spec
 from tests.gpu_worker.fixtures.base import STEP_LOG_ENV
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,9 @@ def test_kill_9_of_a_follower_mid_request_then_the_group_is_rebuilt(
     before = rebuilds(coordinator)
     old_pids = coordinator.stats()["pids"]
     future = coordinator.submit(request("killed-1", "hangs", "hang here"))
-    assert wait_until(lambda: coordinator.stats()["jobs_running"] == 1)
+    wait_until(
+        lambda: coordinator.stats()["jobs_running"], lambda n: n == 1, what="one job running"
+    )
     os.kill(old_pids[1], signal.SIGKILL)
     with pytest.raises(WorkerGroupDied) as failure:
         future.result(GENEROUS_S)
@@ -236,7 +238,9 @@ def test_shutdown_fails_pending_work_and_leaves_no_process() -> None:
     pids = coordinator.stats()["pids"]
     running = coordinator.submit(request("hung", "hangs", "hang"))
     queued = coordinator.submit(request("waiting", "hangs", size=32))  # not batchable with it
-    assert wait_until(lambda: coordinator.stats()["jobs_running"] == 1)
+    wait_until(
+        lambda: coordinator.stats()["jobs_running"], lambda n: n == 1, what="one job running"
+    )
     coordinator.shutdown()
     for future in (running, queued):
         with pytest.raises(WorkerGroupDied, match="shut down"):

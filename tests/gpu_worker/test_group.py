@@ -17,8 +17,9 @@ import pytest
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import RankStartupFailed
 from kiln.gpu_worker.group import WorkerGroup
-from tests.gpu_worker.conftest import CLOCK_TICKS, cpu_ticks, process_gone, wait_until
+from tests.gpu_worker.conftest import CLOCK_TICKS, cpu_ticks, process_gone
 from tests.gpu_worker.fixtures import fails_to_load, spec
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 IDLE_WINDOW_S = 3.0
@@ -97,7 +98,7 @@ def test_a_killed_rank_is_reported_once_and_the_rest_are_stopped() -> None:
     os.kill(follower, signal.SIGKILL)
     assert reported.wait(60)
     assert deaths == [f"rank 1 (pid {follower}) killed by SIGKILL"]
-    assert wait_until(lambda: process_gone(leader))
+    wait_until(lambda: process_gone(leader), what=f"leader {leader} gone")
     assert not group.alive
     group.shutdown()
 
@@ -117,6 +118,8 @@ def test_ranks_die_with_their_parent_even_when_it_is_sigkilled() -> None:
             assert not any(process_gone(pid) for pid in pids)
             parent.send_signal(signal.SIGKILL)
             parent.wait(30)
-            assert wait_until(lambda: all(process_gone(pid) for pid in pids)), pids
+            wait_until(
+                lambda: [pid for pid in pids if not process_gone(pid)], lambda left: not left
+            )
         finally:
             parent.kill()

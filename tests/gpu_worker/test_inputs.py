@@ -19,16 +19,15 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, StableDiffusionInpaintPipeline
 
+from kiln.common.limits import TINY_LIMITS
+from kiln.common.request import FIELD_KEY, IMAGE_KEY
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.inputs import (
-    FIELD_KEY,
-    IMAGE_KEY,
     declared_input_schema,
     extra_input_names,
     extra_inputs_refusal,
     inputs_key,
 )
-from kiln.gpu_worker.limits import TINY_LIMITS
 from kiln.gpu_worker.pipelines import load_pipeline
 from kiln.gpu_worker.pipelines.diffusers_inputs import derive_input_schema
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline

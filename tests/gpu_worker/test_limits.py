@@ -15,14 +15,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the netwo
 import pytest
 import torch
 
+from kiln.common.limits import TINY_LIMITS, DeclaredLimits
 from kiln.gpu_worker.coordinator import Coordinator
 from kiln.gpu_worker.errors import UnsupportedRequest
-from kiln.gpu_worker.limits import TINY_LIMITS, DeclaredLimits, declared_limits
+from kiln.gpu_worker.limits import declared_limits
 from kiln.gpu_worker.pipelines import load_pipeline
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
-from kiln.tasks.contract.limits import BUILTIN_LIMITS, PipelineLimits
+from kiln.tasks.contract.limits import PipelineLimits
 from tests.e2e.pipelines import SleepyPipeline
 from tests.gpu_worker.conftest import GENEROUS_S, request
 from tests.gpu_worker.fixtures import spec
@@ -51,15 +52,11 @@ def tiny_video(settings: GpuWorkerSettings) -> DiffusersPipeline:
     return pipeline
 
 
-def test_static_limits_of_built_in_names_are_what_the_tiny_pipelines_declare(
+def test_the_tiny_pipelines_declare_the_shared_presets(
     tiny: DiffusersPipeline, tiny_video: DiffusersPipeline
 ) -> None:
     assert tiny.limits() == TINY_LIMITS["tiny"]
     assert tiny_video.limits() == TINY_LIMITS["tiny-video"]
-    # The API refuses with these before any node is up: they must be the nodes' own numbers.
-    assert BUILTIN_LIMITS["tiny"] == PipelineLimits.from_dict(tiny.limits())
-    assert BUILTIN_LIMITS["tiny-video"] == PipelineLimits.from_dict(tiny_video.limits())
-    assert BUILTIN_LIMITS["default"] == BUILTIN_LIMITS["tiny"]
 
 
 def test_a_wan_like_model_derives_4k_plus_1_frames_from_its_vae(

@@ -17,8 +17,9 @@ from kiln.gpu_worker import group_monitor
 from kiln.gpu_worker.coordinator import Coordinator
 from kiln.gpu_worker.errors import OutOfMemory
 from kiln.gpu_worker.oom_kills import oom_kill_count
-from tests.gpu_worker.conftest import GENEROUS_S, request, wait_until
+from tests.gpu_worker.conftest import GENEROUS_S, request
 from tests.gpu_worker.fixtures import spec
+from tests.waiting import wait_until
 
 
 def write(path: Path, text: str) -> Path:
@@ -50,7 +51,9 @@ def test_a_rank_killed_by_the_oom_killer_fails_its_request_as_out_of_memory(
     monkeypatch.setattr(group_monitor, "oom_kill_count", lambda: kills[0])
     coordinator = coordinator_factory("cpu:1", {"hangs": spec("hangs")}, warmup=False)
     future = coordinator.submit(request("too-big", "hangs", "hang here"))
-    assert wait_until(lambda: coordinator.stats()["jobs_running"] == 1)
+    wait_until(
+        lambda: coordinator.stats()["jobs_running"], lambda n: n == 1, what="one job running"
+    )
     kills[0] += 1  # what the kernel counts as it kills the rank
     os.kill(coordinator.stats()["pids"][0], signal.SIGKILL)
     with pytest.raises(OutOfMemory) as failure:

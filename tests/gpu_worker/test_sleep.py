@@ -19,10 +19,11 @@ import pytest
 from kiln.gpu_worker.coordinator import Coordinator
 from kiln.gpu_worker.protocol import GenerationResult
 from kiln.gpu_worker.settings import GpuWorkerSettings
-from tests.gpu_worker.conftest import GENEROUS_S, request, start_coordinator, wait_until
+from tests.gpu_worker.conftest import GENEROUS_S, request, start_coordinator
 from tests.gpu_worker.fixtures import spec
 from tests.gpu_worker.fixtures.base import STEP_LOG_ENV
 from tests.gpu_worker.fixtures.weighty import WEIGHT_MB
+from tests.waiting import wait_until
 
 IDLE_SLEEP_S = 1.0  # long enough that a test thread always beats it to the next job
 PIPELINES = {"weighty": spec("weighty")}
@@ -69,7 +70,7 @@ def run(coordinator: Coordinator, request_id: str, pipeline: str) -> GenerationR
 def fall_asleep(coordinator: Coordinator) -> dict[str, object]:
     """Wait until the group, awake now, sleeps and rank 0 reports it; the stats then."""
     earlier = coordinator.stats()["last_sleep"]  # a report of an earlier sleep, or None
-    assert wait_until(lambda: coordinator.stats()["last_sleep"] != earlier)
+    wait_until(lambda: coordinator.stats()["last_sleep"], lambda last: last != earlier)
     stats = coordinator.stats()
     assert stats["asleep"] is True
     return stats

@@ -5,7 +5,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from kiln.storage.status import JobRecord, JobState, JobStore, NewJob
+from kiln.common.states import JobState
+from kiln.storage.job_store import JobRecord, JobStore, NewJob
 
 WORKER = "worker-a"
 

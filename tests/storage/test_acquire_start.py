@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, QuotaExceeded, StaleLease
+from kiln.storage.job_store import JobStore
 from kiln.storage.leases import Renewal
-from kiln.storage.status import JobState, JobStore
 from tests.storage.helpers import WORKER, event_types, job_in_state
 
 pytestmark = pytest.mark.every_redis  # refusals are script errors: 6.2 must pass them on too

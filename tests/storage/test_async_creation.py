@@ -15,11 +15,11 @@ from kiln.storage.async_creation import AsyncCreation
 from kiln.storage.base import async_redis_client
 from kiln.storage.creation import Placement, QueueFull
 from kiln.storage.errors import IdempotencyConflict, QuotaExceeded, StorageUnavailable
+from kiln.storage.job_store import JobStore
 from kiln.storage.queues import QueueSnapshot
 from kiln.storage.records import JobRecord
 from kiln.storage.scripts import first_lost_script, queue_by_sha
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
 from tests.storage.helpers import new_job
 
 T = TypeVar("T")

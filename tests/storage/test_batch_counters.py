@@ -16,10 +16,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kiln.common.states import JobState
 from kiln.storage.errors import IllegalTransition, LeaseHeld, StaleLease
+from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobState, JobStore, NewJob
 from tests.conftest import delete_keys
+from tests.storage.fed_batches import record_fed_batch
 
 EXPECTED = (IllegalTransition, StaleLease, LeaseHeld)
 ERROR = {"type": "x", "message": "x", "retryable": True}
@@ -43,7 +45,7 @@ class CountersMachine(RuleBasedStateMachine):
 
     @initialize()
     def make_batch(self) -> None:
-        self.store.create_batch("batch", 1000)
+        self.batches = record_fed_batch(self.store, "batch", 1000)
 
     @rule(target=jobs, bulk=st.integers(0, 3))
     def create(self, bulk: int) -> str:
@@ -98,7 +100,7 @@ class CountersMachine(RuleBasedStateMachine):
     @invariant()
     def counters_match(self) -> None:
         states = Counter(r.state for r in self.store.get_many(self.ids) if r)
-        counts = self.store.get_batch("batch").counts
+        counts = self.batches.get_fed("batch").counts
         assert counts == {s: states.get(s, 0) for s in JobState}
         assert self.store.queue_depth() == states.get(JobState.QUEUED, 0)
         overdue = self.store.get_many(self.store.expired_leases())

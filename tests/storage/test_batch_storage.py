@@ -11,6 +11,7 @@ from kiln.storage.batch_feeding import BatchFeeding, FedWrite
 from kiln.storage.batch_records import BatchConflict
 from kiln.storage.batch_store import BatchStore, NewFedBatch
 from kiln.storage.errors import InvalidObjectKey
+from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import (
     PART_SIZE,
     batch_object_key,
@@ -20,7 +21,6 @@ from kiln.storage.object_streams import (
 )
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
 
 
 @pytest.fixture(params=["local", "s3"])

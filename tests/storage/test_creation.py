@@ -6,8 +6,10 @@ import time
 
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.errors import BatchNotFound, IdempotencyConflict, JobNotFound
-from kiln.storage.status import JobState, JobStore, NewJob
+from kiln.storage.job_store import JobStore, NewJob
+from tests.storage.fed_batches import record_fed_batch
 from tests.storage.helpers import job_in_state, new_job
 
 
@@ -52,17 +54,15 @@ def test_unknown_or_impossible_ids(job_store: JobStore) -> None:
         NewJob(id="a:b", request={})
     with pytest.raises(BatchNotFound):
         job_store.create_job(new_job(batch_id="nobatch"))
-    with pytest.raises(BatchNotFound):
-        job_store.get_batch("nobatch")
 
 
 def test_bulk_create_in_chunks(job_store: JobStore) -> None:
-    job_store.create_batch("bulk1", 250, {"file": "prompts.jsonl"})
+    batches = record_fed_batch(job_store, "bulk1", 250, {"file": "prompts.jsonl"})
     news = [new_job(id=f"bulk1-{i}", batch_id="bulk1", lane="bulk") for i in range(250)]
     job_store.create_jobs(news, chunk_size=64)
     job_store.create_jobs(news[:100], chunk_size=64)  # a re-run creates nothing twice
     assert job_store.queue_depth() == 250
-    batch = job_store.get_batch("bulk1")
+    batch = batches.get_fed("bulk1")
     assert batch.counts[JobState.QUEUED] == 250
     assert batch.metadata == {"file": "prompts.jsonl"}
     records = job_store.get_many([n.id for n in news] + ["missing"])
@@ -100,7 +100,7 @@ def test_list_jobs_pages_newest_first(job_store: JobStore) -> None:
 
 
 def test_list_jobs_filters_combine(job_store: JobStore) -> None:
-    job_store.create_batch("b", 3)
+    record_fed_batch(job_store, "b", 3)
     a_running, _ = job_in_state(job_store, JobState.RUNNING, owner="a", batch_id="b")
     a_queued, _ = job_in_state(job_store, JobState.QUEUED, owner="a", batch_id="b")
     b_running, _ = job_in_state(job_store, JobState.RUNNING, owner="b", batch_id="b")

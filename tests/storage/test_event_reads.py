@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kiln.storage.status import JobState, JobStore
+from kiln.common.states import JobState
+from kiln.storage.job_store import JobStore
 from tests.storage.helpers import job_in_state
 
 

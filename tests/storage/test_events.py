@@ -9,8 +9,10 @@ import time
 
 import pytest
 
+from kiln.common.states import TERMINAL_STATES, JobState
+from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import TERMINAL_STATES, JobState, JobStore
+from tests.storage.fed_batches import record_fed_batch
 from tests.storage.helpers import event_types, job_in_state
 
 
@@ -107,7 +109,7 @@ def test_retention_only_once_terminal(job_store: JobStore, final: JobState) -> N
 
 
 def test_batch_expires_when_all_jobs_finished(job_store: JobStore) -> None:
-    job_store.create_batch("b1", 2)
+    record_fed_batch(job_store, "b1", 2)
     first, _ = job_in_state(job_store, JobState.QUEUED, batch_id="b1")
     job_in_state(job_store, JobState.FAILED, batch_id="b1")
     assert job_store.redis.ttl(job_store.keys.batch("b1")) == -1
@@ -117,7 +119,7 @@ def test_batch_expires_when_all_jobs_finished(job_store: JobStore) -> None:
 
 def test_prune_indexes_after_expiry(storage_settings: StorageSettings) -> None:
     store = JobStore.from_settings(storage_settings.model_copy(update={"retention_s": 1}))
-    store.create_batch("b", 1)
+    record_fed_batch(store, "b", 1)
     job_id, _ = job_in_state(store, JobState.FAILED, owner="alice", batch_id="b")
     live, _ = job_in_state(store, JobState.QUEUED, owner="alice")
     keys = store.keys

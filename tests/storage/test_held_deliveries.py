@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from kiln.storage.status import JobStore
+from kiln.storage.job_store import JobStore
 
 
 def test_a_live_nodes_list_is_not_claimed(job_store: JobStore) -> None:

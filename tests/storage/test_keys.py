@@ -31,6 +31,7 @@ NAMES = {
     "owner_queued": "ns:owner_queued",
     "owner_running": "ns:owner_running",
     "finished_counts": "ns:counters:finished",
+    "upload_slot": "ns:upload:x:x",
     "paused_queues": "ns:paused_queues",
     "drain_requests": "ns:drain_requests",
     "node": "ns:node:x",
@@ -73,7 +74,8 @@ def _entries() -> dict[str, str]:
         if isinstance(member, property):
             built[name] = getattr(keys, name)
         elif inspect.isfunction(member):
-            built[name] = getattr(keys, name)("x")
+            takes = len(inspect.signature(member).parameters) - 1  # self
+            built[name] = getattr(keys, name)(*["x"] * takes)
     return built
 
 

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.errors import JobNotFound, LeaseHeld, StaleLease
+from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.leases import Renewal
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobState, JobStore, NewJob
 from tests.storage.helpers import WORKER, event_types, job_in_state
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Poll until `condition()` holds (generous timeout: the machine is shared)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.02)
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -58,8 +50,8 @@ def test_lease_expires_then_reaped(short_lease_store: JobStore) -> None:
     store = short_lease_store
     job_id, token = job_in_state(store, JobState.RUNNING)
     assert store.reap(job_id) is False  # lease still live
-    wait_until(lambda: store.lease_owner(job_id) is None)
-    wait_until(lambda: job_id in store.expired_leases())
+    wait_until(lambda: store.lease_owner(job_id), lambda owner: owner is None, what="lease lapsed")
+    wait_until(store.expired_leases, lambda expired: job_id in expired, what="lease listed expired")
     new = store.acquire_lease(job_id, "worker-b")  # another node may take it over
     assert new > token
     with pytest.raises(StaleLease):
@@ -89,7 +81,7 @@ def test_renewal_rearms_the_ttl(job_store: JobStore) -> None:
 def test_renewal_after_expiry_while_still_current(short_lease_store: JobStore) -> None:
     store = short_lease_store
     job_id, token = job_in_state(store, JobState.RUNNING)
-    wait_until(lambda: store.lease_owner(job_id) is None)
+    wait_until(lambda: store.lease_owner(job_id), lambda owner: owner is None, what="lease lapsed")
     # nobody took it over and the reaper did not run: the holder may carry on
     assert store.renew_lease(job_id, token) is Renewal.RENEWED
     assert store.lease_owner(job_id) == WORKER

@@ -1,5 +1,8 @@
 """The rules of storage/lua/: headers declare KEYS and ARGV, every file is used, keys come in.
 
+State names come from kiln/common/states.py too: no script spells one, it reads `S`, `B` and
+`TERMINAL`, which storage/scripts.py writes from the enums.
+
 Key names are built in storage/keys.py only; a Lua file that spelled one (`':job:'`) would hide a
 writer from anyone grepping keys.py. Every key name has a `:` after the namespace, so no string
 literal in a script may contain one.
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from kiln.common.states import TERMINAL_STATES, BatchStatus, JobState
 from kiln.storage import scripts
 from kiln.storage.scripts import PRELUDE, SCRIPT_NAMES, Script, header, header_lines, read
 from kiln.storage.settings import StorageSettings
@@ -92,6 +96,34 @@ def test_no_key_name_is_spelled_in_lua(name: str) -> None:
     assert [s for s in literals if ":" in s] == [], f"{name}.lua spells a key name: use keys.py"
 
 
+@pytest.mark.parametrize("name", LUA_FILES)
+def test_no_state_name_is_spelled_in_lua(name: str) -> None:
+    # state names come from kiln/common/states.py: `S.running`, `B.paused`, `TERMINAL[...]`
+    literals = [literal[1:-1] for literal in STRING_LITERAL.findall(code_of(name))]
+    spelled = [literal for literal in literals if literal in {*JobState, *BatchStatus}]
+    assert spelled == [], f"{name}.lua spells a state: use S.<state> or B.<status>"
+
+
+@pytest.mark.every_redis
+def test_the_state_tables_are_the_enums_and_refuse_other_names(store_redis_url: str) -> None:
+    client = redis.Redis.from_url(store_redis_url, decode_responses=True)
+    names = scripts.state_names()
+    read_all = "local out = {} for i, n in ipairs(ARGV) do out[i] = TABLE[n] end return out"
+    try:
+        states, statuses = list(JobState), list(BatchStatus)
+        assert client.eval(f"{names}\n{read_all.replace('TABLE', 'S')}", 0, *states) == states
+        assert client.eval(f"{names}\n{read_all.replace('TABLE', 'B')}", 0, *statuses) == statuses
+        terminal = "local out = {} for i, n in ipairs(ARGV) do out[i] = TERMINAL[n] and n or '' end"
+        got = client.eval(f"{names}\n{terminal} return out", 0, *JobState)
+        assert set(got) - {""} == TERMINAL_STATES
+        with pytest.raises(redis.ResponseError, match="no job state runing"):
+            client.eval(f"{names}\nreturn S.runing", 0)
+        with pytest.raises(redis.ResponseError, match="no batch status pausd"):
+            client.eval(f"{names}\nreturn B.pausd", 0)
+    finally:
+        client.close()
+
+
 def test_only_keys_py_builds_key_names() -> None:
     # the namespace reaches no module but keys.py, except as the argument that makes a Keys
     # (settings.py declares it and names it in the start-up line, which builds no key)
@@ -130,8 +162,8 @@ def test_a_call_must_match_the_header(storage_settings: StorageSettings) -> None
             renew(["a", "b"], ["job", "1", 10])
         with pytest.raises(ValueError, match="takes 3 ARGV, not 4"):
             renew(["a", "b", "c"], ["job", "1", 10, "extra"])
-        batch = Script(client, "create_batch")  # ARGV[3..]: any number of states
-        with pytest.raises(ValueError, match="takes at least 2 ARGV, not 1"):
-            batch(["b"], [1])
+        audit = Script(client, "audit_claim")  # ARGV[2..]: any number of queues
+        with pytest.raises(ValueError, match="takes at least 1 ARGV, not 0"):
+            audit(["claims", "lapse"], [])
     finally:
         client.close()

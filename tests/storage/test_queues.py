@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.errors import IllegalTransition, QuotaExceeded
+from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobState, JobStore
 from tests.storage.helpers import WORKER, event_types, new_job
 
 QUEUE, OTHER = "bulk.tiny", "interactive.tiny"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
 from tests.e2e.services import PrivateRedis
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from kiln.common.states import JobState
+from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobState, JobStore
 from tests.storage.helpers import job_in_state, new_job
 
 

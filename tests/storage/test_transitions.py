@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from kiln.common.states import TERMINAL_STATES, TRANSITIONS, JobState
 from kiln.storage.errors import IllegalTransition, StaleLease, StorageError
-from kiln.storage.status import TERMINAL_STATES, TRANSITIONS, JobState, JobStore
+from kiln.storage.job_store import JobStore
 from tests.storage.helpers import WORKER, event_types, job_in_state, perform
 
 PAIRS = list(itertools.product(JobState, JobState))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.server
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +13,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.job_store import JobRecord, JobStore, NewJob
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobRecord, JobStore, NewJob
 from kiln.tasks.api.auth import hash_api_key, new_api_key
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.http_guard import uvicorn_config
@@ -23,6 +22,7 @@ from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.webhooks.message import new_webhook_secret
 from kiln.tasks.webhooks.ssrf import Resolver, system_resolver
+from tests.waiting import wait_until
 
 WEBHOOK_SECRET = new_webhook_secret()
 
@@ -52,11 +52,12 @@ class ThreadServer:
 
     def __enter__(self) -> ThreadServer:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+
+        def started() -> bool:
+            assert self.thread.is_alive(), "uvicorn's thread ended before it started serving"
+            return self.server.started
+
+        wait_until(started, timeout_s=30, poll_s=0.01, what="uvicorn started")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -209,13 +210,15 @@ class Receiver:
 
     def wait_for(self, count: int, timeout: float = 60.0) -> list[Hit]:
         """Block until `count` hits arrived (generous timeout: the machine is shared)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def arrived() -> list[Hit]:
             with self.lock:
-                if len(self.hits) >= count:
-                    return list(self.hits)
-            time.sleep(0.02)
-        raise AssertionError(f"receiver got {len(self.hits)} hits, expected {count}")
+                return list(self.hits)
+
+        return wait_until(
+            arrived, lambda hits: len(hits) >= count, timeout_s=timeout, poll_s=0.02,
+            what=f"{count} hits",
+        )  # fmt: skip
 
     def close(self) -> None:
         """Stop serving."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
 from kiln.tasks.api.auth import Authenticator, AuthError, hash_api_key, new_api_key
 
 

@@ -1,8 +1,8 @@
 """Accepting a batch file: the strict-JSON screen, repeated custom_ids found after the file ends.
 
-The screen (`batches.json_screen`) lets most lines skip the API's strict-JSON walk; it must never
-wave through a line `json_guard.body_errors` refuses. Repeated custom_ids are found at the end of
-the file (`batches.unique_ids`, spilled to temporary files), so their errors must still come out
+The screen (`batches.intake.plain_text`) lets most lines skip the API's strict-JSON walk; it must
+never wave through a line `json_guard.body_errors` refuses. Repeated custom_ids are found at the end
+of the file (`batches.unique_ids`, spilled to temporary files), so their errors must still come out
 in line order beside the others, and with skip_invalid the repeated lines must not run.
 """
 
@@ -19,9 +19,8 @@ from kiln.storage.object_streams import batch_object_key, iter_lines, open_write
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.json_guard import body_errors
-from kiln.tasks.batches.json_screen import plain_text
+from kiln.tasks.batches.intake import drop_repeats, plain_text
 from kiln.tasks.batches.lines import parse_item, request_item_line
-from kiln.tasks.batches.repeats import drop_repeats
 from kiln.tasks.batches.unique_ids import CustomIds, Repeat
 from kiln.tasks.contract.schemas import JobRequest
 from tests.tasks.helpers import Api

@@ -10,8 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.errors import QuotaExceeded
-from kiln.storage.states import JobState
 from kiln.tasks.batches.lines import batch_job_id
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success
 from tests.tasks.test_batches import feeder, get_batch, jsonl, lines_of, post_batch, results

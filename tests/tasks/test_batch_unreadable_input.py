@@ -19,6 +19,7 @@ from tests.tasks.test_batches import (
 )
 from tests.tasks.test_batches_control import control
 from tests.tasks.test_batches_events import Listener, RecordingCelery, feeder_with
+from tests.tasks.test_cli_habits import kiln
 
 
 def lose_input(api: Api, batch_id: str) -> None:
@@ -58,6 +59,9 @@ def test_a_batch_whose_input_cannot_be_read_fails_saying_why(
     ((_, hook),) = celery.sent  # the batch's one webhook: its end
     assert hook["event"] == "batch.failed"
     assert "input cannot be read" in hook["body"]
+    waited = kiln(api, "batch", "wait", batch_id)  # the CLI's line says why, too
+    assert waited.returncode == 1, waited
+    assert f"kiln: batch {batch_id} failed: the batch's input cannot be read" in waited.stderr
 
 
 def test_a_cancel_ends_a_batch_whose_input_cannot_be_read(api: Api) -> None:

@@ -7,7 +7,6 @@ moved through the real store as a node would move them.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_store import BatchStore
-from kiln.storage.states import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.batches.lines import batch_job_id
 from kiln.tasks.cli.main import main
@@ -26,6 +25,7 @@ from kiln.tasks.contract.batches import BatchResult, BatchSummary
 from kiln.tasks.queue.submit import Submitter
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success, finish_with_success, start_job
 from tests.tasks.test_inputs import announce
+from tests.waiting import wait_until
 
 LINE = {"prompt": "a kiln at dusk", "width": 64, "height": 64, "steps": 2}
 
@@ -260,9 +260,10 @@ def test_a_feeder_that_dies_before_moving_its_cursor_is_redone_as_a_no_op(
     second, second_published = feeder(api, "node-b", batch_window=4)
     second.tick()
     assert second_published.calls == []  # the lease is still node-a's
-    time.sleep(0.5)  # node-a's lease lapses
+    feeding = BatchFeeding(api.store.redis, api.store.settings)
+    wait_until(lambda: feeding.feeder_of(batch_id), lambda holder: holder is None)  # it lapses
     second.tick()
-    assert BatchFeeding(api.store.redis, api.store.settings).feeder_of(batch_id) == "node-b"
+    assert feeding.feeder_of(batch_id) == "node-b"
     # the four jobs node-a made fill the window; the sweeper publishes them (as a node's does)
     assert batches.get_fed(batch_id).fed == 0
     for job_id in api.store.unpublished_jobs(0.0):

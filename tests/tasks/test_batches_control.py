@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kiln.storage.states import JobState
+from kiln.common.states import JobState
 from kiln.tasks.batches.lines import batch_job_id
 from tests.tasks.helpers import Api, drive_to_success, start_job
 from tests.tasks.test_batches import (

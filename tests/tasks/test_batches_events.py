@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -25,6 +24,7 @@ from kiln.tasks.webhooks.batch_hooks import (
 )
 from tests.tasks.helpers import WEBHOOK_SECRET, Api, ApiFactory, Receiver
 from tests.tasks.test_batches import Published, finish_queued, jsonl, lines_of, post_batch
+from tests.waiting import wait_until
 
 
 class Listener:
@@ -48,10 +48,13 @@ class Listener:
                     self.frames.append((event, json.loads(line.removeprefix("data: "))))
 
     def wait_for(self, counts: dict[str, int], timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(counts.items() <= view["counts"].items() for _, view in self.frames):
-            assert time.monotonic() < deadline, (counts, self.frames)
-            time.sleep(0.02)
+        wait_until(
+            lambda: list(self.frames),
+            lambda frames: any(counts.items() <= view["counts"].items() for _, view in frames),
+            timeout_s=timeout,
+            poll_s=0.02,
+            what=f"counts {counts}",
+        )
 
 
 def test_the_event_stream_sends_progress_then_ends_with_batch_failed(

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from kiln.common.states import JobState
 from kiln.storage.batch_feeding import BatchFeeding
-from kiln.storage.states import JobState
 from kiln.tasks.batches.fairness import window_size
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success
 from tests.tasks.test_batches import feeder, finish_queued, get_batch, jsonl, lines_of, post_batch

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kiln.common.states import JobState
 from kiln.storage.batch_records import FedBatch
 from kiln.storage.batch_store import BatchStore
-from kiln.storage.states import JobState
-from kiln.tasks.batches.pace import REFILL_PASSES, Pace
+from kiln.tasks.batches.fairness import REFILL_PASSES, Pace
 from tests.tasks.helpers import Api, ApiFactory
 from tests.tasks.test_batches import feeder, finish_queued, get_batch, jsonl, lines_of, post_batch
 from tests.tasks.test_batches_fairness import heartbeat

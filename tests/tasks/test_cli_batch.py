@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from kiln.common.states import BatchStatus, JobState, is_final_batch
 from kiln.storage.errors import JobNotFound
 from kiln.storage.object_base import output_key
 from kiln.storage.objects import open_object_store
 from kiln.storage.settings import StorageSettings
-from kiln.storage.states import JobState
 from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.batches.lines import batch_job_id
 from kiln.tasks.cli.batch_display import BatchProgress
 from kiln.tasks.cli.main import main
 from kiln.tasks.client import KilnClient
 from kiln.tasks.client.batch_downloads import OutputFile, download_outputs
-from kiln.tasks.contract.batches import BatchStatus, BatchView, is_final_batch
+from kiln.tasks.contract.batches import BatchView
 from kiln.tasks.queue.submit import Submitter
 from tests.tasks.helpers import Api, ApiFactory, start_job
 

@@ -7,8 +7,6 @@ production. `kiln_jobs{state}` (a gauge over records) drops back to 0; the count
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,10 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kiln.storage.batch_feeding import BatchFeeding, FedWrite
 from kiln.storage.batch_store import BatchStore, NewFedBatch
 from kiln.storage.errors import StorageError
+from kiln.storage.job_store import JobStore
 from kiln.storage.records import NewJob
-from kiln.storage.status import JobStore
 from kiln.tasks.contract.schemas import JobRequest
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success, start_job
+from tests.waiting import wait_until
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 RETENTION_S = 1  # finished records expire a second after they end
@@ -56,12 +55,14 @@ def batch_line(store: JobStore, batch_id: str, line: int) -> str:
     return job_id
 
 
-def wait_until_expired(store: JobStore, job_ids: list[str]) -> None:
+def wait_until_records_expire(store: JobStore, job_ids: list[str]) -> None:
     """Poll until every record is gone (retention), then prune their index entries."""
-    deadline = time.monotonic() + 30
-    while any(store.redis.exists(store.keys.job(j)) for j in job_ids):
-        assert time.monotonic() < deadline, "records did not expire"
-        time.sleep(0.1)
+    wait_until(
+        lambda: [j for j in job_ids if store.redis.exists(store.keys.job(j))],
+        lambda left: not left,
+        timeout_s=30,
+        what="records expired",
+    )
     store.prune_indexes()
 
 
@@ -86,7 +87,7 @@ def test_finished_jobs_are_counted_once_and_outlive_their_records(
     store.cancel(reaped)
     store.redis.delete(store.keys.lease(reaped))
     assert store.reap(reaped)
-    store.create_batch("b-counted", total=2)
+    fed_batch(BatchStore(store.redis, store.settings), "b-counted", items=2)
     line_ok, line_expired = batch_line(store, "b-counted", 1), batch_line(store, "b-counted", 2)
     drive_to_success(store, line_ok)
     store.expire(line_expired)
@@ -100,7 +101,7 @@ def test_finished_jobs_are_counted_once_and_outlive_their_records(
     with pytest.raises(StorageError):
         store.expire(line_expired)
     ended = [*succeeded, failed, canceled_queued, reaped, line_ok, line_expired]
-    wait_until_expired(store, ended)
+    wait_until_records_expire(store, ended)
 
     for samples in (scrape(api), scrape(make_api())):  # any API process reads the same counts
         assert samples[("kiln_jobs", (("state", "succeeded"),))] == 0  # the gauge: records
@@ -118,12 +119,12 @@ def test_finished_jobs_are_counted_once_and_outlive_their_records(
         assert samples == {**samples, **{k: v for k, v in before.items() if "finished" in k[0]}}
 
 
-def fed_batch(batches: BatchStore, batch_id: str) -> None:
+def fed_batch(batches: BatchStore, batch_id: str, items: int = 1) -> None:
     new = NewFedBatch(
         id=batch_id,
         input_key=f"batches/{batch_id}/input.jsonl",
-        items=1,
-        lines=1,
+        items=items,
+        lines=items,
         invalid=0,
         window_s=3600,
     )

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
 from kiln.tasks.cli.main import EXIT_USAGE, main
 from kiln.tasks.contract.limits import PipelineLimits
 from kiln.tasks.contract.schemas import JobRequest

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from kiln.storage.status import request_fingerprint
+from kiln.storage.job_store import request_fingerprint
 from kiln.tasks.cli.commands import parse_loras
 from kiln.tasks.cli.exits import UsageError
 from kiln.tasks.cli.main import EXIT_JOB_FAILED, EXIT_USAGE

@@ -17,8 +17,8 @@ import pytest
 from celery.exceptions import Ignore, Retry
 from prometheus_client.parser import text_string_to_metric_families
 
+from kiln.common.logs import is_json_object, log_context, make_handler
 from kiln.gpu_worker.counters import GroupCounters
-from kiln.tasks.contract.logs import is_json_object, log_context, make_handler
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.node.metrics import group_families
 from kiln.tasks.node.outcomes import (

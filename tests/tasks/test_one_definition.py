@@ -1,43 +1,30 @@
-"""Each fact of the contract is stated once.
+"""The shared facts (kiln.common) as the contract shows them, and what depends on them.
 
-Where a second copy must exist (gpu_worker and storage cannot import tasks), a test here keeps
-the two equal, so they cannot drift apart unnoticed.
+Each fact has one home, `kiln.common`, which tasks, gpu_worker and storage all import: no copy
+needs a test to keep it equal. What stays here is behaviour: the job view's states, the CLI's
+lanes, the seeds a submit draws and accepts, and that the shared facts load nothing heavy.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
 
+from kiln.common.request import DRAWN_SEED_LIMIT, SEED_MAX, Lane
+from kiln.common.states import TERMINAL_STATES, TRANSITIONS, JobState, is_terminal
+from kiln.storage.job_store import JobStore
 from kiln.storage.records import NewJob
-from kiln.storage.states import TRANSITIONS
-from kiln.storage.status import JobStore
 from kiln.tasks.cli.main import build_parser
-from kiln.tasks.contract.limits import PipelineLimits
-from kiln.tasks.contract.schemas import (
-    DRAWN_SEED_LIMIT,
-    IMAGE_FORMATS,
-    MAX_FRAMES,
-    MAX_SIDE,
-    MAX_STEPS,
-    SEED_MAX,
-    SIZE_MULTIPLE,
-    VIDEO_FORMATS,
-    JobRequest,
-    Lane,
-    OutputFormat,
-)
-from kiln.tasks.contract.states import TERMINAL_STATES, JobState, is_terminal
+from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.views import JobView
 from kiln.tasks.queue.lanes import LANES
 from kiln.tasks.queue.submit import Submitter
 from tests.tasks.helpers import api_settings
 
-# --- job states: storage/states.py ----------------------------------------------------------
+# --- job states: kiln/common/states.py ----------------------------------------------------
 
 
 def test_the_view_status_is_the_state_machines_enum() -> None:
@@ -56,34 +43,37 @@ def test_terminal_states_are_those_the_table_lets_nothing_leave() -> None:
     assert not is_terminal("progress")  # an event type that is no state
 
 
-def test_the_client_and_the_states_load_no_redis_celery_or_boto3() -> None:
+def test_the_shared_facts_and_the_client_load_no_redis_celery_boto3_or_torch() -> None:
     probe = (
         "import sys, json\n"
         "before = set(sys.modules)\n"
-        "import kiln.storage.states\n"
-        "states = sorted(set(sys.modules) - before)\n"
+        "import kiln.common.states, kiln.common.request, kiln.common.limits\n"
+        "import kiln.common.media, kiln.common.defaults\n"
+        "plain = sorted(set(sys.modules) - before)\n"
+        "import kiln.common.logs\n"
+        "logs = sorted(set(sys.modules) - before)\n"
         "import kiln.tasks.client\n"
-        "print(json.dumps([states, sorted(sys.modules)]))\n"
+        "print(json.dumps([plain, logs, sorted(sys.modules)]))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
-    states, loaded = json.loads(result.stdout)
-    # storage/states.py, and storage/__init__.py on the way, need only the standard library
-    foreign = [m for m in states if m.split(".")[0] not in {"kiln", *sys.stdlib_module_names}]
-    assert foreign == []
+    plain, logs, loaded = json.loads(result.stdout)
+    # the bottom layer needs the standard library only; its log formats python-json-logger
+    stdlib = {"kiln", *sys.stdlib_module_names}
+    assert [m for m in plain if m.split(".")[0] not in stdlib] == []
+    assert {m.split(".")[0] for m in logs} - stdlib <= {"pythonjsonlogger", "typing_extensions"}
+    assert [m for m in loaded if m.startswith("kiln.storage")] == []  # the client needs no store
     heavy = {"redis", "celery", "kombu", "boto3", "botocore", "torch"}
     assert [m for m in loaded if m.split(".")[0] in heavy] == []
 
 
-# --- lanes: contract.schemas.Lane --------------------------------------------------------------
+# --- lanes: kiln/common/request.py Lane -------------------------------------------------------
 
 
 def test_lanes_are_the_contracts_enum_everywhere() -> None:
     assert LANES == tuple(Lane) == ("interactive", "bulk")
-    # storage keeps a plain default (it cannot import tasks): it must be the first lane
-    default_lane = next(f for f in dataclasses.fields(NewJob) if f.name == "lane").default
-    assert default_lane == LANES[0] == JobRequest(prompt="p").priority
+    assert NewJob(id="j", request={}).lane == LANES[0] == JobRequest(prompt="p").priority
     parser = build_parser()
     assert parser.parse_args(["worker"]).queues == ",".join(LANES)
     assert parser.parse_args(["submit", "p", "--priority", "bulk"]).priority == Lane.bulk
@@ -97,45 +87,10 @@ def test_the_cli_leaves_request_defaults_to_the_contract() -> None:
         assert getattr(args, name) is None, name
 
 
-# --- output formats: contract.schemas ------------------------------------------------------------
+# --- seeds ----------------------------------------------------------------------------------------
 
 
-def test_gpu_worker_encodes_exactly_the_contracts_formats() -> None:
-    from kiln.gpu_worker import outputs
-
-    assert set(outputs.IMAGE_FORMATS) == set(IMAGE_FORMATS)
-    assert set(outputs.VIDEO_FORMATS) == set(VIDEO_FORMATS)
-    assert JobRequest.model_json_schema()["properties"]["output_format"]["anyOf"][0]["enum"] == [
-        *IMAGE_FORMATS,
-        *VIDEO_FORMATS,
-    ]
-    assert OutputFormat.__args__ == (*IMAGE_FORMATS, *VIDEO_FORMATS)  # type: ignore[attr-defined]
-
-
-# --- ranges: the schema, the limits' defaults, the generators -------------------------------------
-
-
-def test_undeclared_limits_are_the_schemas_own_ranges() -> None:
-    limits = PipelineLimits()
-    assert (limits.max_width, limits.max_height, limits.size_multiple) == (
-        MAX_SIDE,
-        MAX_SIDE,
-        SIZE_MULTIPLE,
-    )
-    assert (limits.max_steps, limits.max_frames) == (MAX_STEPS, MAX_FRAMES)
-    properties = JobRequest.model_json_schema()["properties"]
-    assert properties["width"]["maximum"] == properties["height"]["maximum"] == MAX_SIDE
-    assert properties["steps"]["maximum"] == MAX_STEPS
-    assert properties["num_frames"]["maximum"] == MAX_FRAMES
-    from kiln.gpu_worker.pipelines import diffusers_limits
-
-    assert diffusers_limits.MAX_SIDE == MAX_SIDE
-
-
-def test_any_accepted_seed_is_one_the_generators_take() -> None:
-    from kiln.gpu_worker.pipelines.diffusers_pipeline import SEED_MASK
-
-    assert SEED_MAX == SEED_MASK
+def test_any_seed_up_to_the_generators_largest_is_accepted() -> None:
     assert JobRequest(prompt="p", seed=SEED_MAX).seed == SEED_MAX
     assert 0 < DRAWN_SEED_LIMIT <= SEED_MAX
 
@@ -147,7 +102,7 @@ def test_a_drawn_seed_stays_below_the_drawn_limit(job_store: JobStore) -> None:
         assert 0 <= record.request["seed"] < DRAWN_SEED_LIMIT
 
 
-# --- the idempotency fingerprint: storage.status.request_fingerprint -----------------------------
+# --- the idempotency fingerprint: storage.job_store.request_fingerprint -------------------------
 
 
 def test_idempotency_binds_the_request_as_sent_not_the_drawn_seed(job_store: JobStore) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kiln.common.states import JobState
 from kiln.storage.apikeys import ApiKeyStore
-from kiln.storage.status import JobState
 from kiln.tasks.api.auth import hash_api_key, new_api_key
 from kiln.tasks.cli.keys import run
 from kiln.tasks.client.client import KilnClient, QueueFull

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kiln.storage.status import JobStore, NewJob
+from kiln.storage.job_store import JobStore, NewJob
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
 from kiln.tasks.node.worker import parse_lanes, parse_pipelines

@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from kiln.common.request import Lane
+from kiln.common.states import JobState
+from kiln.storage.job_store import request_fingerprint
 from kiln.storage.records import JobRecord
-from kiln.storage.states import JobState
-from kiln.storage.status import request_fingerprint
-from kiln.tasks.contract.schemas import JobRequest, Lane, WebhookSpec
+from kiln.tasks.contract.schemas import JobRequest, WebhookSpec
 from kiln.tasks.contract.views import JobView, job_view
 
 

@@ -15,12 +15,13 @@ import httpx
 import pytest
 import redis
 
+from kiln.common.request import Lane
 from kiln.storage.creation import Placement, QueueFull
+from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore, NewJob
 from kiln.tasks.api.app import create_app
 from kiln.tasks.api.context import build_context
-from kiln.tasks.contract.schemas import JobRequest, Lane
+from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.lanes import queue_name

@@ -88,15 +88,15 @@ def _start(storage: StorageSettings, tmp: Path, nofile: int | None = None) -> Ap
             hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
 
-    log = (tmp / f"api-{port}.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kiln.tasks.cli", "api", "--port", str(port)],
-        env=env,
-        cwd=REPO_ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        preexec_fn=limit_descriptors,
-    )
+    with (tmp / f"api-{port}.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kiln.tasks.cli", "api", "--port", str(port)],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=limit_descriptors,
+        )
     api = ApiProcess(process, port, key)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -159,25 +159,25 @@ def test_out_of_descriptors_is_a_503_with_retry_after(
     held: list[socket.socket] = []
     try:
         slot = _slot(api, 100)
-        probe = RawConnection(api.port)
-        assert probe.request("GET", b"/healthz").status == 200  # accepted before the rest
         auth = (b"Authorization", f"Bearer {api.key}".encode())
         put_head = [auth, (b"Content-Type", b"application/jsonl")]
         path = ("/v1/uploads/local?upload_id=" + slot["upload_id"]).encode()
-        # every descriptor taken by idle keep-alive connections (one each), the probe's aside
-        while api.open_descriptors() < NOFILE:
-            conn = socket.create_connection(("127.0.0.1", api.port), timeout=30)
-            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
-            held.append(conn)
-        refused = probe.request("PUT", path, put_head, b"x" * 100)
-        assert refused.status == 503, refused.body
-        assert refused.headers.get("retry-after") == "1"
-        for conn in held:  # descriptors come back: the same request then succeeds
-            conn.close()
-        held.clear()
-        assert probe.request("PUT", path, put_head, b"x" * 100).status == 204
-        probe.close()
+        with RawConnection(api.port) as probe:
+            assert probe.request("GET", b"/healthz").status == 200  # accepted before the rest
+            # every descriptor taken by idle keep-alive connections (one each)
+            while api.open_descriptors() < NOFILE:
+                conn = socket.create_connection(("127.0.0.1", api.port), timeout=30)
+                held.append(conn)
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            refused = probe.request("PUT", path, put_head, b"x" * 100)
+            assert refused.status == 503, refused.body
+            assert refused.headers.get("retry-after") == "1"
+            assert b"out of file descriptors" in refused.body
+            for conn in held:  # descriptors come back: the same request then succeeds
+                conn.close()
+            held.clear()
+            assert probe.request("PUT", path, put_head, b"x" * 100).status == 204
     finally:
         for conn in held:
             conn.close()

@@ -17,12 +17,12 @@ import pytest
 
 from kiln.storage.keys import Keys
 from kiln.storage.settings import StorageSettings
-from kiln.storage.uploads import new_upload_id, resolve_upload, upload_key
+from kiln.storage.uploaded_inputs import new_upload_id, resolve_upload, upload_key
+from kiln.tasks.cli.input_files import upload_file
 from kiln.tasks.cli.main import main
-from kiln.tasks.cli.uploads import upload_file
 from kiln.tasks.client.client import KilnClient, ValidationFailed
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.uploads import UploadSlotView
+from kiln.tasks.contract.upload_slots import UploadSlotView
 from tests.e2e.image_server import CAT
 from tests.tasks.helpers import Api, ApiFactory
 

@@ -23,12 +23,14 @@ from typing import Any
 import pytest
 from standardwebhooks import Webhook
 
+from kiln.common.states import JobState
+from kiln.storage.job_store import JobEvent, JobStore
 from kiln.storage.objects import open_object_store
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobEvent, JobState, JobStore
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.app import make_celery_app, transport_options
+from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
 from kiln.tasks.webhooks.delivery import (
     Delivery,
     WebhookDeps,
@@ -48,6 +50,7 @@ from tests.tasks.helpers import (
     start_job,
 )
 from tests.tasks.helpers import queued_job as make_queued_job
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -322,13 +325,22 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebhookWorld]:
 
 
 def wait_for_attempts(store: JobStore, job_id: str, count: int, timeout: float = 120) -> list[Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        attempts = store.webhook_attempts(job_id)
-        if len(attempts) >= count:
-            return attempts
-        time.sleep(0.05)
-    raise AssertionError(f"{len(store.webhook_attempts(job_id))} attempts, expected {count}")
+    return wait_until(
+        lambda: store.webhook_attempts(job_id),
+        lambda attempts: len(attempts) >= count,
+        timeout_s=timeout,
+        what=f"{count} webhook attempts",
+    )
+
+
+def broker_messages(world: WebhookWorld, job_id: str) -> list[str]:
+    """The webhook messages of `job_id` in the broker: queued, or taken and not yet acked."""
+    options = transport_options(api_settings(), world.storage_settings.redis_namespace)
+    keyprefix = str(options["global_keyprefix"])
+    redis = world.store.redis
+    queued = redis.lrange(keyprefix + WEBHOOKS_QUEUE, 0, -1)
+    taken = redis.hvals(keyprefix + "unacked")  # kombu's ack emulation (tasks/node/unacked.py)
+    return [message for message in [*queued, *taken] if job_id in message]
 
 
 def test_worker_retries_until_delivered_with_one_webhook_id(world: WebhookWorld) -> None:
@@ -340,7 +352,8 @@ def test_worker_retries_until_delivered_with_one_webhook_id(world: WebhookWorld)
         assert enqueue_webhook_events(world.store, job_id, "succeeded", app=world.celery)
         hits = receiver.wait_for(failures + 1, timeout=120)
         attempts = wait_for_attempts(world.store, job_id, failures + 1)
-        time.sleep(1.0)  # a fourth delivery would arrive by now (schedule: 0.3 s)
+        # no message of the job is left in the broker, queued or taken: none can deliver again
+        wait_until(lambda: broker_messages(world, job_id), lambda left: not left)
         assert len(receiver.hits) == failures + 1
         assert {h.headers["webhook-id"] for h in hits} == {f"msg_{job_id}_completed"}
         assert len({h.body for h in hits}) == 1  # every retry resends the first body

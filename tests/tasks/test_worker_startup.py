@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from kiln.storage.settings import StorageSettings
+from tests.waiting import wait_for_line
 
 KILN = Path(sys.executable).with_name("kiln")  # the console script installed next to python
 REFUSAL_TIMEOUT_S = 120.0  # generous: the CLI imports torch before it refuses
@@ -76,16 +75,3 @@ def test_a_worker_without_a_pipeline_says_it_only_delivers_webhooks(
     )
     lines = stderr_path.read_text().splitlines()
     assert sum("only delivers webhooks" in line for line in lines) == 1
-
-
-def wait_for_line(path: Path, text: str, process: subprocess.Popen[bytes]) -> str:
-    """The first line of `path` that contains `text`, once the process has written it."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        found = [line for line in path.read_text().splitlines() if text in line]
-        if found:
-            return found[0]
-        if process.poll() is not None:
-            break
-        time.sleep(0.1)
-    pytest.fail(f"no line with {text!r} in the worker's stderr:\n{path.read_text()[-4000:]}")

@@ -6,7 +6,6 @@ publish.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -17,18 +16,19 @@ import numpy as np
 import pytest
 from celery import Celery
 
+from kiln.common.limits import DeclaredLimits
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import JobStopped
-from kiln.gpu_worker.limits import DeclaredLimits
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+from kiln.storage.job_store import JobEvent, JobStore, NewJob
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobEvent, JobStore, NewJob
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.jobs import JobRunner
 from kiln.tasks.node.node import Node
 from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.submit import Submitter, celery_publisher
+from tests.waiting import wait_until
 
 PIPELINE = "tiny"
 QUEUE = f"interactive.{PIPELINE}"
@@ -182,11 +182,13 @@ def harness(make_node: NodeFactory) -> NodeHarness:
 
 def wait_until_expired(store: JobStore, job_id: str, timeout_s: float = 10.0) -> None:
     """Block until the job's lease has lapsed (by the Redis clock)."""
-    deadline = time.monotonic() + timeout_s
-    while store.lease_owner(job_id) is not None:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the lease of {job_id} did not expire")
-        time.sleep(0.01)
+    wait_until(
+        lambda: store.lease_owner(job_id),
+        lambda owner: owner is None,
+        timeout_s=timeout_s,
+        poll_s=0.01,
+        what=f"the lease of {job_id} lapsed",
+    )
 
 
 @pytest.fixture

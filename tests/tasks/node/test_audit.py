@@ -11,12 +11,12 @@ import time
 
 from celery import Celery
 
-from kiln.storage.status import JobStore
+from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.node.audit import lost_jobs, message_job_id, queue_list_keys
-from kiln.tasks.node.unacked import unacked_keys
+from kiln.tasks.node.audit import lost_jobs
 from kiln.tasks.queue.app import RUN_JOB_TASK
+from kiln.tasks.queue.kombu_redis import listed_run_job_id, queue_list_keys, unacked_keys
 from kiln.tasks.queue.submit import Submitter, job_queue
 
 REQUEST = JobRequest(pipeline="tiny", prompt="x", width=64, height=64)
@@ -39,7 +39,7 @@ def lose_message(store: JobStore, app: Celery, job_id: str) -> str:
     """Take `job_id`'s message off its list as BRPOP does, record it nowhere; returns it."""
     key = queue_list_keys(app, QUEUE)[0]
     for raw in store.redis.lrange(key, 0, -1):
-        if message_job_id(raw) == job_id:
+        if listed_run_job_id(raw) == job_id:
             store.redis.lrem(key, 1, raw)
             return str(raw)
     raise AssertionError(f"no message of {job_id} in {key}")

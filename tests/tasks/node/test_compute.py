@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from kiln.storage.status import JobRecord, JobState
+from kiln.common.states import JobState
+from kiln.storage.job_store import JobRecord
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.node.compute import generation_request
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import uuid
 
-from kiln.storage.status import JobState, NewJob
-from kiln.tasks.contract.schemas import JobRequest, Lane
+from kiln.common.request import Lane
+from kiln.common.states import JobState
+from kiln.storage.job_store import NewJob
+from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.node.controls import NodeControls
 from tests.tasks.node.conftest import PIPELINE, QUEUE, STEPS, NodeFactory, NodeHarness
 

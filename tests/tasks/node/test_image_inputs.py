@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from kiln.common.request import InputValue
 from kiln.gpu_worker.images import InputImage
-from kiln.gpu_worker.inputs import InputValue
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.storage.local_store import LocalObjectStore
-from kiln.storage.uploads import new_upload_id, upload_key
+from kiln.storage.uploaded_inputs import new_upload_id, upload_key
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.image_inputs import ImageFetcher, ImageInputRejected, with_images
 from tests.e2e.image_server import CAT, FILES, image_server

@@ -12,14 +12,16 @@ from typing import Any
 
 import pytest
 
+from kiln.common.states import JobState
 from kiln.gpu_worker.errors import JobFailed, WorkerGroupDied
-from kiln.storage.status import JobState, JobStore
+from kiln.storage.job_store import JobStore
 from kiln.tasks.node import jobs
 from kiln.tasks.node.maintenance import renew_leases, watch_cancels
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from tests.tasks.node.conftest import QUEUE, STEPS, NodeFactory, NodeHarness, wait_until_expired
 
-RAN = ["queued", "running", "progress", "progress", "succeeded"]  # encoding, uploading
+# progress: encoding, uploading; then the one output is announced before the end
+RAN = ["queued", "running", "progress", "progress", "output", "succeeded"]
 
 
 def start_elsewhere(store: JobStore, job_id: str, owner: str = "other-node/1") -> int:

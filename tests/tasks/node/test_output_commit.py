@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.common.states import JobState
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.storage.errors import ObjectExists
 from kiln.storage.objects import LocalObjectStore, ObjectStore, new_attempt_name, output_key
-from kiln.storage.status import JobState
-from kiln.tasks.node.uploads import encode_and_upload, put_verified
+from kiln.tasks.node.output_uploads import encode_and_upload, put_verified
 from tests.tasks.node.conftest import STEPS, NodeHarness
 
 DATA = b"\x89PNG an output's bytes"

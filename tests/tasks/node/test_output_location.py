@@ -14,9 +14,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from kiln.common.states import JobState
 from kiln.storage.local_store import LocalObjectStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobState
 from kiln.tasks.batches.results import _fresh_urls
 from kiln.tasks.contract.views import job_view
 from tests.tasks.node.conftest import NodeHarness

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kiln.storage.status import JobStore, NewJob
+from kiln.storage.job_store import JobStore, NewJob
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
 
 

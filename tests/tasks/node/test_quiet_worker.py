@@ -11,13 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
-from kiln.storage.status import JobStore
+from tests.waiting import wait_until
 
 KILN = Path(sys.executable).with_name("kiln")  # the console script installed next to python
 START_TIMEOUT_S = 240.0  # generous: two ranks import torch and build the tiny pipelines
@@ -53,16 +53,17 @@ def test_a_worker_starts_and_stops_without_a_warning(
             args, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
         # Up: its heartbeat is out (group warm) and Celery consumes (its signal handlers are on).
-        while not (
-            any(n.get("node_id") == node_id for n in job_store.live_nodes())
-            and f"{node_id}@" in output_path.read_text()
-            and " ready." in output_path.read_text()
-        ):
+        def up() -> tuple[bool, bool]:
             assert worker.poll() is None, output_path.read_text()
-            assert time.monotonic() < deadline, output_path.read_text()
-            time.sleep(0.2)
+            text = output_path.read_text()
+            beating = any(n.get("node_id") == node_id for n in job_store.live_nodes())
+            return beating, f"{node_id}@" in text and " ready." in text
+
+        try:
+            wait_until(up, all, timeout_s=START_TIMEOUT_S, poll_s=0.2, what="(heartbeat, ready)")
+        except AssertionError as failed:
+            raise AssertionError(f"{failed}\n{output_path.read_text()}") from None
         os.killpg(worker.pid, signal.SIGTERM)
         assert worker.wait(STOP_TIMEOUT_S) == 0, output_path.read_text()
     finally:

@@ -12,10 +12,11 @@ from typing import Any
 from celery import Celery
 from kombu import Queue
 
+from kiln.storage.job_store import JobStore
 from kiln.storage.nodes import LapsedHolder
-from kiln.storage.status import JobStore
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.node.unacked import CLOCK_SLACK_S, lapse_windows, orphaned_jobs, run_job_id
+from kiln.tasks.node.unacked import CLOCK_SLACK_S, lapse_windows, orphaned_jobs
+from kiln.tasks.queue.kombu_redis import run_job_id, unacked_keys
 from kiln.tasks.queue.submit import Submitter, job_queue
 
 LAPSE_TTL_S = 0.05
@@ -84,8 +85,7 @@ def test_run_job_id_reads_kiln_messages_only(
     take_without_ack(app, job_queue(job_store.get(job_id)))
     app.send_task("kiln.some_other_task", args=["not-a-job"], queue="elsewhere")
     take_without_ack(app, "elsewhere")
-    prefix = str(app.conf.broker_transport_options["global_keyprefix"])
-    values = job_store.redis.hvals(f"{prefix}unacked")
+    values = job_store.redis.hvals(unacked_keys(app)[1])
     assert sorted(map(str, map(run_job_id, values))) == sorted([job_id, "None"])
     assert run_job_id("not json") is None
     assert run_job_id('[{"headers": {"task": "kiln.run_job"}}, "", ""]') is None

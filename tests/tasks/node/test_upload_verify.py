@@ -19,7 +19,7 @@ from kiln.storage.object_base import StoredObject
 from kiln.storage.objects import output_key
 from kiln.storage.s3_store import S3ObjectStore
 from kiln.storage.settings import StorageSettings
-from kiln.tasks.node.uploads import OutputVerificationFailed, UploadVerify, put_verified
+from kiln.tasks.node.output_uploads import OutputVerificationFailed, UploadVerify, put_verified
 
 DATA = b"\x89PNG not really, but bytes"
 ATTEMPT = "1-0123abcd"

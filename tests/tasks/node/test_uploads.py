@@ -13,7 +13,7 @@ import pytest
 from kiln.gpu_worker.outputs import OutputSpec
 from kiln.storage.errors import ObjectNotFound, ObjectStoreUnavailable
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.node.uploads import output_spec, retry_storage
+from kiln.tasks.node.output_uploads import output_spec, retry_storage
 
 
 def test_a_video_is_encoded_at_the_recorded_fps_and_format() -> None:
@@ -32,7 +32,7 @@ def test_a_request_without_fps_or_format_gets_the_contracts_defaults() -> None:
 
 def test_storage_retries_pause_on_the_doubling_curve(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
-    monkeypatch.setattr("kiln.tasks.node.uploads.time.sleep", slept.append)
+    monkeypatch.setattr("kiln.tasks.node.output_uploads.time.sleep", slept.append)
     failures = iter(range(7))
     retried: list[None] = []
 

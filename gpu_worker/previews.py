@@ -1,0 +1,229 @@
+"""Previews while denoising: the current latents of a request, decoded cheaply on rank 0.
+
+Two decoders, chosen per pipeline when rank 0 starts leading (`build_decoders`):
+- a tiny autoencoder (diffusers `AutoencoderTiny`: TAESD, TAESDXL, TAESD3, TAEF1 weights) from
+  the folder `KILN_PREVIEW_VAE` names, for the pipelines whose latents have its channel count;
+- otherwise a linear map latent channels (+ bias) → RGB, fitted by least squares to what the
+  pipeline's own VAE decodes from a few random latents (`fit_linear_map`): any VAE, no weights.
+A preview is the request's first output; a video's is its middle latent frame. The decoded
+pixels (uint8, longer side ≤ the request's `max_side`) go to the coordinator unencoded
+(`StepPreview`): encoding is the node's, off the denoising loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kiln.gpu_worker.pipelines.base import Pipeline
+from kiln.gpu_worker.protocol import GenerationRequest, RunBatch, StepPreview
+
+logger = logging.getLogger(__name__)
+
+# The random latents decoded for the fit, one per scale: loop latents range from the initial
+# noise (std = the scheduler's init_noise_sigma: ~14.6 for SD's Euler schedules, 1 for flow
+# matching) down to the final image's (std ~1), so the fit spans that range, log-spaced.
+FIT_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+FIT_SIDE = 16  # their latent side: 6 × 16 × 16 = 1,536 pixel rows for C + 1 unknowns per colour
+
+
+class LatentDecoder(Protocol):
+    """Latents (1, C, h, w) as the denoising loop holds them → RGB (1, 3, H, W) in [-1, 1]."""
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode one latent image (any device; the result stays on it)."""
+        ...
+
+
+def to_vae_space(latents: torch.Tensor, config: Any) -> torch.Tensor:
+    """Loop-space latents as a VAE's `decode` takes them (its scaling, shift, or mean/std)."""
+    mean = getattr(config, "latents_mean", None)
+    std = getattr(config, "latents_std", None)
+    if mean is not None and std is not None and len(mean) == latents.shape[1]:
+        shape = (1, latents.shape[1]) + (1,) * (latents.ndim - 2)
+        mean_t = torch.tensor(mean, dtype=latents.dtype, device=latents.device).view(shape)
+        std_t = torch.tensor(std, dtype=latents.dtype, device=latents.device).view(shape)
+        return latents * std_t + mean_t  # Wan-style: the pipeline normalised per channel
+    scaling = float(getattr(config, "scaling_factor", None) or 1.0)
+    shift = float(getattr(config, "shift_factor", None) or 0.0)
+    return latents / scaling + shift
+
+
+@dataclass(frozen=True)
+class LinearLatentMap:
+    """RGB = weight · latent + bias per latent pixel; fitted to one VAE (`fit_linear_map`)."""
+
+    weight: torch.Tensor  # (3, C), float32 on the CPU
+    bias: torch.Tensor  # (3,)
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        """(1, C, h, w) → (1, 3, h, w) at the latents' resolution, in their device and dtype."""
+        weight = self.weight.to(latents.device, latents.dtype)
+        bias = self.bias.to(latents.device, latents.dtype)
+        return torch.einsum("nchw,rc->nrhw", latents, weight) + bias.view(1, 3, 1, 1)
+
+
+def fit_linear_map(vae: Any, *, seed: int = 0) -> LinearLatentMap:
+    """Least squares from random loop-space latents to what `vae` decodes, pooled per latent pixel.
+
+    Random normal latents at the scales denoising passes through (`FIT_SCALES`); the fit is the
+    VAE decoder's linear part over them, which is what a latent→RGB preview needs (colours and
+    layout, not detail).
+    """
+    channels = int(vae.config.latent_channels if hasattr(vae.config, "latent_channels") else 0)
+    channels = channels or int(vae.config.z_dim)
+    video = hasattr(vae.config, "z_dim") and hasattr(vae.config, "temperal_downsample")
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (len(FIT_SCALES), channels, FIT_SIDE, FIT_SIDE)
+    scales = torch.tensor(FIT_SCALES).view(-1, 1, 1, 1)
+    latents = torch.randn(shape, generator=generator) * scales
+    param = next(vae.parameters())
+    with torch.inference_mode():
+        vae_in = latents.unsqueeze(2) if video else latents  # one latent frame of a video VAE
+        vae_in = to_vae_space(vae_in.to(param.device, param.dtype), vae.config)
+        images = vae.decode(vae_in).sample.float().cpu()
+    if images.ndim == 5:
+        images = images[:, :, 0]
+    pooled = F.adaptive_avg_pool2d(images, (FIT_SIDE, FIT_SIDE))  # (S, 3, side, side)
+    inputs = latents.permute(0, 2, 3, 1).reshape(-1, channels)
+    inputs = torch.cat([inputs, torch.ones(inputs.shape[0], 1)], dim=1)
+    targets = pooled.permute(0, 2, 3, 1).reshape(-1, 3)
+    solution = torch.linalg.lstsq(inputs, targets).solution  # (C + 1, 3)
+    return LinearLatentMap(solution[:channels].T.contiguous(), solution[channels].contiguous())
+
+
+class TinyAutoencoderDecoder:
+    """A diffusers `AutoencoderTiny` (TAESD family) decoding loop-space latents."""
+
+    def __init__(self, vae: Any) -> None:
+        self.vae = vae
+        self.latent_channels = int(vae.config.latent_channels)
+
+    @classmethod
+    def load(cls, folder: Path, device: torch.device, dtype: torch.dtype) -> TinyAutoencoderDecoder:
+        """`AutoencoderTiny.from_pretrained(folder)` on the device, in the pipeline's dtype."""
+        from diffusers import AutoencoderTiny
+
+        vae = AutoencoderTiny.from_pretrained(str(folder), torch_dtype=dtype).to(device)
+        vae.eval()
+        return cls(vae)
+
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        """(1, C, h, w) → (1, 3, H, W) in [-1, 1]."""
+        param = next(self.vae.parameters())
+        vae_in = to_vae_space(latents.to(param.device, param.dtype), self.vae.config)
+        decoded: torch.Tensor = self.vae.decode(vae_in).sample
+        return decoded
+
+
+def _pipeline_vae(pipeline: Pipeline) -> Any:
+    return getattr(getattr(pipeline, "pipe", None), "vae", None)
+
+
+def build_decoders(
+    pipelines: Mapping[str, Pipeline], tiny_folder: Path | None, device: torch.device
+) -> dict[str, LatentDecoder]:
+    """Per pipeline with a VAE: the tiny autoencoder where its channels fit, else a fitted map."""
+    tiny: TinyAutoencoderDecoder | None = None
+    decoders: dict[str, LatentDecoder] = {}
+    for name, pipeline in pipelines.items():
+        vae = _pipeline_vae(pipeline)
+        if vae is None:
+            logger.info("pipeline %s has no VAE: no previews", name)
+            continue
+        try:
+            if tiny_folder is not None and tiny is None:
+                dtype = next(vae.parameters()).dtype
+                tiny = TinyAutoencoderDecoder.load(tiny_folder, device, dtype)
+            channels = getattr(vae.config, "latent_channels", None) or vae.config.z_dim
+            if tiny is not None and tiny.latent_channels == channels:
+                decoders[name] = tiny
+            else:
+                decoders[name] = fit_linear_map(vae)
+        except Exception:  # previews are best effort: a pipeline without them still serves jobs
+            logger.exception("previews of pipeline %s are off: no decoder", name)
+    return decoders
+
+
+def preview_pixels(decoded: torch.Tensor, max_side: int) -> np.ndarray:
+    """(1, 3, H, W) in [-1, 1] → uint8 (h, w, 3), shrunk (area) so its longer side ≤ max_side."""
+    height, width = decoded.shape[-2:]
+    scale = min(1.0, max_side / max(height, width))
+    if scale < 1.0:
+        size = (max(1, round(height * scale)), max(1, round(width * scale)))
+        decoded = F.interpolate(decoded.float(), size=size, mode="area")
+    pixels = ((decoded[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    return np.ascontiguousarray(pixels.permute(1, 2, 0).cpu().numpy())
+
+
+def latent_image(latents: torch.Tensor, row: int) -> torch.Tensor | None:
+    """Row `row` of a batch's latents as one latent image (1, C, h, w); a video's middle frame.
+
+    None for layouts a preview cannot read (packed sequences, as Flux keeps them).
+    """
+    if latents.ndim == 4:
+        return latents[row : row + 1]
+    if latents.ndim == 5:  # (B, C, F, h, w)
+        return latents[row : row + 1, :, latents.shape[2] // 2]
+    return None
+
+
+class PreviewTap:
+    """Rank 0's previews of one batch: which requests want one at which step, sent on."""
+
+    def __init__(
+        self,
+        batch: RunBatch,
+        decoder: LatentDecoder,
+        send: Callable[[StepPreview], None],
+    ) -> None:
+        self._batch_id = batch.batch_id
+        self._decoder = decoder
+        self._send = send
+        self._wanted = _preview_rows(batch.requests)
+        self._unreadable = False
+
+    @property
+    def wanted(self) -> bool:
+        """True when some request of the batch asked for previews."""
+        return bool(self._wanted)
+
+    def observe(self, step: int, total: int, latents: torch.Tensor) -> None:
+        """After `step`: decode and send the previews due now; a failure only stops previews."""
+        if self._unreadable:
+            return
+        for request, row in self._wanted:
+            assert request.preview is not None
+            if not request.preview.due(step):
+                continue
+            try:
+                image = latent_image(latents, row)
+                if image is None:
+                    self._unreadable = True
+                    logger.info("latents of shape %s have no preview", tuple(latents.shape))
+                    return
+                with torch.inference_mode():
+                    pixels = preview_pixels(self._decoder(image), request.preview.max_side)
+            except Exception:
+                self._unreadable = True
+                logger.exception("preview of batch %d failed; no more for it", self._batch_id)
+                return
+            self._send(StepPreview(self._batch_id, request.request_id, step, total, pixels))
+
+
+def _preview_rows(requests: Sequence[GenerationRequest]) -> list[tuple[GenerationRequest, int]]:
+    """The requests that want previews, each with the latent row of its first output."""
+    rows: list[tuple[GenerationRequest, int]] = []
+    row = 0
+    for request in requests:
+        if request.preview is not None:
+            rows.append((request, row))
+        row += request.num_outputs
+    return rows

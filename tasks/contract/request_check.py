@@ -1,0 +1,166 @@
+"""A request's static checks in one pass, given what the served pipelines declare (§2, §2a, §2c).
+
+`check_request` is the one place a job request is checked beyond its own schema: the pipeline is
+one a request may name, its limits take the request, its declared inputs take `inputs` (each
+value, image references' form, steps × strength), and some live node offers each LoRA adapter.
+What the pipelines declare comes in as data (`PipelineDecl`), so this module reads nothing: the
+API and the Submitter build the declaration from the nodes' heartbeats and call the same
+function, the API maps the violation to its 422, the Submitter to an exception. What needs I/O
+(an upload's owner, an image URL's or a webhook's host) is checked after it, by its caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import ValidationError
+
+from kiln.common.request import DEFAULT_SPEED, SPEED_MODES, InputSchema, declared_speed_modes
+from kiln.tasks.contract.image_refs import ImageRef, parse_image_ref
+from kiln.tasks.contract.inputs import (
+    InputViolation,
+    first_input_violation,
+    image_input_names,
+    input_error,
+)
+from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, first_violation
+from kiln.tasks.contract.loras import AdapterViolation, NodeAdapters, first_adapter_violation
+from kiln.tasks.contract.schemas import JobRequest
+
+
+@dataclass(frozen=True)
+class PipelineDecl:
+    """What the served pipelines declare about the one a request names: all a check reads."""
+
+    known: tuple[str, ...]  # every pipeline a request may name (configured or served now)
+    limits: tuple[PipelineLimits, ...] = ()  # per live node announcing it, else a built-in's
+    inputs: tuple[InputSchema, ...] = ()  # per live node announcing an input schema for it
+    adapters: tuple[NodeAdapters, ...] = ()  # per live node announcing adapters for it
+
+
+@dataclass(frozen=True)
+class PipelineUnknown:
+    """The request names a pipeline that is neither configured nor served by a live node."""
+
+    kind: ClassVar[str] = "unknown_pipeline"
+    pipeline: str
+    known: tuple[str, ...]
+
+    @property
+    def message(self) -> str:
+        """What the caller reads: the name, and the names it may use."""
+        return f"unknown pipeline {self.pipeline!r}; served: {', '.join(self.known) or 'none'}"
+
+    @property
+    def value(self) -> str:
+        """The offending input: the name."""
+        return self.pipeline
+
+    def loc(self, prefix: tuple[str | int, ...] = ()) -> tuple[str | int, ...]:
+        """Where the error points: `pipeline`, after `prefix`."""
+        return (*prefix, "pipeline")
+
+    def context(self) -> dict[str, Any]:
+        """The error's `ctx`: the pipelines a request may name."""
+        return {"known": list(self.known)}
+
+    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
+        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
+        return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
+
+
+@dataclass(frozen=True)
+class SpeedUnsupported:
+    """The request asks for a speed mode no live node's pipeline announces."""
+
+    kind: ClassVar[str] = "speed_mode"
+    pipeline: str
+    speed: str
+    modes: tuple[str, ...]  # the modes some live node serves (`exact` at least)
+
+    @property
+    def message(self) -> str:
+        """What the caller reads: the mode, and the modes the pipeline serves."""
+        return (
+            f"{self.pipeline} does not serve speed {self.speed!r}; it serves "
+            f"{', '.join(self.modes)} (GET /v1/pipelines/{self.pipeline})"
+        )
+
+    @property
+    def value(self) -> str:
+        """The offending input: the mode."""
+        return self.speed
+
+    def loc(self, prefix: tuple[str | int, ...] = ()) -> tuple[str | int, ...]:
+        """Where the error points: `speed`, after `prefix`."""
+        return (*prefix, "speed")
+
+    def context(self) -> dict[str, Any]:
+        """The error's `ctx`: the pipeline and the modes it serves."""
+        return {"pipeline": self.pipeline, "supported": list(self.modes)}
+
+    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
+        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
+        return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
+
+
+# Each has `kind`, `message`, `value`, `loc(prefix)`, `context()` and `error(prefix)`.
+Violation = PipelineUnknown | LimitViolation | InputViolation | AdapterViolation | SpeedUnsupported
+
+
+def check_request(request: JobRequest, declared: PipelineDecl) -> Violation | None:
+    """The first reason the served pipelines refuse `request`; None when one would run it.
+
+    In order: the pipeline's name, its limits, its inputs (values, image references' form,
+    steps × strength), its adapters, its speed mode. Each passes when any live node's
+    declaration takes it.
+    """
+    pipeline = request.pipeline
+    if pipeline not in declared.known:
+        return PipelineUnknown(pipeline, declared.known)
+    return (
+        first_violation(pipeline, list(declared.limits), request)
+        or first_input_violation(pipeline, list(declared.inputs), request.inputs, request.steps)
+        or first_adapter_violation(pipeline, declared.adapters, request.loras)
+        or speed_violation(pipeline, declared.inputs, request.speed)
+    )
+
+
+def speed_violation(
+    pipeline: str, schemas: Sequence[InputSchema], speed: str
+) -> SpeedUnsupported | None:
+    """None when `speed` is `exact` or some live node's schema announces it (SPEED_KEY).
+
+    A pipeline no live node announces a schema for serves `exact` only, as far as is known.
+    """
+    if speed == DEFAULT_SPEED:
+        return None
+    served: set[str] = set()
+    for schema in schemas:
+        served.update(declared_speed_modes(schema))
+    if speed in served:
+        return None
+    modes = tuple(mode for mode in SPEED_MODES if mode in served) or (DEFAULT_SPEED,)
+    return SpeedUnsupported(pipeline, speed, modes)
+
+
+def image_refs(request: JobRequest, declared: PipelineDecl) -> dict[str, ImageRef]:
+    """The image references among `request.inputs` by input name (sorted), as schemas mark them.
+
+    For the checks that need I/O once `check_request` has passed: a value some schema takes as
+    a plain input and that is no reference is left out (that node would not read it as an image).
+    """
+    names = sorted(_image_input_names(declared.inputs) & request.inputs.keys())
+    refs: dict[str, ImageRef] = {}
+    for name in names:
+        try:
+            refs[name] = parse_image_ref(request.inputs[name])
+        except ValueError:
+            continue
+    return refs
+
+
+def _image_input_names(schemas: Sequence[InputSchema]) -> frozenset[str]:
+    return frozenset(name for schema in schemas for name in image_input_names(schema))
