@@ -41,6 +41,7 @@ class NewFedBatch:
     parent_id: str | None = None  # the batch this one retries
     retried: tuple[str, ...] = ()  # a retry: the statuses of the parent's lines it runs again
     idempotency_key: str | None = None  # a retry's: the same key finds the same retry
+    storage_url: str | None = None  # the store its input and results are written to
 
     def __post_init__(self) -> None:
         if not valid_id(self.id):
@@ -79,6 +80,8 @@ class FedBatch:
     retries: tuple[str, ...] = ()
     error: str | None = None  # why the batch could not go on (its input could not be read)
     input_failures: int = 0  # failed reads of its input since the last one that worked
+    storage_url: str | None = None  # the store its input and results live in (None: written
+    # before batches recorded it; readers use their own)
 
     @property
     def final(self) -> bool:
@@ -116,6 +119,7 @@ def fed_batch_from_hash(batch_id: str, data: dict[str, str], parts: int) -> FedB
         fed=int(data.get("fed", "0")),
         offset=int(data.get("offset", "0")),
         input_key=data["input_key"],
+        storage_url=data.get("storage_url") or None,
         created_at=float(data["created_at"]),
         started_at=_float(data.get("started_at")),
         finished_at=_float(data.get("finished_at")),

@@ -93,6 +93,7 @@ class BatchStore(StoreBase):
             "metadata": dumps(new.metadata),
             "webhook": dumps(new.webhook) if new.webhook else "",
             "parent_id": new.parent_id or "",
+            "storage_url": new.storage_url or "",
         }
         keys = [
             k.batch(new.id),

@@ -19,12 +19,35 @@ __all__ = [
     "ObjectStore",
     "S3ObjectStore",
     "StoredObject",
+    "StoresByUrl",
     "check_key",
     "new_attempt_name",
     "open_object_store",
     "output_key",
     "preview_key",
 ]
+
+
+class StoresByUrl:
+    """The object stores records name, each opened once.
+
+    This process's own, or the one a record says it was written to (`storage_url`), reached
+    with this process's credentials.
+    """
+
+    def __init__(self, own: ObjectStore, settings: StorageSettings) -> None:
+        self.own = own
+        self.settings = settings
+        self._opened: dict[str, ObjectStore] = {}
+
+    def at(self, storage_url: str | None) -> ObjectStore:
+        """The store at `storage_url`; this process's own for its own URL or none recorded."""
+        if not storage_url or storage_url == self.settings.storage_url:
+            return self.own
+        if storage_url not in self._opened:
+            other = self.settings.model_copy(update={"storage_url": storage_url})
+            self._opened[storage_url] = open_object_store(other)
+        return self._opened[storage_url]
 
 
 def open_object_store(settings: StorageSettings) -> ObjectStore:

@@ -130,7 +130,8 @@ class StorageSettings(BaseSettings):
     storage_url: str = Field(
         default_factory=lambda data: default_storage_url(data.get("home")),
         description="Where outputs go: `s3://bucket/prefix` or `file:///absolute/path` (a "
-        "relative `file://` path is refused); each job output records the store it went to.",
+        "relative `file://` path is refused); each job output and each batch records the store "
+        "it was written to, and readers follow the record.",
         json_schema_extra={"documented_default": DEFAULT_STORAGE_DOC},
     )
     s3_endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint URL.")

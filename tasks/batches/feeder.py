@@ -59,7 +59,7 @@ from kiln.storage.errors import (
 )
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.object_streams import read_range
-from kiln.storage.objects import ObjectStore
+from kiln.storage.objects import ObjectStore, StoresByUrl
 from kiln.tasks.batches.fairness import Pace, plan_pass, window_size
 from kiln.tasks.batches.lines import Item, batch_job_id, parse_item
 from kiln.tasks.batches.notify import BatchNotifier
@@ -94,12 +94,14 @@ class BatchFeeder:
         self.batches = BatchStore(store.redis, store.settings)
         self.feeding = BatchFeeding(store.redis, store.settings)
         self.objects = objects
+        # a batch's input and results live in the store its record names
+        self.stores = StoresByUrl(objects, store.settings)
         self.submitter = submitter
         self.settings = settings
         self.owner = owner
         # the Celery app job and batch webhooks go out through (None: the current one)
         self.app = app
-        self.results = ResultWriter(store, objects, self.feeding, settings)
+        self.results = ResultWriter(store, self.stores, self.feeding, settings)
         self.notifier = BatchNotifier(settings, app)
         self.pace = Pace(settings.batch_feed_interval_s)
         keys = ApiKeyStore(store.redis, store.settings)
@@ -283,7 +285,9 @@ class BatchFeeder:
         offset = position = batch.offset
         pending = b""
         while len(items) < count:
-            chunk = read_range(self.objects, batch.input_key, position, READ_SIZE)
+            chunk = read_range(
+                self.stores.at(batch.storage_url), batch.input_key, position, READ_SIZE
+            )
             if not chunk:
                 break
             position += len(chunk)
@@ -332,7 +336,7 @@ class BatchFeeder:
             FedWrite.applied
         ):
             if part:
-                self.results.drop(part)
+                self.results.drop(batch, part)
             raise FeederLostLease(batch.id)
 
     def _stop_open_jobs(self, batch_id: str, reason: str) -> None:
@@ -375,7 +379,7 @@ class BatchFeeder:
         ended = dataclasses.replace(batch, status=status, finished_at=time.time())
         part = self.results.put_part(batch, lease, summary_line(batch_view(ended)), "summary")
         if not self.feeding.finish_fed(batch.id, lease, status, part):
-            self.results.drop(part)
+            self.results.drop(batch, part)
             raise FeederLostLease(batch.id)
         log.info("batch %s %s", batch.id, status)
         self.notifier.finished(self.batches.get_fed(batch.id))

@@ -18,7 +18,7 @@ from kiln.storage.batch_records import FedBatch
 from kiln.storage.errors import StorageError
 from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import batch_object_key
-from kiln.storage.objects import ObjectStore
+from kiln.storage.objects import StoresByUrl
 from kiln.tasks.batches.lines import custom_id_of
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, job_line
 from kiln.tasks.contract.settings import KilnSettings
@@ -35,10 +35,11 @@ class ResultWriter:
     """Writes a batch's result parts for its feeder (at least every `batch_results_flush_s`)."""
 
     def __init__(
-        self, store: JobStore, objects: ObjectStore, feeding: BatchFeeding, settings: KilnSettings
+        self, store: JobStore, stores: StoresByUrl, feeding: BatchFeeding, settings: KilnSettings
     ) -> None:
         self.store = store
-        self.objects = objects
+        self.stores = stores
+        self.objects = stores.own
         self.feeding = feeding
         self.settings = settings
         self._flushed_at: dict[str, float] = {}
@@ -72,7 +73,7 @@ class ResultWriter:
         job_ids = [job_id for job_id, _ in done]
         retention = self.settings.batch_item_retention_s
         if not self.feeding.record_reported(batch.id, lease, part, job_ids, retention):
-            self.drop(part)
+            self.drop(batch, part)
             raise FeederLostLease(batch.id)
         self._flushed_at[batch.id] = time.monotonic()
 
@@ -82,15 +83,14 @@ class ResultWriter:
         # a committed one; only the parts listed in Redis are results
         token, _ = lease
         nonce = uuid.uuid4().hex[:8]
-        key = batch_object_key(
-            self.objects.prefix, batch.id, "results", f"{name}-{token}-{nonce}.jsonl"
-        )
-        self.objects.put(key, data, RESULTS_CONTENT_TYPE)
+        objects = self.stores.at(batch.storage_url)  # beside its input, where readers look
+        key = batch_object_key(objects.prefix, batch.id, "results", f"{name}-{token}-{nonce}.jsonl")
+        objects.put(key, data, RESULTS_CONTENT_TYPE)
         return key
 
-    def drop(self, key: str) -> None:
-        """Delete a part that was never listed (best effort)."""
+    def drop(self, batch: FedBatch, key: str) -> None:
+        """Delete a part of the batch that was never listed (best effort)."""
         try:
-            self.objects.delete(key)
+            self.stores.at(batch.storage_url).delete(key)
         except StorageError as exc:  # an orphan part is never listed: harmless
             log.info("could not delete orphan result part %s: %s", key, exc)

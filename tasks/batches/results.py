@@ -17,7 +17,7 @@ from kiln.storage.base import dumps
 from kiln.storage.batch_store import BatchStore
 from kiln.storage.job_store import JobRecord
 from kiln.storage.object_streams import iter_lines
-from kiln.storage.objects import ObjectStore
+from kiln.storage.objects import ObjectStore, StoresByUrl
 from kiln.tasks.batches.checks import Error
 from kiln.tasks.contract.batches import INVALID, BatchView
 from kiln.tasks.contract.views import output_view
@@ -113,10 +113,16 @@ def _fresh_urls(raw: bytes, objects: ObjectStore | None) -> bytes:
 
 
 def stream_results(
-    batches: BatchStore, objects: ObjectStore, batch_id: str, *, presign: bool = True
+    batches: BatchStore, stores: StoresByUrl, batch_id: str, *, presign: bool = True
 ) -> Iterator[bytes]:
-    """Every result line written so far, in part order (newline-terminated), read as consumed."""
+    """Every result line written so far, in part order (newline-terminated), read as consumed.
+
+    The parts are read from the store the batch's record names; S3 URLs are presigned by this
+    process's own.
+    """
+    source = stores.at(batches.get_fed(batch_id).storage_url)
+    objects = stores.own
     for part in batches.part_keys(batch_id):
-        for raw in iter_lines(objects, part):
+        for raw in iter_lines(source, part):
             if raw.strip():
                 yield _fresh_urls(raw, objects if presign else None) + b"\n"

@@ -27,7 +27,7 @@ from kiln.storage.batch_records import (
 )
 from kiln.storage.batch_store import BatchStore
 from kiln.storage.object_streams import batch_object_key, iter_lines, open_writer
-from kiln.storage.objects import ObjectStore
+from kiln.storage.objects import ObjectStore, StoresByUrl
 from kiln.tasks.batches.lines import item_line, parse_item
 
 
@@ -52,15 +52,19 @@ def lines_to_retry(
 
 
 def write_retry_input(
-    objects: ObjectStore, parent: FedBatch, retry_id: str, custom_ids: Iterable[str]
+    stores: StoresByUrl, parent: FedBatch, retry_id: str, custom_ids: Iterable[str]
 ) -> tuple[str, int]:
-    """Copy the parent's items of `custom_ids` into the retry's input (renumbered from 1)."""
+    """Copy the parent's items of `custom_ids` into the retry's input (renumbered from 1).
+
+    Read where the parent's record says; written to this process's own store.
+    """
     wanted = set(custom_ids)
+    objects = stores.own
     key = batch_object_key(objects.prefix, retry_id, "input.jsonl")
     writer = open_writer(objects, key, BATCH_INPUT_CONTENT_TYPE)
     count = 0
     try:
-        for raw in iter_lines(objects, parent.input_key):
+        for raw in iter_lines(stores.at(parent.storage_url), parent.input_key):
             if not raw.strip():
                 continue
             item = parse_item(raw)
@@ -76,7 +80,7 @@ def write_retry_input(
 
 def retry_batch(
     batches: BatchStore,
-    objects: ObjectStore,
+    stores: StoresByUrl,
     parent: FedBatch,
     retry_id: str,
     statuses: frozenset[str],
@@ -104,17 +108,18 @@ def retry_batch(
         parent_id=parent.id,
         retried=tuple(sorted(statuses)),
         idempotency_key=idempotency_key,
+        storage_url=stores.settings.storage_url,
     )
     made = batches.check_retry(new)  # before streaming the parent's files: most refusals
     if made is not None:
         return made, False
-    chosen = lines_to_retry(batches, objects, parent.id, statuses)
+    chosen = lines_to_retry(batches, stores.at(parent.storage_url), parent.id, statuses)
     if not chosen:
         raise NothingToRetry(f"batch {parent.id} has no {' or '.join(sorted(statuses))} lines")
-    input_key, items = write_retry_input(objects, parent, retry_id, chosen)
+    input_key, items = write_retry_input(stores, parent, retry_id, chosen)
     new = dataclasses.replace(new, input_key=input_key, items=items, lines=items)
     try:
         return batches.submit_retry(new)
     except (RetryRunning, RetryKeyBound):
-        objects.delete(input_key)  # another request made the retry meanwhile
+        stores.own.delete(input_key)  # another request made the retry meanwhile
         raise

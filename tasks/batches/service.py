@@ -11,7 +11,7 @@ from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
 from kiln.storage.batch_store import BatchStore, FedBatch, NewFedBatch
 from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import batch_object_key, iter_chunks, open_writer
-from kiln.storage.objects import ObjectStore
+from kiln.storage.objects import ObjectStore, StoresByUrl
 from kiln.tasks.batches.checks import LineChecks
 from kiln.tasks.batches.intake import BatchIntake, IntakeReport, JsonCheck, LineDefaults
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, stream_results
@@ -54,6 +54,8 @@ class BatchService:
         self.store = store
         self.batches = BatchStore(store.redis, store.settings)
         self.objects = objects
+        # where a batch's files are read: the store its record names (StoresByUrl)
+        self.stores = StoresByUrl(objects, store.settings)
         self.submitter = submitter
         self.settings = settings
         self.json_errors = json_errors
@@ -99,6 +101,7 @@ class BatchService:
             metadata=dict(defaults.metadata),
             webhook=defaults.webhook,
             invalid_part=report.invalid_object.key if report.invalid_object else None,
+            storage_url=self.batches.settings.storage_url,
         )
         return self.batches.submit_fed_batch(new)
 
@@ -172,13 +175,13 @@ class BatchService:
         """
         parent = self.batches.get_fed(batch_id)
         return retry_batch(
-            self.batches, self.objects, parent, new_batch_id(), statuses, idempotency_key
+            self.batches, self.stores, parent, new_batch_id(), statuses, idempotency_key
         )
 
     def results(self, batch_id: str) -> Iterator[bytes]:
         """Every result line so far (URLs presigned now), read as consumed."""
         self.batches.get_fed(batch_id)  # BatchNotFound before the first byte
-        return stream_results(self.batches, self.objects, batch_id)
+        return stream_results(self.batches, self.stores, batch_id)
 
 
 def refusal_body(report: IntakeReport) -> dict[str, Any]:

@@ -7,6 +7,12 @@ its event stream and its webhook; a cancel of such a batch reaches `canceled`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kiln.storage.job_store import JobStore
+from kiln.storage.objects import open_object_store
+from kiln.tasks.batches.feeder import BatchFeeder
+from kiln.tasks.queue.submit import Submitter
 from tests.tasks.helpers import Api, ApiFactory, Receiver
 from tests.tasks.test_batches import (
     Published,
@@ -16,6 +22,7 @@ from tests.tasks.test_batches import (
     jsonl,
     lines_of,
     post_batch,
+    results,
 )
 from tests.tasks.test_batches_control import control
 from tests.tasks.test_batches_events import Listener, RecordingCelery, feeder_with
@@ -76,3 +83,31 @@ def test_a_cancel_ends_a_batch_whose_input_cannot_be_read(api: Api) -> None:
     view = get_batch(api, batch_id)
     assert (view["status"], view["counts"]["canceled"]) == ("canceled", 4), view
     assert "input cannot be read" in view["error"]
+
+
+def test_a_feeder_whose_own_store_is_elsewhere_reads_the_batch_where_its_record_says(
+    api: Api, tmp_path: Path
+) -> None:
+    # the first-hour defect: a node configured with another folder looked for the input under
+    # its own and never started the batch; the record names the store the batch was written to
+    batch_id = post_batch(api, jsonl(lines_of(3))).json()["id"]
+    written_to = api.store.settings.storage_url
+    assert api.store.redis.hget(api.store.keys.batch(batch_id), "storage_url") == written_to
+    elsewhere = api.store.settings.model_copy(
+        update={"storage_url": f"file://{tmp_path / 'another-folder'}"}
+    )
+    node_store = JobStore(api.store.redis, elsewhere)
+    node_objects = open_object_store(elsewhere)
+    tuned = api.settings.model_copy(update={"batch_results_flush_s": 0.0})
+    published = Published()
+    submitter = Submitter(node_store, tuned, publish=published)
+    feed = BatchFeeder(node_store, node_objects, submitter, tuned, "node-elsewhere")
+    feed.tick()  # all three lines fed: the input was read where the batch was written
+    assert finish_queued(api, batch_id) == 3
+    for _ in range(3):
+        feed.tick()
+    view = get_batch(api, batch_id)
+    assert (view["status"], view["counts"]["succeeded"]) == ("completed", 3), view
+    lines = [line for line in results(api, batch_id) if line["type"] == "result"]
+    assert sorted(line["custom_id"] for line in lines) == [f"item-{n:04d}" for n in range(3)]
+    assert not any((tmp_path / "another-folder").rglob("*.jsonl"))  # nothing written there
