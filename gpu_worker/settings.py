@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from kiln.common.env_lists import comma_or_json_list
 
 TorchDtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 SleepMode = Literal["offload", "drop"]
@@ -124,12 +125,7 @@ class GpuWorkerSettings(BaseSettings):
     @classmethod
     def _split_shapes(cls, value: object) -> object:
         # Env values are a comma list (KILN_WARMUP=512x512x25,64x64x2) or a JSON array.
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+        return comma_or_json_list(value)
 
     @field_validator("warmup")
     @classmethod

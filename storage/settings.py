@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -10,6 +9,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from kiln.common.env_lists import comma_or_json_list
 
 # Outputs default to one absolute folder per user, so every process agrees on it whatever folder
 # it starts in; shown as such in README's settings table (tests/docs/settings_tables.py).
@@ -182,12 +183,7 @@ class StorageSettings(BaseSettings):
     @classmethod
     def _split_sentinels(cls, value: object) -> object:
         # env values are a plain comma list (h1:26379,h2:26379) or a JSON array
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+        return comma_or_json_list(value)
 
     @field_validator("redis_sentinels")
     @classmethod

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kiln.common.defaults import DEADLINE_GRACE_S
+from kiln.common.env_lists import comma_or_json_list
 
 
 class KilnSettings(BaseSettings):
@@ -331,9 +331,4 @@ class KilnSettings(BaseSettings):
     @classmethod
     def _split_commas(cls, value: object) -> object:
         # Env values are plain comma lists (KILN_WEBHOOK_ALLOW_HOSTS=127.0.0.1,::1) or JSON arrays.
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                return json.loads(text)
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+        return comma_or_json_list(value)
