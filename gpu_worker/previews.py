@@ -70,6 +70,11 @@ class LinearLatentMap:
         return torch.einsum("nchw,rc->nrhw", latents, weight) + bias.view(1, 3, 1, 1)
 
 
+def latent_channels(vae: Any) -> int:
+    """Channels of `vae`'s latents: `latent_channels` (image VAEs), else `z_dim` (Wan's)."""
+    return int(getattr(vae.config, "latent_channels", None) or vae.config.z_dim)
+
+
 def fit_linear_map(vae: Any, *, seed: int = 0) -> LinearLatentMap:
     """Least squares from random loop-space latents to what `vae` decodes, pooled per latent pixel.
 
@@ -77,8 +82,7 @@ def fit_linear_map(vae: Any, *, seed: int = 0) -> LinearLatentMap:
     VAE decoder's linear part over them, which is what a latent→RGB preview needs (colours and
     layout, not detail).
     """
-    channels = int(vae.config.latent_channels if hasattr(vae.config, "latent_channels") else 0)
-    channels = channels or int(vae.config.z_dim)
+    channels = latent_channels(vae)
     video = hasattr(vae.config, "z_dim") and hasattr(vae.config, "temperal_downsample")
     generator = torch.Generator(device="cpu").manual_seed(seed)
     shape = (len(FIT_SCALES), channels, FIT_SIDE, FIT_SIDE)
@@ -105,6 +109,9 @@ class TinyAutoencoderDecoder:
     def __init__(self, vae: Any) -> None:
         self.vae = vae
         self.latent_channels = int(vae.config.latent_channels)
+        # where the latents go in: read once, not on every preview
+        parameter = next(vae.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
 
     @classmethod
     def load(cls, folder: Path, device: torch.device, dtype: torch.dtype) -> TinyAutoencoderDecoder:
@@ -117,8 +124,7 @@ class TinyAutoencoderDecoder:
 
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         """(1, C, h, w) → (1, 3, H, W) in [-1, 1]."""
-        param = next(self.vae.parameters())
-        vae_in = to_vae_space(latents.to(param.device, param.dtype), self.vae.config)
+        vae_in = to_vae_space(latents.to(self.device, self.dtype), self.vae.config)
         decoded: torch.Tensor = self.vae.decode(vae_in).sample
         return decoded
 
@@ -142,8 +148,7 @@ def build_decoders(
             if tiny_folder is not None and tiny is None:
                 dtype = next(vae.parameters()).dtype
                 tiny = TinyAutoencoderDecoder.load(tiny_folder, device, dtype)
-            channels = getattr(vae.config, "latent_channels", None) or vae.config.z_dim
-            if tiny is not None and tiny.latent_channels == channels:
+            if tiny is not None and tiny.latent_channels == latent_channels(vae):
                 decoders[name] = tiny
             else:
                 decoders[name] = fit_linear_map(vae)

@@ -154,17 +154,22 @@ def build_tiny_video(workdir: Path) -> WanPipeline:
     )
 
 
+def _t5_shape(vocab: dict[str, int]) -> dict[str, Any]:
+    """The tiny T5-family text encoder's shape (UMT5 for the video pipeline, T5 for the DiT)."""
+    return {
+        "vocab_size": len(vocab),
+        "d_model": TEXT_DIM,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 1,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "pad_token_id": vocab[END_TOKEN],
+    }
+
+
 def _umt5_config(vocab: dict[str, int]) -> UMT5Config:
-    return UMT5Config(
-        vocab_size=len(vocab),
-        d_model=TEXT_DIM,
-        d_kv=8,
-        d_ff=64,
-        num_layers=1,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        pad_token_id=vocab[END_TOKEN],
-    )
+    return UMT5Config(**_t5_shape(vocab))
 
 
 # A trained DiT changes little from one step to the next; random weights feed the timestep's
@@ -212,18 +217,7 @@ def build_tiny_dit(workdir: Path) -> FluxPipeline:
         scaling_factor=1.5035,
     )
     text_encoder = CLIPTextModel(_clip_config(vocab))
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(vocab),
-            d_model=TEXT_DIM,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=vocab[END_TOKEN],
-        )
-    )
+    text_encoder_2 = T5EncoderModel(T5Config(**_t5_shape(vocab)))
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,

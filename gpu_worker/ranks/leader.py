@@ -39,7 +39,6 @@ from kiln.gpu_worker.protocol import (
     ShutdownGroup,
     SleepGroup,
     StepDone,
-    StepPreview,
     StopVerdict,
     WakeGroup,
 )
@@ -127,11 +126,7 @@ def step_sync(
 ) -> StepSync:
     """Rank 0's step callback for `batch`: previewing when a request wants previews."""
     if decoder is not None:
-
-        def send(preview: StepPreview) -> None:
-            link.send(preview)
-
-        tap = PreviewTap(batch, decoder, send)
+        tap = PreviewTap(batch, decoder, link.send)
         if tap.wanted:
             return PreviewingStepSync(batch, runtime, link, tap)
     return StepSync(batch, runtime.control_group, link.decide_stops)

@@ -33,20 +33,18 @@ PipelineName = Annotated[
 )
 def pipeline(ctx: Ctx, name: PipelineName) -> PipelineInfo:
     """The pipeline's input schema (as a live node announces it), limits, adapters, backlog."""
-    submitter = ctx.submitter
-    known = submitter.known_pipelines()
-    if name not in known:
-        raise HTTPException(404, f"no pipeline {name!r}; known: {', '.join(known) or 'none'}")
+    declared = ctx.submitter.declared(name)  # one read of the heartbeats
+    if name not in declared.known:
+        known = ", ".join(declared.known) or "none"
+        raise HTTPException(404, f"no pipeline {name!r}; known: {known}")
     counts = node_counts(ctx.store.live_nodes(), name)
     backlog = read_backlog(ctx.store, ctx.settings, name)
-    schemas = submitter.inputs_for(name)
-    limits = submitter.limits_for(name)
     return PipelineInfo(
         name=name,
         live_nodes=counts.live,
-        inputs=schemas[0] if schemas else None,
-        limits=(limits[0] if limits else PipelineLimits()).to_dict(),
-        adapters=[AdapterInfo(**entry) for entry in adapter_listing(submitter.adapters_for(name))],
+        inputs=declared.inputs[0] if declared.inputs else None,
+        limits=(declared.limits[0] if declared.limits else PipelineLimits()).to_dict(),
+        adapters=[AdapterInfo(**entry) for entry in adapter_listing(declared.adapters)],
         backlog=PipelineBacklogView(
             queued=backlog.queued,
             queued_gpu_seconds=backlog.queued_gpu_s,

@@ -62,11 +62,6 @@ class PipelineBacklog:
     desired_nodes: int
     expected_wait_s: dict[str, float | None]  # per lane: a job submitted now
 
-    @property
-    def total_queued_gpu_s(self) -> float:
-        """Queued GPU-seconds of both lanes."""
-        return sum(self.queued_gpu_s.values())
-
 
 @dataclass(frozen=True)
 class NodeCounts:
@@ -247,8 +242,10 @@ class BacklogCache:
 
     def now(self, pipeline: str) -> tuple[PipelineBacklog, float]:
         """The pipeline's backlog, and the Redis clock now (its read time plus the time since)."""
-        read = self._read.get(pipeline)
-        if read is None or time.monotonic() - read[0] >= ADMISSION_READ_S:
-            read = (time.monotonic(), read_backlog(self.store, self.settings, pipeline))
-            self._read[pipeline] = read  # keys: known pipeline names only (checked before)
-        return read[1], read[1].now + (time.monotonic() - read[0])
+        if not self.is_fresh(pipeline):  # keys: known pipeline names only (checked before)
+            self._read[pipeline] = (
+                time.monotonic(),
+                read_backlog(self.store, self.settings, pipeline),
+            )
+        when, backlog = self._read[pipeline]
+        return backlog, backlog.now + (time.monotonic() - when)

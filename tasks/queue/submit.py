@@ -18,11 +18,10 @@ from typing import Any, Protocol
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from kiln.common.request import DRAWN_SEED_LIMIT, InputSchema
+from kiln.common.request import DRAWN_SEED_LIMIT
 from kiln.storage.errors import StorageError
 from kiln.storage.job_store import JobRecord, JobStore, NewJob, request_fingerprint
-from kiln.tasks.contract.limits import PipelineLimits, declared_limits
-from kiln.tasks.contract.loras import NodeAdapters
+from kiln.tasks.contract.limits import declared_limits
 from kiln.tasks.contract.request_check import (
     PipelineDecl,
     PipelineUnknown,
@@ -104,18 +103,6 @@ class Submitter:
     def live_pipelines(self) -> frozenset[str]:
         """Pipelines some live node serves now (from the same cached read of the heartbeats)."""
         return self._served_now().live
-
-    def limits_for(self, pipeline: str) -> list[PipelineLimits]:
-        """Limits of each live node announcing `pipeline`, else a built-in name's static ones."""
-        return declared_limits(pipeline, self._served_now().limits.get(pipeline, []))
-
-    def inputs_for(self, pipeline: str) -> list[InputSchema]:
-        """The input schema of each live node announcing one for `pipeline`."""
-        return self._served_now().inputs.get(pipeline, [])
-
-    def adapters_for(self, pipeline: str) -> list[NodeAdapters]:
-        """The adapters of each live node announcing them for `pipeline`."""
-        return self._served_now().adapters.get(pipeline, [])
 
     def declared(self, pipeline: str) -> PipelineDecl:
         """What the served pipelines declare about `pipeline`, from one read of the heartbeats."""
