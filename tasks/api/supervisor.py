@@ -59,9 +59,16 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def stop_with_parent() -> None:
-    """In a child before exec: SIGTERM once the supervisor is gone, even killed with SIGKILL."""
+def stop_with_parent(supervisor_pid: int) -> None:
+    """In a child before exec: SIGTERM once the supervisor is gone, even killed with SIGKILL.
+
+    The kernel only signals a parent's death that happens after the request: a supervisor killed
+    between the fork and this call would leave the child serving on, so the child looks once more
+    at its parent after asking, and leaves at once if it has already been handed to another.
+    """
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != supervisor_pid:
+        os._exit(0)
 
 
 @dataclass
@@ -119,8 +126,12 @@ class Supervisor:
         fd = slot.sock.fileno()
         command = [sys.executable, "-m", "kiln.tasks.cli", "api", "--fd", str(fd)]
         # preexec_fn is safe here: the supervisor runs no threads
+        supervisor_pid = os.getpid()
         slot.process = subprocess.Popen(
-            command, env=self.env, pass_fds=(fd,), preexec_fn=stop_with_parent
+            command,
+            env=self.env,
+            pass_fds=(fd,),
+            preexec_fn=lambda: stop_with_parent(supervisor_pid),
         )
         slot.started = time.monotonic()
         log.info("api supervisor: child %d started (pid %d)", slot.index, slot.process.pid)

@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.storage.settings import StorageSettings
+from kiln.tasks.api.supervisor import stop_with_parent
 from kiln.tasks.cli.embedded import free_port, wait_for_port
 from tests.waiting import wait_until
 
@@ -167,3 +168,28 @@ def test_children_stop_when_the_supervisor_is_killed(
     api.process.kill()
     api.process.wait(timeout=30)
     wait_until(lambda: {pid for pid in children if alive(pid)}, lambda left: not left, timeout_s=30)
+
+
+def test_a_child_whose_supervisor_died_before_it_asked_leaves_at_once() -> None:
+    # The window the kernel's parent-death signal cannot cover: the supervisor gone between the
+    # fork and the child's request. A parent other than the supervisor stands for that here.
+    not_the_parent = os.getppid()  # this test's parent: never the child's
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        preexec_fn=lambda: stop_with_parent(not_the_parent),
+    )
+    assert child.wait(timeout=30) == 0
+
+
+def test_a_child_of_a_live_supervisor_keeps_running() -> None:
+    supervisor = os.getpid()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        preexec_fn=lambda: stop_with_parent(supervisor),
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=1)
+    finally:
+        child.kill()
+        child.wait()
