@@ -236,7 +236,10 @@ class DiffusersPipeline:
         first = requests[0]
         kwargs = batch_kwargs(requests, self._call_params, is_video=self.is_video)
         kwargs.update(extra_kwargs(self.input_schema(), first.extra_inputs))
-        kwargs = image_call_kwargs(kwargs, first, self.input_schema(), self._call_params)
+        outputs = sum(request.num_outputs for request in requests)
+        kwargs = image_call_kwargs(
+            kwargs, first, self.input_schema(), self._call_params, outputs=outputs
+        )
         kwargs.update(step_hook_kwargs(self.pipe, self._call_params, first.steps, on_step_end))
         return kwargs
 

@@ -160,9 +160,9 @@ def test_img2img_from_an_upload_and_from_a_url_is_the_same_picture(
         inputs: dict[str, InputScalar] = {"image": image, "strength": 0.6}
         return alice.submit(JobRequest(**IMAGE_JOB, pipeline="tiny-img2img", inputs=inputs))
 
-    # one after the other, as the inpainting test below (batched image inputs: see there)
-    sources = (upload.ref, f"{images}/cat.png", f"{images}/dog.png")
-    from_upload, from_url, other = (finished(alice, img2img(image)) for image in sources)
+    # Submitted together: the upload and the URL carry the same bytes, so they may share a forward.
+    jobs = [img2img(upload.ref), img2img(f"{images}/cat.png"), img2img(f"{images}/dog.png")]
+    from_upload, from_url, other = (finished(alice, job) for job in jobs)
     outputs = [output_bytes(cluster, view) for view in (from_upload, from_url, other)]
     for data in outputs:
         assert Image.open(io.BytesIO(data)).size == (64, 64)  # the request's, not the input's
@@ -181,10 +181,9 @@ def test_inpainting_with_an_uploaded_image_and_a_mask_url(
 ) -> None:
     inputs = {"image": alice.upload(CAT).ref, "mask_image": f"{images}/mask.png"}
     fields = {**IMAGE_JOB, "height": 96, "pipeline": "tiny-inpaint", "inputs": inputs}
-    # one after the other: two identical inpaint requests sharing one forward came out with
-    # different bytes once (a defect of batched image inputs, not yet found; see the stop note)
-    first = finished(alice, alice.submit(JobRequest(**fields)))
-    second = finished(alice, alice.submit(JobRequest(**fields)))
+    # Submitted together, so they may share a forward: an output's bytes depend on its request only.
+    jobs = [alice.submit(JobRequest(**fields)) for _ in range(2)]
+    first, second = (finished(alice, job) for job in jobs)
     data = output_bytes(cluster, first)
     assert Image.open(io.BytesIO(data)).size == (64, 96)
     assert output_bytes(cluster, second) == data
