@@ -12,8 +12,19 @@ their cached residual reused. Thresholds per mode (`SPEED_THRESHOLDS`):
   at 8; its output stays within 4 of 255 of `exact` there (docs/operations.md, "Speed modes").
 
 A zero threshold never skips (the change must be above it), so it computes exactly what `exact`
-does. On CUDA, a float32 denoiser also runs its matmuls in TF32 in the two faster modes; both
-torch flags are restored after the forward.
+does.
+
+Under context parallelism each rank's first block sees only its slice of the sequence, so the change
+it measures is its slice's; decided per rank, one rank could skip the other blocks while another
+runs them, and the one running waits in the attention's collectives until the group times out (seen
+with two gloo ranks: the slices measured 0.152 and 0.162 against a threshold between them). So while
+a forward runs context parallel, the ranks add up their slices' absolute changes and magnitudes (one
+all-reduce of two numbers per denoiser call, over diffusers' context-parallel mesh) and every rank
+decides on the whole sequence's ratio: the decision one rank with the whole sequence makes.
+Row-split forwards need no agreement: no collective runs inside the blocks, each rank decides for
+its own rows (as a smaller batch would), and the all-gather after the forward is the same for all.
+On CUDA, a float32 denoiser also runs its matmuls in TF32 in the two faster modes; both torch flags
+are restored after the forward.
 
 A pipeline serves the faster modes only where the hook works: its denoiser is a diffusers
 `CacheMixin` model whose transformer blocks diffusers knows, and its `__call__` wraps each
@@ -24,6 +35,7 @@ the rest; they never run a faster mode silently as `exact`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -31,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kiln.common.request import DEFAULT_SPEED, SPEED_MODES, declared_speed_modes
 from kiln.gpu_worker.inputs import declared_input_schema
@@ -159,6 +172,7 @@ def applied_speed(
     counter = BlockCounter(len(blocks))
     cached: Any = denoiser  # a CacheMixin: speed_modes admitted it
     cached.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    agree_across_context_ranks(denoiser, blocks[0])
     handle = blocks[0].register_forward_hook(counter.after_head)
     try:
         with lower_precision(enabled=tf32):
@@ -166,6 +180,54 @@ def applied_speed(
     finally:
         handle.remove()
         cached.disable_cache()
+
+
+def agree_across_context_ranks(denoiser: torch.nn.Module, head: torch.nn.Module) -> None:
+    """Make the head hook's skip decision the same on every context-parallel rank (see above)."""
+    registry: Any = getattr(head, "_diffusers_hook", None)
+    hook = registry.get_hook(_HEAD_HOOK) if registry is not None else None
+    if hook is None:
+        raise RuntimeError(f"{type(denoiser).__name__}: First Block Cache left no head hook")
+    # An instance attribute shadows the hook's own method; the hook goes with `disable_cache`.
+    # Never traced, as diffusers' own decision: a host-side branch. Wrapped here, not by a
+    # decorator, so importing this module does not load torch's compiler (seconds per rank start).
+    decide = torch.compiler.disable(_shared_decision)
+    hook._should_compute_remaining_blocks = functools.partial(decide, hook, denoiser)
+
+
+def _shared_decision(hook: Any, denoiser: torch.nn.Module, residual: torch.Tensor) -> bool:
+    group = context_parallel_group(denoiser)
+    if group is None:  # the whole sequence is here: diffusers' own decision, unchanged
+        return bool(type(hook)._should_compute_remaining_blocks(hook, residual))
+    previous = hook.state_manager.get_state().head_block_residual
+    if previous is None:  # the first call of a context, on every rank alike
+        return True
+    # Sums, not means: slices may differ in length, and the ratio of the sums over every slice is
+    # the ratio of the whole sequence's means. Float32 sums: a bf16 sum of a slice rounds coarsely.
+    sums = torch.stack(
+        [
+            (residual - previous).abs().sum(dtype=torch.float32),
+            previous.abs().sum(dtype=torch.float32),
+        ]
+    )
+    dist.all_reduce(sums, group=group)
+    change, magnitude = sums.tolist()
+    return bool(change / magnitude > hook.threshold)
+
+
+def context_parallel_group(denoiser: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The ranks this denoiser's next call splits its sequence across; None when it runs whole.
+
+    diffusers keeps the configuration on the model (`_parallel_config`); Kiln's per-forward
+    switch (`gpu_worker.parallel.context.ContextSwitch`) clears it while a call splits rows.
+    """
+    parallel: Any = getattr(denoiser, "_parallel_config", None)
+    context = getattr(parallel, "context_parallel_config", None)
+    mesh = getattr(context, "_flattened_mesh", None)
+    if mesh is None or mesh.size() < 2:
+        return None
+    group: dist.ProcessGroup = mesh.get_group()
+    return group
 
 
 @contextmanager

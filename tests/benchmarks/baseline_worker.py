@@ -1,16 +1,18 @@
 """The hand-written Celery worker Kiln must beat (FACTS.md): what a team writes without Kiln.
 
 One task per job, doing the steps in order in one process: run the pipeline (loaded once,
-in-process, warmed up), PNG via imageio, `put_object` via boto3, status hash in Redis. Solo pool,
-`acks_late`, prefetch 1. Started by `bench_node.py`:
+in-process, on `--device`, warmed up), PNG via imageio, `put_object` via boto3, status hash in
+Redis. Solo pool, `acks_late`, prefetch 1. Started by `bench_node.py` and `bench_gpu_e2e.py`:
 
     .venv/bin/python -m tests.benchmarks.baseline_worker --redis-url URL --namespace NS \
         --queue Q --endpoint http://127.0.0.1:PORT --bucket B --pipeline tiny=tiny \
-        --pipeline busy=python:tests.benchmarks.bench_pipelines:busy
+        --pipeline busy=python:tests.benchmarks.bench_pipelines:busy [--device cuda:0]
 
 Producers send `baseline.run_job(job_id, request)` with `send_job`; the task writes
-`{ns}:baseline:job:{id}` = {state, started_at, finished_at, run_s, encode_s, upload_s, key}.
-`{ns}:baseline:ready` is set once every pipeline is loaded and warm.
+`{ns}:baseline:job:{id}` = {state, started_at, finished_at, run_s, encode_s, upload_s, peak_mb,
+key}; `peak_mb` is measured as a Kiln rank measures it (`gpu_worker.memory.PeakMemory`: CUDA peak
+allocated on a GPU, else peak RSS). `{ns}:baseline:ready` is set once every pipeline is loaded
+and warm.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class BaselineProcess:
         pipelines: dict[str, str],
         env: dict[str, str],
         log_path: Path,
+        device: str = "cpu",
     ) -> BaselineProcess:
         """Spawn `python -m tests.benchmarks.baseline_worker` (returns at once)."""
         queue = f"{namespace}.jobs"
@@ -106,6 +109,8 @@ class BaselineProcess:
             endpoint,
             "--bucket",
             bucket,
+            "--device",
+            device,
         ]
         for name, spec in pipelines.items():
             args += ["--pipeline", f"{name}={spec}"]
@@ -155,23 +160,25 @@ class Worker:
 
     namespace: str
     bucket: str
+    device: str = "cpu"
     pipelines: dict[str, Any] = field(default_factory=dict)
     s3: Any = None
     redis: Any = None
 
 
 def load(worker: Worker, specs: dict[str, str], redis_url: str, endpoint: str) -> None:
-    """Load every pipeline on the CPU and warm each up with one small request."""
+    """Load every pipeline on the worker's device and warm each up with one small request."""
     import torch
 
     from kiln.gpu_worker.pipelines import load_pipeline
     from kiln.gpu_worker.protocol import GenerationRequest
 
+    device = torch.device(worker.device)
     # A Kiln rank's default (GroupConfig: cores / ranks); bench_node.py loads `tiny` through
     # bench_pipelines:tiny, which then pins KILN_BENCH_TORCH_THREADS like it does on every side.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     for name, spec in specs.items():
-        pipeline = load_pipeline(spec, torch.device("cpu"))
+        pipeline = load_pipeline(spec, device)
         warm = GenerationRequest("warmup", name, "warm-up", 64, 64, 2, seed=0, guidance_scale=5.0)
         pipeline.run([warm], lambda _step, _total: None)
         worker.pipelines[name] = pipeline
@@ -188,7 +195,9 @@ def load(worker: Worker, specs: dict[str, str], redis_url: str, endpoint: str) -
 def run_job(worker: Worker, job_id: str, request: dict[str, Any]) -> None:
     """The steps, in order: status, pipeline, PNG, upload, status."""
     import imageio.v3 as iio
+    import torch
 
+    from kiln.gpu_worker.memory import PeakMemory
     from kiln.gpu_worker.protocol import GenerationRequest
 
     key = job_key(worker.namespace, job_id)
@@ -203,9 +212,12 @@ def run_job(worker: Worker, job_id: str, request: dict[str, Any]) -> None:
         seed=int(request["seed"]),
         guidance_scale=float(request["guidance_scale"]),
     )
+    peak = PeakMemory(torch.device(worker.device))
+    peak.reset()
     started = time.perf_counter()
     frames = worker.pipelines[generation.pipeline].run([generation], lambda _step, _total: None)
     ran = time.perf_counter()
+    peak_mb = peak.measure().peak_mb
     data = iio.imwrite("<bytes>", frames[0][0][0], extension=".png")
     encoded = time.perf_counter()
     object_key = f"baseline/{job_id}/0.png"
@@ -219,6 +231,7 @@ def run_job(worker: Worker, job_id: str, request: dict[str, Any]) -> None:
             "run_s": ran - started,
             "encode_s": encoded - ran,
             "upload_s": uploaded - encoded,
+            "peak_mb": peak_mb,
             "key": object_key,
         },
     )
@@ -233,9 +246,10 @@ def main() -> None:
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--bucket", required=True)
     parser.add_argument("--pipeline", action="append", default=[], help="NAME=SPEC")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda:<index>")
     args = parser.parse_args()
     specs = dict(item.split("=", 1) for item in args.pipeline)
-    worker = Worker(args.namespace, args.bucket)
+    worker = Worker(args.namespace, args.bucket, args.device)
     load(worker, specs, args.redis_url, args.endpoint)
     app = make_app(args.redis_url, args.namespace)
 
