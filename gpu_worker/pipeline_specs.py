@@ -13,7 +13,9 @@ worker's working directory, so they find it alike.
 `check_spec_form` is plain parsing and file checks, no torch: `kiln worker` runs it first, so a
 misspelled spec is refused before anything heavy loads. `check_python_spec` imports the module and
 looks at its factory without calling it (that loads the model; the ranks do it, and
-`kiln pipeline check` does it in-process). Each refusal is a `SpecError`: one line.
+`kiln pipeline check` does it in-process). Each refusal is a `SpecError`: one line. Neither loads
+torch (only a user's module may): `kiln worker` runs both before anything heavy is imported. What
+only the load shows, a rank reports as a `PipelineRefused`, one line as well.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
 import typing
@@ -41,6 +44,9 @@ SPEC_GRAMMAR = (
 )
 # What marks a diffusers target as a folder rather than a hub id (`org/name`).
 _PATH_PREFIXES = ("/", "./", "../", "~")
+# The members of the `Pipeline` protocol (gpu_worker/pipelines/base.py), named once here, where no
+# torch is loaded, so that a factory is checked before anything heavy is imported.
+PIPELINE_MEMBERS: tuple[str, ...] = ("name", "supported_fields", "validate", "run", "denoiser")
 
 
 class SpecError(ValueError):
@@ -49,6 +55,39 @@ class SpecError(ValueError):
 
 class NotAPipeline(SpecError, TypeError):
     """A `python:` factory made something that is not a `Pipeline`."""
+
+
+class PipelineRefused(SpecError):
+    """A rank could not load pipeline `name` for a fault of its spec (`reason`, one line).
+
+    What only loading shows: a factory that says nothing of what it returns and returns no
+    pipeline, or a module the rank cannot import. The rank reports it as `rank_message()` instead
+    of a traceback; its owner's start-up error carries that text, where `found_in` reads it back,
+    so the worker says it in one line and exits as for a spec refused before any rank started.
+    """
+
+    MARK = "pipeline refused: "  # starts the line a rank sends; JSON [name, reason] follows
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"pipeline {name}: {reason}")
+        self.name = name
+        self.reason = reason
+
+    def rank_message(self) -> str:
+        """The one line a rank sends its owner in place of a traceback."""
+        return self.MARK + json.dumps([self.name, self.reason])
+
+    @classmethod
+    def found_in(cls, text: str) -> PipelineRefused | None:
+        """The refusal a rank's `rank_message()` carries within `text` (an error's), or None."""
+        for line in text.splitlines():
+            if line.startswith(cls.MARK):
+                try:
+                    name, reason = json.loads(line.removeprefix(cls.MARK))
+                except (ValueError, TypeError):  # not a refusal's line after all
+                    return None
+                return cls(str(name), str(reason))
+        return None
 
 
 @dataclass(frozen=True)
@@ -165,12 +204,14 @@ def import_factory(parsed: PipelineSpec) -> Any:
     return factory
 
 
-def check_python_spec(parsed: PipelineSpec, members: tuple[str, ...]) -> None:
+def check_python_spec(parsed: PipelineSpec, members: tuple[str, ...] = PIPELINE_MEMBERS) -> None:
     """Import a `python:` spec's module and check its factory without calling it.
 
     `members` are the `Pipeline` protocol's members. The factory must be callable with one
     argument (the device); a factory that is a class, or whose return annotation is one, must
-    define the protocol's methods. What it returns is checked again where it is called.
+    define the protocol's methods. A factory that says nothing of what it returns cannot be
+    checked here (calling it loads the model): what it returns is checked where it is called,
+    in the ranks (`NotAPipeline`).
     """
     factory = import_factory(parsed)
     if not callable(factory):

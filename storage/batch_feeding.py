@@ -68,13 +68,18 @@ class BatchFeeding(StoreBase):
         jobs created (or found) for those lines; `ended` = (lines ended without a job, the reason,
         the object key of their result part): a write with lines ended is the wind-down's, any
         other one feeds new jobs and is refused (`stopping`) once the batch was asked to stop.
-        Nothing is written unless `applied`.
+        Lines ended are counted as finished under their reason (`storage.counters`), as lines
+        whose job ended are. Nothing is written unless `applied`.
         """
         token, owner = lease
         new_cursor, offset = cursor
         count, reason, part = ended
         mode = "end" if reason else "feed"
-        keys = [*self._feeder_keys(batch_id), self.keys.batch_parts(batch_id)]
+        keys = [
+            *self._feeder_keys(batch_id),
+            self.keys.batch_parts(batch_id),
+            self.keys.finished_counts,
+        ]
         flat: list[str | int] = []
         for job_id, line in opened:
             flat += [line, job_id]

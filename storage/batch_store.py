@@ -103,6 +103,7 @@ class BatchStore(StoreBase):
             k.batch_seq,
             k.batch_parts(new.id),
             k.batch(new.parent_id) if new.parent_id and valid_id(new.parent_id) else "",
+            k.finished_counts,
         ]
         retried = " ".join(sorted(new.retried))
         args = [

@@ -3,7 +3,10 @@
 `finished_counts` reads `keys.finished_counts`: the terminal transition of a job
 (storage/lua/_machine.lua, `finish`) and the end of a fed batch (batch_finish.lua) add 1 there in
 the same atomic step that ends it; a transition refused or retried (the job already terminal, the
-batch's lease gone) writes nothing, so nothing is counted twice. The hash has no TTL: the counts
+batch's lease gone) writes nothing, so nothing is counted twice. A batch line is counted once
+whichever way it ends: its job's terminal transition; the feeder's write that ends it without a
+job (batch_fed.lua: canceled, expired or failed before it was fed); or, refused at submit
+(`INVALID_LINES`), the batch's creation (batch_submit.lua). The hash has no TTL: the counts
 stay right after the records they count have expired, and every API process or node reading it
 sees the same numbers. `live_batches` counts the batches still being fed or finished by status.
 """
@@ -17,13 +20,18 @@ from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
 
+# The status of a batch line refused at submit (its result line's, tasks/contract/batches.py
+# INVALID): with the terminal job states, what a finished batch line is counted under.
+INVALID_LINES = "invalid"
+LINE_STATUSES: tuple[str, ...] = (*sorted(TERMINAL_STATES), INVALID_LINES)
+
 
 @dataclass(frozen=True)
 class FinishedCounts:
-    """Jobs finished per (queue, terminal state), batch lines per state, batches per status."""
+    """Jobs finished per (queue, terminal state), batch lines per status, batches per status."""
 
     jobs: dict[tuple[str, JobState], int] = field(default_factory=dict)
-    lines: dict[JobState, int] = field(default_factory=dict)
+    lines: dict[str, int] = field(default_factory=dict)  # by LINE_STATUSES
     batches: dict[str, int] = field(default_factory=dict)
 
 
@@ -37,12 +45,10 @@ def finished_counts(store: StoreBase) -> FinishedCounts:
             counts.batches[rest] = int(value)
             continue
         queue, _, state = rest.rpartition("/")
-        if state not in TERMINAL_STATES:
-            continue
-        if kind == "job":
+        if kind == "line" and not queue and state in LINE_STATUSES:
+            counts.lines[state] = int(value)
+        elif kind == "job" and state in TERMINAL_STATES:
             counts.jobs[queue, JobState(state)] = int(value)
-        elif kind == "line" and not queue:
-            counts.lines[JobState(state)] = int(value)
     return counts
 
 

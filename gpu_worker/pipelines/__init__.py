@@ -12,6 +12,7 @@ import torch
 
 from kiln.common.limits import TINY_LIMITS
 from kiln.gpu_worker.pipeline_specs import (
+    PIPELINE_MEMBERS,
     TINY_SPECS,
     NotAPipeline,
     PipelineSpec,
@@ -23,7 +24,6 @@ from kiln.gpu_worker.pipeline_specs import (
     tiny_base,
 )
 from kiln.gpu_worker.pipelines.base import (
-    PIPELINE_MEMBERS,
     Pipeline,
     PipelineFactory,
     StepCallback,

@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from kiln.gpu_worker.pipeline_specs import PIPELINE_MEMBERS
 from kiln.gpu_worker.protocol import GenerationRequest
 
 StepCallback = Callable[[int, int], None]
@@ -53,9 +54,6 @@ class Pipeline(Protocol):
 
 
 PipelineFactory = Callable[[torch.device], Pipeline]
-
-# The members a `Pipeline` must have, as `isinstance(x, Pipeline)` checks them.
-PIPELINE_MEMBERS: tuple[str, ...] = ("name", "supported_fields", "validate", "run", "denoiser")
 
 
 def missing_members(candidate: object) -> list[str]:

@@ -1,7 +1,8 @@
 """The spawn target of every rank (`rank_main`): start, announce readiness, serve its role, exit.
 
 What a rank tells its owner over its status pipe: `RankReady` (with its pipelines' limits) or
-`RankFailed` at start, and a fatal `RankFault` when its serving loop ends in an error.
+`RankFailed` at start (its traceback, or the one line of a `PipelineRefused`), and a fatal
+`RankFault` when its serving loop ends in an error.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from multiprocessing.connection import Connection
 from kiln.gpu_worker.inputs import declared_input_schema
 from kiln.gpu_worker.limits import declared_limits
 from kiln.gpu_worker.logs import configure_rank_logging
+from kiln.gpu_worker.pipeline_specs import PipelineRefused
 from kiln.gpu_worker.protocol import FailureKind, RankFailed, RankFault, RankReady
 from kiln.gpu_worker.ranks.follower import follow
 from kiln.gpu_worker.ranks.leader import LeaderLink, lead
@@ -50,6 +52,9 @@ def rank_main(args: RankArgs, pipes: RankPipes) -> None:
         limits = {name: declared_limits(pipeline) for name, pipeline in runtime.pipelines.items()}
         schemas = {name: declared_input_schema(p) for name, p in runtime.pipelines.items()}
         inputs = {name: schema for name, schema in schemas.items() if schema is not None}
+    except PipelineRefused as exc:  # the spec's fault, said in one line: no traceback helps
+        send_quietly(pipes.status, RankFailed(args.rank, exc.rank_message()))
+        exit_rank(1)
     except BaseException:
         send_quietly(pipes.status, RankFailed(args.rank, traceback.format_exc()))
         exit_rank(1)

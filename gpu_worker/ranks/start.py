@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.gpu_worker.parallel import ParallelSpec, apply_parallel
+from kiln.gpu_worker.pipeline_specs import PipelineRefused, SpecError
 from kiln.gpu_worker.pipelines import Pipeline, load_pipeline
 from kiln.gpu_worker.pipelines.compile import (
     compile_denoiser,
@@ -83,11 +84,17 @@ def start_rank(args: RankArgs) -> RankRuntime:
 
 
 def load_resident(runtime: RankRuntime) -> None:
-    """Load each pipeline, compile (`KILN_COMPILE`) and parallelise its denoiser; start, wake."""
+    """Load each pipeline, compile (`KILN_COMPILE`) and parallelise its denoiser; start, wake.
+
+    A spec that loads no pipeline raises `PipelineRefused` naming it (one line, no traceback).
+    """
     args = runtime.args
     settings = args.settings or GpuWorkerSettings()
     for name, spec in args.pipelines.items():
-        pipeline = load_pipeline(spec, runtime.device, args.settings)
+        try:
+            pipeline = load_pipeline(spec, runtime.device, args.settings)
+        except SpecError as exc:  # the spec's fault, e.g. a factory that made no pipeline
+            raise PipelineRefused(name, str(exc)) from None
         if settings.compile:
             compile_denoiser(pipeline, settings.compile_mode)
         if pipeline.denoiser() is None and args.parallel.mode != "none":

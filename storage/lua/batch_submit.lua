@@ -1,6 +1,8 @@
 -- batch_submit: create a fed batch's record (status running, cursor at the start, a zero counter
 -- per job state, `total` = its valid items) and list it among the active batches, in the index of
--- every batch and in its owner's; an existing record is left as it is. A retry (a parent record
+-- every batch and in its owner's; an existing record is left as it is. Its invalid lines (refused
+-- at submit, each with its result line already) are counted as finished lines, `line/invalid`,
+-- in the step that creates it. A retry (a parent record
 -- given) is appended to its parent's `retries` in the same step, and is refused while a retry of
 -- the same lines (one of its statuses) has not ended: the parent's `retry_<status>` field names
 -- the retry that took those lines last. A retry's idempotency key is bound on the parent (field
@@ -14,6 +16,7 @@
 -- KEYS[5] = batch sequence (counter)
 -- KEYS[6] = result parts (list of object keys)
 -- KEYS[7] = the parent batch's record ('' unless this batch retries another)
+-- KEYS[8] = finished counts (hash: monotonic counters of terminal transitions)
 -- ARGV[1] = batch id
 -- ARGV[2] = the record's own fields: a JSON object of strings (items, lines, input_key, ...)
 -- ARGV[3] = completion window (s): the batch expires this long after its creation
@@ -25,7 +28,7 @@
 -- ARGV[9..] = the job state names: one counter `n_<state>` each
 local batch_key, active_key, all_key, owner_key, seq_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
   KEYS[5]
-local parts_key, parent_key = KEYS[6], KEYS[7]
+local parts_key, parent_key, finished_key = KEYS[6], KEYS[7], KEYS[8]
 local batch_id, fields, window_s, invalid_part = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local retried, idem, batch_prefix, check_only = ARGV[5], ARGV[6], ARGV[7], ARGV[8] == '1'
 local states = {unpack(ARGV, 9)}
@@ -57,7 +60,10 @@ local seq = redis.call('INCR', seq_key)
 local deadline = string.format('%.6f', tonumber(time) + tonumber(window_s))
 redis.call('HSET', batch_key, 'created_at', time, 'seq', seq, 'status', B.running, 'fed', 0,
   'offset', 0, 'deadline', deadline, 'window_s', window_s, 'fence', 0)
-for name, value in pairs(cjson.decode(fields)) do redis.call('HSET', batch_key, name, value) end
+local record = cjson.decode(fields)
+for name, value in pairs(record) do redis.call('HSET', batch_key, name, value) end
+local invalid = tonumber(record.invalid or '0')
+if invalid > 0 then redis.call('HINCRBY', finished_key, 'line/invalid', invalid) end
 for _, state in ipairs(states) do redis.call('HSET', batch_key, 'n_' .. state, 0) end
 redis.call('ZADD', active_key, seq, batch_id)
 redis.call('ZADD', all_key, seq, batch_id)

@@ -10,7 +10,9 @@
 - `kiln_jobs_finished_total{pipeline,lane,state}`, `kiln_batch_lines_finished_total{state}` and
   `kiln_batches_finished_total{state}`: monotonic counters kept in Redis (storage/counters.py),
   added to by the step that ends each job, batch line or batch, so they stay right after records
-  expire and read the same from every API process and node; `kiln_batches{state}`: batches still
+  expire and read the same from every API process and node. A batch line counts once however it
+  ends: by its job's terminal state, ended before it became a job (canceled, expired, failed),
+  or `invalid` (refused at submit); `kiln_batches{state}`: batches still
   being fed or finished. Every API instance exports the same deployment-wide values: combine
   instances with max, e.g. lines per second
   `max(sum by (instance) (rate(kiln_batch_lines_finished_total[5m])))`.
@@ -51,7 +53,12 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.common.states import TERMINAL_STATES
-from kiln.storage.counters import FinishedCounts, finished_counts, live_batches
+from kiln.storage.counters import (
+    LINE_STATUSES,
+    FinishedCounts,
+    finished_counts,
+    live_batches,
+)
 from kiln.storage.errors import StorageError
 from kiln.storage.gauges import job_counts, list_lengths
 from kiln.tasks.api.context import ApiContext
@@ -162,11 +169,12 @@ class FinishedCollector(Collector):
         yield self.jobs_finished(counts)
         lines = CounterMetricFamily(
             "kiln_batch_lines_finished",
-            "Batch lines whose job reached a terminal state, by that state.",
+            "Batch lines that ended, by the status of their result: their job's terminal state, "
+            "that of a line ended before it became a job, or invalid (refused at submit).",
             labels=["state"],
         )
-        for state in sorted(TERMINAL_STATES):
-            lines.add_metric([str(state)], counts.lines.get(state, 0))
+        for status in LINE_STATUSES:
+            lines.add_metric([status], counts.lines.get(status, 0))
         yield lines
         batches_finished = CounterMetricFamily(
             "kiln_batches_finished", "Batches that ended, by final status.", labels=["state"]

@@ -16,7 +16,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from kiln.common.states import is_final_batch
-from kiln.tasks.cli.exits import print_json, stdout_console
+from kiln.tasks.cli.consoles import stdout_console
+from kiln.tasks.cli.exits import print_json
 from kiln.tasks.contract.batches import BatchCounts, BatchList, BatchView
 
 

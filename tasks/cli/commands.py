@@ -19,13 +19,13 @@ from kiln.common.states import JobState
 from kiln.storage.base import require_supported_redis
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
+from kiln.tasks.cli.consoles import stdout_console
 from kiln.tasks.cli.exits import (
     EXIT_ALREADY_FINISHED,
     EXIT_JOB_FAILED,
     EXIT_NOT_SERVED,
     UsageError,
     print_json,
-    stdout_console,
 )
 from kiln.tasks.cli.input_files import upload_file
 from kiln.tasks.cli.progress import wait_for_jobs
@@ -48,6 +48,7 @@ SUBMIT_FIELDS = (
     "output_format",
     "priority",
     "max_run_seconds",
+    "speed",
 )
 
 
@@ -56,39 +57,6 @@ def backend_for(args: argparse.Namespace) -> JobsBackend:
     if getattr(args, "api", None):
         return HttpBackend(args.api, args.api_key)
     return DirectBackend()
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    """`kiln worker`."""
-    require_supported_redis(StorageSettings())  # one line, before torch and Celery load
-    # Deferred: the node loads torch and the Celery worker.
-    from kiln.tasks.node.worker import WorkerOptions, parse_lanes, parse_pipelines, run_worker
-
-    try:
-        options = WorkerOptions(
-            pipelines=parse_pipelines(args.pipeline),
-            devices=args.devices,
-            lanes=parse_lanes(args.queues),
-            max_batch=args.max_batch,
-            batch_window_ms=args.batch_window_ms,
-            parallel=args.parallel,
-            concurrency=args.concurrency,
-            webhooks=args.webhooks,
-            node_id=args.node_id,
-            loglevel=args.loglevel,
-            group_size=args.group_size,
-            lora_dir=args.lora_dir,
-            idle_sleep_s=args.idle_sleep_s,
-            sleep_mode=args.sleep_mode,
-            compile=args.compile,
-            warmup=tuple(args.warmup),
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    if options.max_batch < 1:
-        raise UsageError("--max-batch must be at least 1")
-    run_worker(options)
-    return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -1,11 +1,13 @@
-"""How the `kiln` command line ends: exit codes, the one-line usage error, JSON output."""
+"""How the `kiln` command line ends: exit codes, the one-line usage error, JSON output.
+
+Imported by every command before it starts (`kiln worker` among them, whose refusals must come
+quickly): the standard library only. The console for text output is `cli.consoles`.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
-
-from rich.console import Console
 
 EXIT_JOB_FAILED = 1  # a job ended badly, or a service refused the request
 EXIT_USAGE = 2  # a mistake in the command line, a setting or a job request
@@ -17,20 +19,6 @@ EXIT_PIPE_CLOSED = 141  # the reader of the output went away (`| head`), as SIGP
 
 class UsageError(Exception):
     """A mistake in what the user asked for; printed as one line."""
-
-
-class _PipeConsole(Console):
-    """A rich console whose closed pipe raises BrokenPipeError (rich itself exits with 1)."""
-
-    def on_broken_pipe(self) -> None:
-        """Stop writing; `cli.main` ends the command quietly."""
-        self.quiet = True
-        raise BrokenPipeError
-
-
-def stdout_console() -> Console:
-    """The console for a command's output on stdout."""
-    return _PipeConsole()
 
 
 def print_json(data: Any) -> None:

@@ -3,31 +3,25 @@
 User mistakes print one clear line and exit 2; a job that ends badly exits 1; no tracebacks.
 Every option's help shows its default; a mistake in a subcommand's arguments prints that
 subcommand's usage. Job and batch ids may be given as any unique prefix (`cli.short_ids`).
+
+What a command does not use is not imported: this module loads the standard library and
+`cli.worker` only. `kiln worker` builds its own parser alone and checks its pipelines before the
+settings check and anything heavy (`cli.worker`); the other commands load the rest of the CLI
+(the contract's models, the client, Redis) once their command is known.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from kiln.common.defaults import BATCH_WINDOW_S, MAX_BATCH
-from kiln.common.request import Lane
-from kiln.storage.errors import JobNotFound, StorageError
-from kiln.tasks.cli import admin as admin_cli
-from kiln.tasks.cli import batch as batch_cli
-from kiln.tasks.cli import commands as c
-from kiln.tasks.cli import config as config_cli
-from kiln.tasks.cli import pipeline as pipeline_cli
-from kiln.tasks.cli.backends import remote_args
-from kiln.tasks.cli.embedded import DemoFailed
+from kiln.common.request import SPEED_MODES, Lane
+from kiln.tasks.cli import worker as worker_cli
 from kiln.tasks.cli.exits import (
     EXIT_ALREADY_FINISHED,
     EXIT_JOB_FAILED,
@@ -37,10 +31,9 @@ from kiln.tasks.cli.exits import (
     EXIT_WAIT_TIMEOUT,
     UsageError,
 )
-from kiln.tasks.cli.progress import JobWaitTimeout
-from kiln.tasks.cli.short_ids import JOB_ID_HELP
-from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.settings import KilnSettings
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 __all__ = [
     "EXIT_ALREADY_FINISHED",
@@ -95,19 +88,39 @@ class KilnParser(argparse.ArgumentParser):
 
 
 def _version() -> str:
+    import importlib.metadata  # slow to load: only for `--version`
+
     try:
         return importlib.metadata.version("kiln")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
         return "unknown"
 
 
+class _VersionShown(argparse._VersionAction):
+    """`--version`: the installed distribution's version, read only when asked for."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        self.version = f"kiln {_version()}"
+        super().__call__(parser, namespace, values, option_string)
+
+
 def _job_args(parser: argparse.ArgumentParser) -> None:
+    from kiln.tasks.cli.backends import remote_args
+
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     remote_args(parser)
 
 
 def _request_default(field: str) -> str:
     """`(default: X)` of a job request field: what JobRequest fills in when it is left out."""
+    from kiln.tasks.contract.schemas import JobRequest
+
     default = JobRequest.model_fields[field].default
     return "(default: drawn at submit)" if default is None else f"(default: {default})"
 
@@ -155,6 +168,13 @@ def _add_submit(sub: Any) -> None:
     )
     p.add_argument(
         "--max-run-seconds", type=float, help="deadline of one run, in seconds (default: none)"
+    )
+    p.add_argument(
+        "--speed",
+        choices=SPEED_MODES,
+        help="exact runs the model as it is; balanced and fast skip denoiser blocks whose output "
+        "barely changes between steps (faster, slightly different pixels); a pipeline that "
+        f"serves exact only refuses the others {_request_default('speed')}",
     )
     p.add_argument(
         "--input",
@@ -205,78 +225,9 @@ def _wait_for_node_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_worker(sub: Any) -> None:
-    w = sub.add_parser("worker", help="run a node worker (or a webhooks worker)")
-    w.add_argument("--pipeline", action="append", default=[], help="NAME or NAME=SPEC; repeatable")
-    w.add_argument("--devices", default="cpu:1", help="cpu:N or cuda:0,cuda:1")
-    w.add_argument("--queues", default=",".join(Lane), help="lanes, in priority order")
-    w.add_argument("--max-batch", type=int, default=MAX_BATCH, help="most jobs run together")
-    w.add_argument(
-        "--batch-window-ms",
-        type=float,
-        default=BATCH_WINDOW_S * 1000,
-        help="how long an idle group waits for compatible jobs to batch with the first "
-        "(jobs that queue up while the group is busy are batched anyway)",
-    )
-    w.add_argument(
-        "--parallel",
-        choices=["auto", "none", "batch", "context"],
-        default="auto",
-        help="how ranks share a job: auto = split batch rows, context parallel where the model "
-        "has a plan (none is for one device)",
-    )
-    w.add_argument(
-        "--group-size",
-        type=int,
-        help="ranks per replica group: the devices split into independent groups of this many "
-        "ranks, each job going to the least busy group (default: one group over all devices)",
-    )
-    _add_sleep_and_compile(w)
-    w.add_argument(
-        "--lora-dir",
-        type=Path,
-        help="LoRA adapters jobs may name: DIR/<pipeline>/<name>/pytorch_lora_weights.safetensors "
-        "(default: KILN_LORA_DIR, else none)",
-    )
-    w.add_argument(
-        "--concurrency",
-        type=int,
-        help="Celery worker threads (default: 2 x --max-batch per replica group)",
-    )
-    w.add_argument("--webhooks", action="store_true", help="also deliver webhooks")
-    w.add_argument("--node-id", help="this node's id (default: <hostname>-<pid>)")
-    w.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-
-
-def _add_sleep_and_compile(w: argparse.ArgumentParser) -> None:
-    """`kiln worker` flags over KILN_IDLE_SLEEP_S, KILN_SLEEP_MODE, KILN_COMPILE, KILN_WARMUP."""
-    w.add_argument(
-        "--idle-sleep-s",
-        type=float,
-        help="after this many seconds without work, release the pipelines' memory until the next "
-        "job (default: KILN_IDLE_SLEEP_S, else never)",
-    )
-    w.add_argument(
-        "--sleep-mode",
-        choices=["offload", "drop"],
-        help="offload: modules to host memory; drop: delete, reload from disk on wake",
-    )
-    w.add_argument(
-        "--compile",
-        action="store_true",
-        default=None,
-        help="wrap each denoiser in torch.compile, caches in KILN_COMPILE_CACHE_DIR",
-    )
-    w.add_argument(
-        "--warmup",
-        action="append",
-        default=[],
-        metavar="WxHxSTEPS[xFRAMES]",
-        help="a shape to run (and compile) before taking jobs; repeatable",
-    )
-
-
 def _add_job_commands(sub: Any) -> None:
+    from kiln.tasks.cli.short_ids import JOB_ID_HELP
+
     for name, text in (
         ("status", "show a job"),
         ("cancel", f"cancel a job (a finished one: exit {EXIT_ALREADY_FINISHED})"),
@@ -326,12 +277,23 @@ def _add_services(sub: Any) -> None:
     d.add_argument("--jobs", type=int, default=4, help="image jobs to submit (plus 2 videos)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; for `command` "worker", that subcommand's parser alone.
+
+    (The others' parsers import the CLI's modules, the contract's models and Redis: more than a
+    refusal of `kiln worker` may take.)
+    """
     parser = KilnParser(prog="kiln", description="Kiln: a job queue for GPU generation.")
-    parser.add_argument("--version", action="version", version=f"kiln {_version()}")
+    parser.add_argument("--version", action=_VersionShown, help="print Kiln's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_worker(sub)
+    worker_cli.add_parser(sub)
+    if command == "worker":
+        return parser
+    from kiln.tasks.cli import admin as admin_cli
+    from kiln.tasks.cli import batch as batch_cli
+    from kiln.tasks.cli import config as config_cli
+    from kiln.tasks.cli import pipeline as pipeline_cli
+
     _add_submit(sub)
     _add_job_commands(sub)
     _add_services(sub)
@@ -344,12 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kiln` console script."""
-    args = build_parser().parse_args(argv)
-    handler = _handlers()[args.command]
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(arguments[0] if arguments else None).parse_args(arguments)
     try:
-        config_cli.check_environment()  # every command: an unknown KILN_* variable stops it
+        if args.command == "worker":  # its refusals before anything heavy loads (`cli.worker`)
+            worker_cli.check_arguments(args)
+        from kiln.tasks.cli.config import check_environment
+
+        check_environment()  # every command: an unknown KILN_* variable stops it
         _remote_defaults(args)
-        code = handler(args)
+        code = _handler(args.command)(args)
         sys.stdout.flush()  # a closed pipe fails here, where it is caught, not at exit
         return code
     except BrokenPipeError:  # the reader went away (`| head`): end quietly, as Unix tools do
@@ -357,9 +323,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_PIPE_CLOSED
     except UsageError as exc:
         print(f"kiln: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValidationError as exc:
-        print(f"kiln: {_validation_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
@@ -376,6 +339,8 @@ def _remote_defaults(args: argparse.Namespace) -> None:
     """A remote command's `--api`/`--api-key` left out: KILN_API_URL/KILN_API_KEY, if set."""
     if not hasattr(args, "api"):
         return
+    from kiln.tasks.contract.settings import KilnSettings
+
     settings = KilnSettings()
     if args.api is None:
         args.api = settings.api_url
@@ -409,9 +374,16 @@ def _env_name(loc: tuple[int | str, ...]) -> str:
 
 def _known_error(exc: Exception) -> tuple[str, int] | None:
     # Deferred: the submitter loads Celery and Redis, the client httpx; `kiln --help` needs none.
+    from pydantic import ValidationError
+
+    from kiln.storage.errors import JobNotFound, StorageError
+    from kiln.tasks.cli.embedded import DemoFailed
+    from kiln.tasks.cli.progress import JobWaitTimeout
     from kiln.tasks.client.client import KilnError
     from kiln.tasks.queue.submit import UnknownPipeline
 
+    if isinstance(exc, ValidationError):
+        return _validation_line(exc), EXIT_USAGE
     if isinstance(exc, JobNotFound):
         return f"no such job: {exc}", EXIT_JOB_FAILED
     if isinstance(exc, JobWaitTimeout):
@@ -423,9 +395,17 @@ def _known_error(exc: Exception) -> tuple[str, int] | None:
     return None
 
 
-def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
-    return {
-        "worker": c.cmd_worker,
+def _handler(command: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs `command`, its module imported now."""
+    if command == "worker":
+        return worker_cli.run
+    from kiln.tasks.cli import admin as admin_cli
+    from kiln.tasks.cli import batch as batch_cli
+    from kiln.tasks.cli import commands as c
+    from kiln.tasks.cli import config as config_cli
+    from kiln.tasks.cli import pipeline as pipeline_cli
+
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "submit": c.cmd_submit,
         "status": c.cmd_status,
         "wait": c.cmd_wait,
@@ -438,6 +418,7 @@ def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
         "demo": c.cmd_demo,
         "config": config_cli.run,
     }
+    return handlers[command]
 
 
 if __name__ == "__main__":

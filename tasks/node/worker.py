@@ -20,6 +20,8 @@ from celery import Celery
 from celery.exceptions import SecurityWarning
 from celery.signals import worker_ready, worker_shutting_down
 
+from kiln.gpu_worker.errors import RankStartupFailed
+from kiln.gpu_worker.pipeline_specs import PipelineRefused
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.worker_logs import start_worker_logging
@@ -42,7 +44,14 @@ if TYPE_CHECKING:  # the node's modules load torch; a webhooks-only worker never
 log = logging.getLogger(__name__)
 
 # `kiln worker`'s options live in tasks/node/worker_options.py; these are imported from here too
-__all__ = ["WorkerOptions", "group_settings", "parse_lanes", "parse_pipelines", "run_worker"]
+__all__ = [
+    "PipelineRefused",
+    "WorkerOptions",
+    "group_settings",
+    "parse_lanes",
+    "parse_pipelines",
+    "run_worker",
+]
 
 WEBHOOKS_ONLY_NOTICE = (
     "kiln worker: no --pipeline given, so this worker serves no pipeline and only delivers "
@@ -51,7 +60,11 @@ WEBHOOKS_ONLY_NOTICE = (
 
 
 def run_worker(options: WorkerOptions) -> None:
-    """Start the node (if it serves pipelines), then the Celery worker; stop both at the end."""
+    """Start the node (if it serves pipelines), then the Celery worker; stop both at the end.
+
+    A spec only loading shows to be wrong (a factory that returned no pipeline) ends the start
+    with `PipelineRefused`: its name and the reason, one line, for the CLI to print as it is.
+    """
     settings, storage_settings = KilnSettings(), StorageSettings()
     if options.pipelines and options.node_id is None:
         from kiln.tasks.node.node import default_node_id  # loads torch: nodes only
@@ -163,7 +176,7 @@ def _start_node(
     track_held_deliveries(node.held)
     node.metrics.serve(settings.metrics_port)  # scrapeable while the group warms up
     fetch_compile_cache(node.objects, gpu_settings, group.devices)  # a fresh volume warms up
-    node.start()
+    _start_group(node)
     publish_compile_cache(node.objects, gpu_settings, group.devices)
     consumers = CeleryConsumers(app)
     controls = NodeControls(node, node_queues(options.lanes, list(options.pipelines)), consumers)
@@ -174,6 +187,18 @@ def _start_node(
     _hand_back_after_grace_on_shutdown(node, settings.drain_grace_s)
     log.info("node %s serving %s on %s", node.node_id, sorted(options.pipelines), options.devices)
     return node, maintenance
+
+
+def _start_group(node: Node) -> None:
+    """Start the node's group; `PipelineRefused` (one line) if a rank refused a spec."""
+    try:
+        node.start()
+    except RankStartupFailed as exc:
+        refused = PipelineRefused.found_in(str(exc))
+        if refused is None:
+            raise
+        node.metrics.stop()
+        raise refused from None
 
 
 def _group_config(

@@ -1,9 +1,14 @@
 """What `kiln worker` is asked to run: its options, parsed and checked before anything starts.
 
 Refusals are ValueErrors naming the flag (the CLI prints them as one line), raised while the
-options are built: before Celery or any rank starts. In order: each pipeline spec's form (no
-torch), the worker extra installed, the devices, then each `python:` spec's module imported and
-its factory looked at. A webhooks-only worker checks none of it and never loads torch.
+options are built: before Celery or any rank starts. In order: the pipelines (`check_pipelines`:
+each spec's form, the worker extra installed, each `python:` spec's module imported and its
+factory looked at), the sleep and warm-up flags, then the devices (which loads torch). A
+webhooks-only worker checks none of it and never loads torch.
+
+This module loads nothing heavy itself (no torch, Celery, Redis or settings classes): `kiln
+worker` runs `check_pipelines` right after parsing its arguments, so that a pipeline it cannot
+serve is refused before the rest of the worker is even imported.
 """
 
 from __future__ import annotations
@@ -14,7 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.common.defaults import BATCH_WINDOW_S, MAX_BATCH
-from kiln.tasks.queue.lanes import LANES, WEBHOOKS_QUEUE, node_queues
+from kiln.common.request import Lane
+
+# The lanes in priority order, as `tasks.queue.lanes.LANES` has them (that module loads the
+# settings classes, so it is imported only where queues are named).
+_LANES: tuple[str, ...] = tuple(Lane)
 
 
 @dataclass(frozen=True)
@@ -23,7 +32,7 @@ class WorkerOptions:
 
     pipelines: dict[str, str] = field(default_factory=dict)
     devices: str = "cpu:1"
-    lanes: tuple[str, ...] = LANES
+    lanes: tuple[str, ...] = _LANES
     max_batch: int = MAX_BATCH
     batch_window_ms: float = BATCH_WINDOW_S * 1000
     parallel: str = "auto"
@@ -41,16 +50,26 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         if self.pipelines:  # a webhooks-only worker has no group, and must not import torch
-            check_pipeline_forms(self.pipelines)
-            require_worker_extra()
-            check_group_options(self.devices, self.parallel, self.group_size)
+            check_pipelines(self.pipelines)
             check_sleep_and_warmup(self.idle_sleep_s, self.warmup)
-            check_pipeline_imports(self.pipelines)
+            check_group_options(self.devices, self.parallel, self.group_size)
 
 
 # What a node imports that the base install lacks: all of them come with `kiln[worker]`.
 WORKER_EXTRA = "kiln[worker]"
 WORKER_MODULES = ("torch", "numpy", "PIL", "imageio", "diffusers", "transformers")
+
+
+def check_pipelines(pipelines: Mapping[str, str]) -> None:
+    """Refuse, naming the flag, a pipeline the node could not serve; loads no torch of its own.
+
+    Each spec's form (and a diffusers folder), the model libraries installed, then each
+    `python:` module imported and its factory looked at. Only what a user's module imports
+    itself is loaded (a checked module stays imported: the ranks import it again, each).
+    """
+    check_pipeline_forms(pipelines)
+    require_worker_extra()
+    check_pipeline_imports(pipelines)
 
 
 def require_worker_extra() -> None:
@@ -80,14 +99,14 @@ def check_pipeline_imports(pipelines: Mapping[str, str]) -> None:
     The module is imported here, in the worker's own process and working directory (ranks then
     import it alike); the factory is looked at, not called: that would load the model.
     """
-    python_specs = {n: s for n, s in pipelines.items() if s.startswith("python:")}
-    if not python_specs:
-        return
-    from kiln.gpu_worker.pipelines import check_spec
+    from kiln.gpu_worker.pipeline_specs import check_python_spec, parse_spec  # no torch
 
-    for name, spec in python_specs.items():
+    for name, spec in pipelines.items():
+        parsed = parse_spec(spec)
+        if parsed.kind != "python":
+            continue
         try:
-            check_spec(spec)
+            check_python_spec(parsed)
         except ValueError as exc:
             raise ValueError(f"--pipeline {name}: {exc}") from exc
 
@@ -151,14 +170,16 @@ def parse_pipelines(values: Sequence[str]) -> dict[str, str]:
 def parse_lanes(value: str) -> tuple[str, ...]:
     """`interactive,bulk` → lanes, refusing unknown names."""
     lanes = tuple(part.strip() for part in value.split(",") if part.strip())
-    unknown = [lane for lane in lanes if lane not in LANES]
+    unknown = [lane for lane in lanes if lane not in _LANES]
     if unknown or not lanes:
-        raise ValueError(f"--queues: unknown lane(s) {unknown}; use {', '.join(LANES)}")
+        raise ValueError(f"--queues: unknown lane(s) {unknown}; use {', '.join(_LANES)}")
     return lanes
 
 
 def worker_queues(options: WorkerOptions) -> list[str]:
     """The queues this worker consumes, in priority order."""
+    from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE, node_queues
+
     queues = node_queues(options.lanes, list(options.pipelines))
     if options.webhooks or not options.pipelines:
         queues.append(WEBHOOKS_QUEUE)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kiln.gpu_worker.pipelines.base import PIPELINE_MEMBERS
+from kiln.gpu_worker.pipeline_specs import PIPELINE_MEMBERS
 from tests.docs.pipeline_example import PIPELINES_DOC, SPEC, write_example
 
 KILN = str(Path(sys.executable).parent / "kiln")
