@@ -67,7 +67,11 @@ class LinearLatentMap:
         """(1, C, h, w) → (1, 3, h, w) at the latents' resolution, in their device and dtype."""
         weight = self.weight.to(latents.device, latents.dtype)
         bias = self.bias.to(latents.device, latents.dtype)
-        return torch.einsum("nchw,rc->nrhw", latents, weight) + bias.view(1, 3, 1, 1)
+        count, channels, height, width = latents.shape
+        # one matrix product and one add: this runs inside the denoising loop, every preview
+        flat = latents.reshape(count, channels, height * width)
+        rgb = torch.matmul(weight, flat).add_(bias.view(1, 3, 1))
+        return rgb.view(count, 3, height, width)
 
 
 def latent_channels(vae: Any) -> int:
@@ -164,7 +168,12 @@ def preview_pixels(decoded: torch.Tensor, max_side: int) -> np.ndarray:
     if scale < 1.0:
         size = (max(1, round(height * scale)), max(1, round(width * scale)))
         decoded = F.interpolate(decoded.float(), size=size, mode="area")
-    pixels = ((decoded[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    if decoded.device.type == "cpu":  # numpy's few small ops cost less than torch's dispatch
+        scaled = decoded[0].float().numpy() * 127.5 + 127.5
+        as_bytes = np.rint(np.clip(scaled, 0, 255)).astype(np.uint8)
+        return np.ascontiguousarray(as_bytes.transpose(1, 2, 0))
+    # on an accelerator: the same arithmetic there, and only the bytes come to the host
+    pixels = (decoded[0].float() * 127.5 + 127.5).clamp_(0, 255).round_().to(torch.uint8)
     return np.ascontiguousarray(pixels.permute(1, 2, 0).cpu().numpy())
 
 

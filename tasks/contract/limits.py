@@ -16,9 +16,24 @@ from typing import Any, ClassVar, Protocol
 from pydantic_core import PydanticCustomError, ValidationError
 
 from kiln.common.limits import TINY_LIMITS
+from kiln.common.previews import MAX_PREVIEW_SIDE
 from kiln.common.request import MAX_FRAMES, MAX_SIDE, MAX_STEPS, SIZE_MULTIPLE
 
 ERROR_TYPE = "pipeline_limit"
+
+
+class PreviewShape(Protocol):
+    """The preview fields limits look at (a `PreviewRequest` or a `PreviewSpec`)."""
+
+    @property
+    def every_steps(self) -> int:
+        """A preview every this many steps."""
+        ...
+
+    @property
+    def max_side(self) -> int:
+        """A preview's longer side, at most."""
+        ...
 
 
 class RequestShape(Protocol):
@@ -49,6 +64,11 @@ class RequestShape(Protocol):
         """Outputs the request asks for."""
         ...
 
+    @property
+    def preview(self) -> PreviewShape | None:
+        """The previews the request asks for; None for none."""
+        ...
+
 
 @dataclass(frozen=True)
 class LimitViolation:
@@ -56,14 +76,14 @@ class LimitViolation:
 
     kind: ClassVar[str] = ERROR_TYPE
     pipeline: str
-    field: str | None  # None when several fields share the blame (the budget)
+    field: str | None  # None when several fields share the blame (the budget); dotted when nested
     limit: str  # the limit's key, e.g. "max_steps"
     message: str
     value: int
 
     def loc(self, prefix: tuple[str | int, ...] = ()) -> tuple[str | int, ...]:
         """Where the error points, after `prefix` (("body",) for the API)."""
-        return (*prefix, self.field) if self.field else prefix
+        return (*prefix, *self.field.split(".")) if self.field else prefix
 
     def describe(self) -> str:
         """One line for a job's error: the field, then the message."""
@@ -95,6 +115,8 @@ class PipelineLimits:
     max_frames: int = MAX_FRAMES
     frame_step: int = 1  # num_frames must be frame_step * k + 1
     max_pixels_frames_outputs: int | None = None  # width × height × num_frames × num_outputs
+    max_preview_side: int = MAX_PREVIEW_SIDE  # preview.max_side ≤ it
+    min_preview_every_steps: int = 1  # preview.every_steps ≥ it
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PipelineLimits:
@@ -119,6 +141,7 @@ class PipelineLimits:
             or self._steps(pipeline, request.steps)
             or self._frames(pipeline, request.num_frames)
             or self._budget(pipeline, request)
+            or self._preview(pipeline, request.preview)
         )
 
     def frame_rule(self) -> str:
@@ -175,6 +198,20 @@ class PipelineLimits:
             f"{' × '.join(map(str, factors))} = {total:,}"
         )
         return LimitViolation(pipeline, None, "max_pixels_frames_outputs", message, total)
+
+    def _preview(self, pipeline: str, preview: PreviewShape | None) -> LimitViolation | None:
+        if preview is None:
+            return None
+        side, most = preview.max_side, self.max_preview_side
+        if side > most:
+            message = f"{pipeline} takes preview.max_side ≤ {most}; got {side}"
+            return LimitViolation(pipeline, "preview.max_side", "max_preview_side", message, side)
+        every, least = preview.every_steps, self.min_preview_every_steps
+        if every < least:
+            message = f"{pipeline} takes preview.every_steps ≥ {least}; got {every}"
+            limit = "min_preview_every_steps"
+            return LimitViolation(pipeline, "preview.every_steps", limit, message, every)
+        return None
 
 
 # Static limits of the built-in names, used until a node announces them: what the tiny pipelines

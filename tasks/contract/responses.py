@@ -182,7 +182,8 @@ class PipelineInfo(BaseModel):
         "the others go in a job's `inputs`. null while no live node announces one."
     )
     limits: dict[str, int | None] = Field(
-        description="Sizes, steps, frames and budget the pipeline takes (docs/contract.md §2)."
+        description="Sizes, steps, frames, budget and previews the pipeline takes "
+        "(docs/contract.md §2)."
     )
     adapters: list[AdapterInfo] = Field(
         default_factory=list, description="LoRA adapters jobs may name in `loras`, by name."

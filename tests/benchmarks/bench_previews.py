@@ -7,8 +7,11 @@ alternately without previews and with a preview after every step (the default ca
 `every_steps` 1), decoded by the fitted linear map and by a small random `AutoencoderTiny`
 (TAESD-shaped channels, as `KILN_PREVIEW_VAE` would load). A preview's cost is what rank 0 pays
 inside the denoising loop: decode, shrink, to uint8 on the host, and the send of the raw pixels
-through a pipe (the coordinator's end drains it on another thread; encoding is the node's, off
-the loop). Prints the median step time per variant and the overhead against no previews.
+through a pipe to another process, just before the step's `StepDone` (both, as rank 0 sends them
+to the coordinator; encoding is the node's, off the loop). Prints per variant the median step
+time and its overhead against no previews, and rank 0's own time in a step's callback (preview
+and `StepDone`): what previews add to it, as a share of a step without previews, is the direct
+measure, which the step medians of a shared machine blur.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from multiprocessing import Pipe
+from multiprocessing import get_context
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -39,20 +42,30 @@ from kiln.gpu_worker.protocol import (  # noqa: E402
     GenerationRequest,
     PreviewSpec,
     RunBatch,
-    StepPreview,
+    StepDone,
 )
 
 
 class Steps:
-    """A step callback timing each step; previewing through `tap` when one is given."""
+    """Rank 0's step callback as the bench runs it: reports each step, times each step.
 
-    def __init__(self, tap: PreviewTap | None) -> None:
+    Like rank 0 (`LeaderLink.decide_stops`), it sends a `StepDone` to the coordinator's end after
+    every step, with or without previews: a preview is sent just before it, so what a preview
+    adds to the loop is its decode and a second small message, not the coordinator's wake-up.
+    """
+
+    def __init__(self, sender: Connection, tap: PreviewTap | None = None) -> None:
+        self.sender = sender
         self.tap = tap
         self.marks: list[float] = [time.perf_counter()]
-        self.in_previews: list[float] = []  # seconds inside each preview (decode, send)
+        self.in_callback: list[float] = []  # seconds in rank 0's own part of each step
+        self._previewed_s = 0.0
 
     def __call__(self, step: int, total: int) -> None:
-        del step, total
+        started = time.perf_counter()
+        self.sender.send(StepDone(1, step, total))
+        self.in_callback.append(self._previewed_s + time.perf_counter() - started)
+        self._previewed_s = 0.0
         self.marks.append(time.perf_counter())
 
     def step_times(self) -> list[float]:
@@ -64,11 +77,11 @@ class PreviewingSteps(Steps):
     """`Steps` that is also a `LatentsObserver`: rank 0's previewing step callback."""
 
     def observe_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
-        """Preview, timing what it adds to the step."""
+        """Preview (decode, shrink, send), timing what it adds to the step."""
         assert self.tap is not None
         started = time.perf_counter()
         self.tap.observe(step, total, latents)
-        self.in_previews.append(time.perf_counter() - started)
+        self._previewed_s = time.perf_counter() - started
 
 
 def small_taesd(folder: Path) -> Path:
@@ -81,9 +94,13 @@ def small_taesd(folder: Path) -> Path:
 
 
 def run_once(
-    pipeline: DiffusersPipeline, side: int, steps: int, decoder: LatentDecoder | None
+    pipeline: DiffusersPipeline,
+    side: int,
+    steps: int,
+    decoder: LatentDecoder | None,
+    sender: Connection,
 ) -> tuple[list[float], list[float]]:
-    """One forward: its step times, and the time inside each preview."""
+    """One forward: its step times, and rank 0's own time in each step's callback."""
     preview = PreviewSpec(every_steps=1) if decoder is not None else None
     request = GenerationRequest(
         request_id="bench",
@@ -97,24 +114,19 @@ def run_once(
         preview=preview,
     )
     if decoder is None:
-        callback = Steps(None)
+        callback = Steps(sender)
     else:
-        sender, receiver = Pipe()
-        drained = threading.Thread(target=_drain, args=(receiver,), daemon=True)
-        drained.start()
-
-        def send(message: StepPreview) -> None:
-            sender.send(message)
-
-        callback = PreviewingSteps(PreviewTap(RunBatch(1, (request,)), decoder, send))
+        tap = PreviewTap(RunBatch(1, (request,)), decoder, sender.send)
+        callback = PreviewingSteps(sender, tap)
     pipeline.run([request], callback)
-    return callback.step_times(), callback.in_previews[1:]
+    return callback.step_times(), callback.in_callback[1:]
 
 
-def _drain(receiver: object) -> None:
+def _drain(receiver: Connection) -> None:
+    """The coordinator's end: take each message off the pipe (in its own process)."""
     try:
         while True:
-            receiver.recv()  # type: ignore[attr-defined]
+            receiver.recv()
     except (EOFError, OSError):
         return
 
@@ -139,26 +151,35 @@ def main() -> None:
         )
     decoders: dict[str, LatentDecoder | None] = {"none": None, "linear": linear, "taesd": tiny}
     variants = {name: decoders[name] for name in args.variants.split(",")}
+    # the coordinator's end of the pipe: a forked process that only reads (no torch in it)
+    receiver, sender = get_context("fork").Pipe(duplex=False)
+    drainer = get_context("fork").Process(target=_drain, args=(receiver,), daemon=True)
+    drainer.start()
+    receiver.close()
     for side in (int(s) for s in args.sides.split(",")):
         times: dict[str, list[float]] = {name: [] for name in variants}
         inside: dict[str, list[float]] = {name: [] for name in variants}
         for round_index in range(args.rounds):
             order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
             for name in order:
-                steps, previews = run_once(pipeline, side, args.steps, variants[name])
+                steps, previews = run_once(pipeline, side, args.steps, variants[name], sender)
                 times[name] += steps
                 inside[name] += previews
         base = statistics.median(times["none"])
+        base_callback = statistics.median(inside["none"])
         print(f"{side}x{side}, {args.steps} steps x {args.rounds} rounds, preview every step:")
         for name, values in times.items():
             median = statistics.median(values)
             overhead = 100 * (median - base) / base
             line = f"  {name:>6}: median step {1000 * median:7.2f} ms ({overhead:+6.1f} %)"
-            if inside[name]:
-                spent = statistics.median(inside[name])
-                line += f"; inside the preview {1000 * spent:.3f} ms = {100 * spent / base:.1f} %"
-                line += " of a step without previews"
+            callback = statistics.median(inside[name])
+            line += f"; rank 0's callback {1000 * callback:.3f} ms"
+            if name != "none":
+                added = 100 * (callback - base_callback) / base
+                line += f", previews add {added:.1f} % of a step without previews"
             print(line)
+    sender.close()  # the drainer reads EOF and ends
+    drainer.join(timeout=5)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
   const REFRESH_MS = 3000;
   const MAX_PREVIEWS = 64; // thumbnails kept on the page; the oldest go first
   const MAX_WAIT_LOOKUPS = 5; // queued jobs whose expected start is looked up per refresh
+  const PREVIEW_SIDE = 256; // a preview's longer side, unless the pipeline's limits take less
   // Request fields the form always offers, used while no live node announces a schema.
   const FALLBACK_FIELDS = {
     prompt: { type: "string", minLength: 1, "x-kiln-field": "prompt" },
@@ -23,6 +24,8 @@
   const LONG_TEXT = new Set(["prompt", "negative_prompt"]);
 
   const $ = (id) => document.getElementById(id);
+  // What the chosen pipeline's limits let a preview be (GET /v1/pipelines/{name} `limits`).
+  let previewLimits = { side: PREVIEW_SIDE, every: 1 };
   const apiUrl = (path) => new URL("../" + path.replace(/^\//, ""), document.baseURI).toString();
 
   class ApiError extends Error {
@@ -229,6 +232,7 @@
     const properties = schema ? schema.properties || {} : FALLBACK_FIELDS;
     const required = new Set((schema && schema.required) || ["prompt"]);
     if (info) {
+      showPreviewLimits(info.limits || {});
       $("pipeline-info").textContent =
         info.live_nodes + " live node" + (info.live_nodes === 1 ? "" : "s") +
         (schema ? "" : " (no schema announced yet: the request fields only)");
@@ -239,6 +243,17 @@
     $("fields").replaceChildren(
       ...names.map((field) => fieldRow(field, properties[field], required.has(field))),
     );
+  }
+
+  // Previews within the pipeline's declared limits: no larger side, no shorter cadence.
+  function showPreviewLimits(limits) {
+    previewLimits = {
+      side: Math.min(PREVIEW_SIDE, limits.max_preview_side || PREVIEW_SIDE),
+      every: limits.min_preview_every_steps || 1,
+    };
+    const every = $("preview-every");
+    every.min = previewLimits.every;
+    if ((parseInt(every.value, 10) || 1) < previewLimits.every) every.value = previewLimits.every;
   }
 
   function fieldRow(name, prop, required) {
@@ -299,7 +314,7 @@
     if ($("preview-on").checked) {
       request.preview = {
         every_steps: parseInt($("preview-every").value, 10) || 1,
-        max_side: 256,
+        max_side: previewLimits.side,
         format: $("preview-format").value,
       };
     }
