@@ -227,8 +227,9 @@ class Cluster:
         """Poll until the job reports at least `step` denoising steps."""
         wait_until(
             lambda: self.store.get(job_id).progress or {},
-            lambda progress: progress.get("stage") == "denoising"
-            and int(progress.get("step", 0)) >= step,
+            lambda progress: (
+                progress.get("stage") == "denoising" and int(progress.get("step", 0)) >= step
+            ),
             timeout_s=timeout_s,
             poll_s=0.02,
             what=f"job {job_id} at step {step}",

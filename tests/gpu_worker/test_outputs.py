@@ -28,9 +28,7 @@ def gradient_frames(count: int, height: int, width: int) -> np.ndarray:
     return frames
 
 
-def decode_video(
-    encoded: EncodedOutput, tmp_path: Path
-) -> tuple[dict[str, Any], list[np.ndarray]]:
+def decode_video(encoded: EncodedOutput, tmp_path: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
     """The video stream's codec, size and fps as ffmpeg reads them, and its frames as RGB.
 
     Not `imageio_ffmpeg.read_frames`: when ffmpeg exits before the generator ends, it leaves

@@ -210,9 +210,7 @@ def test_mixed_batch_is_refused(tiny: Pipeline) -> None:
         ({"num_outputs": 0}, "num_outputs"),
     ],
 )
-def test_unsupported_field_is_named(
-    tiny: Pipeline, overrides: dict[str, Any], field: str
-) -> None:
+def test_unsupported_field_is_named(tiny: Pipeline, overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(UnsupportedRequest, match=f"^{field}:"):
         tiny.validate(image_request(**overrides))
 

@@ -69,8 +69,6 @@ def test_the_api_client_and_cli_entry_point_load_no_torch() -> None:
         loaded = json.loads(result.stdout)
         heavy = [m for m in loaded if m.split(".")[0] in HEAVY]
         heavy += [
-            m
-            for m in loaded
-            if m.startswith("kiln.gpu_worker") and m not in ALLOWED_GPU_WORKER
+            m for m in loaded if m.startswith("kiln.gpu_worker") and m not in ALLOWED_GPU_WORKER
         ]
         assert heavy == [], f"{what} loaded {heavy[:5]}"

@@ -180,9 +180,7 @@ def test_cancel_queued_leaves_a_running_job_alone(job_store: JobStore) -> None:
     assert job_store.events(b)[-1].payload == {"reason": "purged"}
 
 
-def test_api_keys_carry_their_caps(
-    job_store: JobStore, storage_settings: StorageSettings
-) -> None:
+def test_api_keys_carry_their_caps(job_store: JobStore, storage_settings: StorageSettings) -> None:
     keys = ApiKeyStore(job_store.redis, storage_settings)
     capped = keys.create("h1", "capped", max_queued=5, max_running=2)
     plain = keys.create("h2", "plain")

@@ -50,9 +50,6 @@ def api(make_api: ApiFactory) -> Api:
     return make_api()
 
 
-
-
-
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     """A receiver that answers 200 to everything (tests may set `script`)."""

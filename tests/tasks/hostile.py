@@ -21,9 +21,23 @@ from tests.tasks.raw_http import strict_json
 JSON_TYPE = (b"Content-Type", b"application/json")
 JOB = b'{"prompt":"a kiln","width":64,"height":64,"steps":2'
 FIELDS = [
-    "pipeline", "prompt", "negative_prompt", "width", "height", "num_frames", "fps", "steps",
-    "guidance_scale", "seed", "num_outputs", "output_format", "priority", "webhook", "start_by",
-    "max_run_seconds", "metadata",
+    "pipeline",
+    "prompt",
+    "negative_prompt",
+    "width",
+    "height",
+    "num_frames",
+    "fps",
+    "steps",
+    "guidance_scale",
+    "seed",
+    "num_outputs",
+    "output_format",
+    "priority",
+    "webhook",
+    "start_by",
+    "max_run_seconds",
+    "metadata",
 ]
 # what httptools (llhttp) refuses in a header value, as RFC 9110 does: control bytes and DEL
 # (and tab, which it takes only inside a value)
@@ -150,7 +164,8 @@ def requests(draw: st.DrawFn, job_id: str) -> RawRequest:
         return RawRequest("GET", route + b"?" + name + b"=" + value)
     job_path = b"/v1/jobs/" + draw(_encoded)
     suffix, method = draw(
-        st.sampled_from([(b"", "GET"), (b"/events", "GET"), (b"/webhooks", "GET"),
-                         (b"/cancel", "POST")])
+        st.sampled_from(
+            [(b"", "GET"), (b"/events", "GET"), (b"/webhooks", "GET"), (b"/cancel", "POST")]
+        )
     )
     return RawRequest(method, job_path + suffix)

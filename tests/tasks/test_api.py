@@ -83,8 +83,10 @@ def test_idempotency_key(api: Api) -> None:
         ({"guidance_scale": 51}, ["body", "guidance_scale"]),
         ({"prompt": ""}, ["body", "prompt"]),
         ({"colour": "red"}, ["body", "colour"]),
-        ({"webhook": {"url": "https://example.com", "events": ["done"]}},
-         ["body", "webhook", "events", 0]),
+        (
+            {"webhook": {"url": "https://example.com", "events": ["done"]}},
+            ["body", "webhook", "events", 0],
+        ),
     ],
 )
 def test_invalid_fields_are_422_naming_the_field(
@@ -197,7 +199,12 @@ def test_events_stream_ends_after_terminal_and_resumes(api: Api) -> None:
     listener.join(timeout=60)
     assert not listener.is_alive(), "the stream must end after the terminal event"
     assert [e["type"] for e in collected] == [
-        "queued", "running", "progress", "progress", "progress", "succeeded",
+        "queued",
+        "running",
+        "progress",
+        "progress",
+        "progress",
+        "succeeded",
     ]
     assert [e["seq"] for e in collected] == [1, 2, 3, 4, 5, 6]
     resumed = httpx.get(
@@ -250,8 +257,10 @@ def test_outputs_are_presigned_at_read_time(
 ) -> None:
     # Same Redis namespace, outputs in (moto) S3: each read signs a fresh URL.
     settings = s3_settings.model_copy(
-        update={"redis_url": storage_settings.redis_url,
-                "redis_namespace": storage_settings.redis_namespace}
+        update={
+            "redis_url": storage_settings.redis_url,
+            "redis_namespace": storage_settings.redis_namespace,
+        }
     )
     from kiln.tasks.api.app import create_app
     from kiln.tasks.api.context import build_context
@@ -270,11 +279,18 @@ def test_outputs_are_presigned_at_read_time(
 
 def test_webhook_url_checked_at_submit(make_api: ApiFactory) -> None:
     strict = make_api(
-        webhook_allow_http=False, webhook_allow_hosts=[],
+        webhook_allow_http=False,
+        webhook_allow_hosts=[],
         resolve=fake_dns({"internal.example": ["10.0.0.8"], "ok.example": ["93.184.216.34"]}),
     )
-    for url in ("https://127.0.0.1/h", "https://internal.example/h", "http://ok.example/h",
-                "https://169.254.169.254/", "https://[::ffff:127.0.0.1]/", "https://2130706433/"):
+    for url in (
+        "https://127.0.0.1/h",
+        "https://internal.example/h",
+        "http://ok.example/h",
+        "https://169.254.169.254/",
+        "https://[::ffff:127.0.0.1]/",
+        "https://2130706433/",
+    ):
         response = post_job(strict, {**SMALL, "webhook": {"url": url}})
         assert response.status_code == 422, url
         assert response.json()["detail"][0]["loc"] == ["body", "webhook", "url"]
@@ -304,23 +320,37 @@ def test_health_readiness_nodes_pipelines(api: Api) -> None:
 def test_webhook_attempts_are_readable(api: Api) -> None:
     job_id = queued_job(api.store, owner=api.key_ids["alice"])
     attempt = {
-        "webhook_id": f"msg_{job_id}_completed", "event": "completed", "attempt": 1,
-        "url": "https://example.com/h", "time": 1.0, "status_code": 500, "latency_ms": 3.2,
-        "error": "HTTP 500", "outcome": "retrying", "next_attempt_at": 2.0,
+        "webhook_id": f"msg_{job_id}_completed",
+        "event": "completed",
+        "attempt": 1,
+        "url": "https://example.com/h",
+        "time": 1.0,
+        "status_code": 500,
+        "latency_ms": 3.2,
+        "error": "HTTP 500",
+        "outcome": "retrying",
+        "next_attempt_at": 2.0,
     }
     api.store.record_webhook_attempt(job_id, attempt)
     body = httpx.get(f"{api.url}/v1/jobs/{job_id}/webhooks", headers=api.auth()).json()
     assert body == {"attempts": [attempt]}
-    assert httpx.get(
-        f"{api.url}/v1/jobs/{job_id}/webhooks", headers=api.auth("bob")
-    ).status_code == 403
+    assert (
+        httpx.get(f"{api.url}/v1/jobs/{job_id}/webhooks", headers=api.auth("bob")).status_code
+        == 403
+    )
 
 
 def test_openapi_documents_every_route(api: Api) -> None:
     doc = httpx.get(f"{api.url}/openapi.json").json()
     assert set(doc["paths"]) >= {
-        "/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel", "/v1/jobs/{job_id}/events",
-        "/v1/jobs/{job_id}/webhooks", "/v1/nodes", "/healthz", "/readyz",
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/cancel",
+        "/v1/jobs/{job_id}/events",
+        "/v1/jobs/{job_id}/webhooks",
+        "/v1/nodes",
+        "/healthz",
+        "/readyz",
     }
     post = doc["paths"]["/v1/jobs"]["post"]
     assert {"200", "201", "401", "409", "413", "422", "429"} <= set(post["responses"])
@@ -337,8 +367,15 @@ def test_keys_cli_create_list_revoke(api: Api) -> None:
 
     def kiln_keys(action: str, arg: str | None = None, admin: bool = False) -> tuple[int, str]:
         out = io.StringIO()
-        code = run(action, arg, admin=admin, as_json=True, settings=api.settings,
-                   storage_settings=api.storage_settings, out=out)
+        code = run(
+            action,
+            arg,
+            admin=admin,
+            as_json=True,
+            settings=api.settings,
+            storage_settings=api.storage_settings,
+            out=out,
+        )
         return code, out.getvalue()
 
     code, printed = kiln_keys("create", "ci-bot")

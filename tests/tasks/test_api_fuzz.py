@@ -169,8 +169,9 @@ def refused_then_served(
     HOSTILE_CASES[label] += 1
     auth = (b"Authorization", f"Bearer {target.key}".encode())
     with RawConnection(target.port) as conn:
-        response = conn.request(request.method, request.target, [auth, *request.headers],
-                                request.body)
+        response = conn.request(
+            request.method, request.target, [auth, *request.headers], request.body
+        )
         if response.status >= 500:
             SERVER_ERRORS[label] += 1
         assert response.status < 500, (request, response)

@@ -63,15 +63,28 @@ def job_id(api: Api) -> str:
         (JOB + b',"metadata":{"k":"a\\u0000b"}}', ["body", "metadata", "k"]),
         (JOB + b',"seed":' + b"9" * 5000 + b"}", ["body", "seed"]),
         # named down to the first container past 32 levels: body, metadata, k, then 30 arrays
-        (JOB + b',"metadata":{"k":' + b"[" * 40 + b"]" * 40 + b"}}",
-         ["body", "metadata", "k", *[0] * 30]),
+        (
+            JOB + b',"metadata":{"k":' + b"[" * 40 + b"]" * 40 + b"}}",
+            ["body", "metadata", "k", *[0] * 30],
+        ),
         # offsets where FastAPI gives them too: where the JSON first nests past 32, the bad byte
         (JOB + b',"metadata":' + b"[" * 5000 + b"]" * 5000 + b"}", ["body", len(JOB) + 12 + 31]),
         (JOB + b',"prompt":"\xff\xfe"}', ["body", len(JOB) + 11]),
         (b"\xef\xbb\xbf" + JOB + b',"prompt":"\\ud800"}', ["body", 0]),
     ],
-    ids=["nan", "-inf-unknown", "1e999-nested", "surrogate", "surrogate-key", "nul",
-         "huge-int", "deep", "deeper-than-the-stack", "not-utf8", "bom"],
+    ids=[
+        "nan",
+        "-inf-unknown",
+        "1e999-nested",
+        "surrogate",
+        "surrogate-key",
+        "nul",
+        "huge-int",
+        "deep",
+        "deeper-than-the-stack",
+        "not-utf8",
+        "bom",
+    ],
 )
 def test_bodies_json_cannot_carry_are_422_naming_the_field(
     api: Api, job_id: str, body: bytes, loc: list[Any]
@@ -87,8 +100,9 @@ def test_a_422_never_echoes_what_cannot_be_encoded(api: Api, job_id: str) -> Non
     # Not JSON by content type: FastAPI validates the raw bytes and echoes them as the input.
     with RawConnection(_port(api)) as conn:
         body = b"\xff\xfe\xed\xa0\x80"
-        plain = conn.request("POST", b"/v1/jobs", [bearer(api), (b"Content-Type", b"text/plain")],
-                             body)
+        plain = conn.request(
+            "POST", b"/v1/jobs", [bearer(api), (b"Content-Type", b"text/plain")], body
+        )
         assert plain.status == 422
         assert locs(plain) == [["body"]]
         still_serves(conn, api, job_id)
@@ -98,7 +112,9 @@ def test_odd_queries_headers_and_paths_are_4xx(api: Api, job_id: str) -> None:
     events = f"/v1/jobs/{job_id}/events".encode()
     with RawConnection(_port(api)) as conn:
         odd_key = conn.request(
-            "POST", b"/v1/jobs", [bearer(api), JSON, (b"Idempotency-Key", b"\xff\x80 ~")],
+            "POST",
+            b"/v1/jobs",
+            [bearer(api), JSON, (b"Idempotency-Key", b"\xff\x80 ~")],
             JOB + b"}",
         )
         assert odd_key.status == 422
@@ -147,7 +163,9 @@ def test_event_streams_are_capped_and_never_starve_requests(make_api: ApiFactory
     limits = httpx.Limits(max_connections=20, max_keepalive_connections=0)
     with ExitStack() as stack, httpx.Client(timeout=30, limits=limits) as client:
         assert [open_stream(client, stack, api, "alice", jobs["alice"]) for _ in range(2)] == [
-            200, 200]
+            200,
+            200,
+        ]
         refused = client.get(f"{api.url}/v1/jobs/{jobs['alice']}/events", headers=api.auth())
         assert refused.status_code == 429
         assert refused.headers["Retry-After"] == "3"
@@ -317,7 +335,7 @@ def test_a_broken_chunked_body_is_a_400_that_closes_cleanly(api: Api) -> None:
         conn.send(
             b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + api.keys["alice"].encode() + b"\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\nzz\r\n"
+            b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"pro\r\nzz\r\n'
         )
         response = conn.read_response()
     assert response.status == 400
@@ -373,9 +391,14 @@ def test_a_pipelined_request_behind_a_body_is_served(api: Api, job_id: str) -> N
     with RawConnection(_port(api)) as conn:
         conn.send(
             b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            + b"Authorization: Bearer " + api.keys["alice"].encode() + b"\r\n"
-            + b"Content-Length: %d\r\n\r\n" % len(body) + body
-            + b"GET /v1/jobs/" + job_id.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + b"Authorization: Bearer "
+            + api.keys["alice"].encode()
+            + b"\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
+            + b"GET /v1/jobs/"
+            + job_id.encode()
+            + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         )
         time.sleep(0.3)
         conn.send(b"Authorization: Bearer " + api.keys["alice"].encode() + b"\r\n\r\n")
@@ -463,8 +486,11 @@ def test_errors_name_no_internals(storage_settings: StorageSettings) -> None:
         try:
             with ThreadServer(create_app(settings, down, context=ctx)) as server:
                 ready = httpx.get(f"{server.url}/readyz", timeout=30)
-                job = httpx.get(f"{server.url}/v1/jobs/x", timeout=30,
-                                headers={"Authorization": "Bearer kiln_x"})
+                job = httpx.get(
+                    f"{server.url}/v1/jobs/x",
+                    timeout=30,
+                    headers={"Authorization": "Bearer kiln_x"},
+                )
         finally:
             if ctx.celery is not None:
                 ctx.celery.close()

@@ -201,8 +201,9 @@ def test_skip_invalid_runs_the_valid_lines_and_reports_the_rest(api: Api) -> Non
 
 
 def test_skip_invalid_still_refuses_a_file_with_no_valid_line(api: Api) -> None:
-    refused = post_batch(api, jsonl(["299", {**LINE, "custom_id": "wide", "width": 4000}]),
-                         skip_invalid="true")
+    refused = post_batch(
+        api, jsonl(["299", {**LINE, "custom_id": "wide", "width": 4000}]), skip_invalid="true"
+    )
     assert refused.status_code == 422
     answer = refused.json()
     assert answer["invalid_lines"] == 2
@@ -430,8 +431,12 @@ def test_the_end_of_the_completion_window_expires_what_has_not_started(api: Api)
 
 def test_a_line_whose_inputs_no_node_takes_is_refused_as_post_jobs_would(api: Api) -> None:
     announce(api)  # a node serving `tiny` with its input schema
-    body = jsonl([{**LINE, "custom_id": "ok", "pipeline": "tiny"},
-                  {**LINE, "custom_id": "odd", "pipeline": "tiny", "inputs": {"clip_skipp": 1}}])
+    body = jsonl(
+        [
+            {**LINE, "custom_id": "ok", "pipeline": "tiny"},
+            {**LINE, "custom_id": "odd", "pipeline": "tiny", "inputs": {"clip_skipp": 1}},
+        ]
+    )
     refused = post_batch(api, body)
     assert refused.status_code == 422, refused.text
     (error,) = refused.json()["detail"][1:]

@@ -60,8 +60,18 @@ def test_out_of_range_fields_are_named(field: str, value: Any) -> None:
     assert all(name.split(".")[0] == field for name in named)
 
 
-NUMBER_FIELDS = ["width", "height", "num_frames", "fps", "steps", "guidance_scale", "seed",
-                 "num_outputs", "start_by", "max_run_seconds"]
+NUMBER_FIELDS = [
+    "width",
+    "height",
+    "num_frames",
+    "fps",
+    "steps",
+    "guidance_scale",
+    "seed",
+    "num_outputs",
+    "start_by",
+    "max_run_seconds",
+]
 
 
 @pytest.mark.parametrize("field", NUMBER_FIELDS)
@@ -122,13 +132,32 @@ def test_job_view_from_record_presigns_outputs() -> None:
 
     request = JobRequest(prompt="p", seed=7, metadata={"a": "b"}).to_record()
     record = JobRecord(
-        id="j1", state=JobState.SUCCEEDED, request=request, lane="interactive", owner=None,
-        created_at=1.0, started_at=2.0, finished_at=3.0, attempts=1,
+        id="j1",
+        state=JobState.SUCCEEDED,
+        request=request,
+        lane="interactive",
+        owner=None,
+        created_at=1.0,
+        started_at=2.0,
+        finished_at=3.0,
+        attempts=1,
         progress={"stage": "uploading", "step": 25, "total": 25},
-        outputs=[{"key": "out/j1/0.png", "content_type": "image/png", "bytes": 5,
-                  "sha256": "00", "width": 512, "height": 512, "frames": 1}],
-        error=None, metrics={"run_s": 1.5, "batch_size": 2}, batch_id=None,
-        metadata={"a": "b"}, published=True,
+        outputs=[
+            {
+                "key": "out/j1/0.png",
+                "content_type": "image/png",
+                "bytes": 5,
+                "sha256": "00",
+                "width": 512,
+                "height": 512,
+                "frames": 1,
+            }
+        ],
+        error=None,
+        metrics={"run_s": 1.5, "batch_size": 2},
+        batch_id=None,
+        metadata={"a": "b"},
+        published=True,
     )
     view = job_view(record, Urls())  # type: ignore[arg-type]
     assert isinstance(view, JobView)

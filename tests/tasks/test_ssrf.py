@@ -166,8 +166,9 @@ def test_tls_uses_the_url_host_for_sni_and_certificate(
     other = fake_dns({"other.example": ["127.0.0.1"]})
     bad_url = f"https://other.example:{receiver.port}/hook"
     target = check_url(bad_url, UrlPolicy(allow_hosts=("other.example",)), other)
-    with pinned_client(target, timeout=10, verify=trust) as client, pytest.raises(
-        httpx.ConnectError
+    with (
+        pinned_client(target, timeout=10, verify=trust) as client,
+        pytest.raises(httpx.ConnectError),
     ):
         client.post(bad_url, content=b"{}")
     assert ipaddress.ip_address(target.addresses[0]).is_loopback
@@ -176,6 +177,7 @@ def test_tls_uses_the_url_host_for_sni_and_certificate(
 def test_threads_do_not_share_state() -> None:
     # check_url is pure apart from the resolver: concurrent checks give the same answers.
     results: list[tuple[str, ...]] = []
+
     def check() -> None:
         results.append(check_url("https://public.example/", STRICT, DNS).addresses)
 

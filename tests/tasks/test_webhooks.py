@@ -63,7 +63,9 @@ def verify(hit: Hit) -> dict[str, Any]:
 
 def webhook_job(store: JobStore, url: str, events: list[str] | None = None) -> str:
     request = JobRequest(
-        prompt="p", width=64, height=64,
+        prompt="p",
+        width=64,
+        height=64,
         webhook={"url": url, "events": events or ["completed"]},  # type: ignore[arg-type]
     )
     return make_queued_job(store, request)
@@ -183,9 +185,7 @@ def test_redirects_are_not_followed(deps: WebhookDeps, receiver: Receiver) -> No
         elsewhere.close()
 
 
-def test_refused_at_delivery_when_not_allowed(
-    job_store: JobStore, receiver: Receiver
-) -> None:
+def test_refused_at_delivery_when_not_allowed(job_store: JobStore, receiver: Receiver) -> None:
     strict = WebhookDeps(api_settings(webhook_allow_hosts=[]), job_store, None)
     job_id = finished_webhook_job(job_store, receiver.url)
     assert deliver_once(strict, Delivery(job_id, "completed", "msg_x")) is None
@@ -301,9 +301,19 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebhookWorld]:
     }
     log = (tmp_path_factory.mktemp("worker") / "worker.log").open("wb")
     worker = subprocess.Popen(
-        [sys.executable, "-c", "from kiln.tasks.cli.main import main; raise SystemExit(main())",
-         "worker", "--concurrency=2", "--loglevel=INFO"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-c",
+            "from kiln.tasks.cli.main import main; raise SystemExit(main())",
+            "worker",
+            "--concurrency=2",
+            "--loglevel=INFO",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     storage_settings = StorageSettings(
         redis_url=redis_url, redis_namespace=namespace, storage_url=f"file://{outputs}"
