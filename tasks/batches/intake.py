@@ -57,6 +57,11 @@ _SUSPECT = re.compile(
     rb"|NaN|Infinity"
     rb"|[0-9](?:[eE][-+]?[0-9]{3}|[0-9]{19})"  # a big exponent, 20 digits in a row
 )
+# `_SUSPECT` in parts that are each fast to find in a whole block of lines (`suspect_starts`)
+_SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+_SUSPECT_NAMES = (b"NaN", b"Infinity")
+_AS_ZEROS = bytes.maketrans(b"0123456789E-", b"0000000000e+")
+_SUSPECT_NUMBERS = (b"0e000", b"0e+000", b"0" * 20)
 
 
 @dataclass(frozen=True)
@@ -146,10 +151,11 @@ class BatchIntake:
 
     def feed(self, chunk: bytes) -> None:
         """Take the next chunk of the body (any size; lines may span chunks)."""
-        parts = (self._rest + chunk).split(b"\n")
+        data = self._rest + chunk
+        parts = data.split(b"\n")
         self._rest = parts.pop()
-        for raw in parts:
-            self._line(raw)
+        for raw, text in zip(parts, plain_texts(data, parts, self.max_json_depth), strict=True):
+            self._line(raw, text)
         if len(self._rest) > self.max_line_bytes:
             if not self._overlong:
                 self._refuse(self._number + 1, None, [too_long(self.max_line_bytes)])
@@ -161,7 +167,7 @@ class BatchIntake:
         A refused file's objects are left to the caller to abort (nothing is committed).
         """
         if self._rest or self._overlong:
-            self._line(self._rest)
+            self._line(self._rest, plain_text(self._rest, self.max_json_depth))
             self._rest = b""
         repeated = self._refuse_repeats()
         report = self.report
@@ -192,7 +198,8 @@ class BatchIntake:
         if self.invalid is not None:
             self.invalid.abort()
 
-    def _line(self, raw: bytes) -> None:
+    def _line(self, raw: bytes, text: str | None) -> None:
+        """One line; `text` is the line if the screen proved it plain, else None."""
         self._number += 1
         if self._overlong:  # the end of a line already refused as too long
             self._overlong = False
@@ -202,7 +209,7 @@ class BatchIntake:
             return
         if not raw.strip():
             return
-        custom_id, outcome = self._validate(raw)
+        custom_id, outcome = self._validate(raw, text)
         valid = not isinstance(outcome, list)
         if custom_id is not None:
             self._ids.add(self._number, custom_id, valid)
@@ -217,9 +224,8 @@ class BatchIntake:
                 self.items.write(bytes(self._pending))
                 self._pending.clear()
 
-    def _parse(self, raw: bytes) -> tuple[Any, list[Error]]:
-        """The line's JSON value, or its strict-JSON errors."""
-        text = plain_text(raw, self.max_json_depth)
+    def _parse(self, raw: bytes, text: str | None) -> tuple[Any, list[Error]]:
+        """The line's JSON value, or its strict-JSON errors (`text`: the line, if plain)."""
         if text is not None:
             try:
                 return json.loads(text), []
@@ -230,8 +236,10 @@ class BatchIntake:
             return None, [strip_body(error) for error in problems]
         return json.loads(raw), []
 
-    def _validate(self, raw: bytes) -> tuple[str | None, JobRequest | list[Error]]:
-        data, problems = self._parse(raw)
+    def _validate(
+        self, raw: bytes, text: str | None
+    ) -> tuple[str | None, JobRequest | list[Error]]:
+        data, problems = self._parse(raw, text)
         if problems:
             return None, problems
         if not isinstance(data, dict):
@@ -329,6 +337,54 @@ def plain_text(raw: bytes, max_depth: int) -> str | None:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return None
+
+
+def plain_texts(data: bytes, lines: list[bytes], max_depth: int) -> list[str | None]:
+    """`plain_text` of each of `lines`: the complete lines `data` starts with, screened at once.
+
+    Screened alone, each line cost a regex search, the costliest part of the screen: here the
+    lines are decoded and searched together, and only a line where a suspect may start
+    (`suspect_starts`) is screened on its own.
+    """
+    end = sum(map(len, lines)) + len(lines)  # the complete lines, each with its newline
+    try:
+        texts = str(memoryview(data)[:end], "utf-8").split("\n")
+    except UnicodeDecodeError:  # some line is not UTF-8: find which, line by line
+        return [plain_text(raw, max_depth) for raw in lines]
+    starts = suspect_starts(data, end)
+    screened: list[str | None] = []
+    after = 0  # the offset just past the line's newline
+    hit = 0  # the first suspect not before the line
+    for raw, text in zip(lines, texts[:-1], strict=True):  # texts[-1]: "" after the last newline
+        after += len(raw) + 1
+        if hit < len(starts) and starts[hit] < after:  # a suspect in this line: the full screen
+            screened.append(plain_text(raw, max_depth))
+            while hit < len(starts) and starts[hit] < after:
+                hit += 1
+        elif text.count("{") + text.count("[") > max_depth:
+            screened.append(None)
+        else:
+            screened.append(text)
+    return screened
+
+
+def suspect_starts(data: bytes, end: int) -> list[int]:
+    """Sorted offsets before `end` where a `_SUSPECT` match may start (every one is there).
+
+    Each part of `_SUSPECT` has a fast search of its own: the escapes a regex that starts with a
+    literal, the names substrings, and the numbers substrings of `data` with every digit made
+    `0`, `E` made `e` and `-` made `+` (`[0-9][eE][-+]?[0-9]{3}` is then `0e000` or `0e+000`,
+    and 20 digits twenty `0`s). No match spans a newline, so none spans `end` either.
+    """
+    starts = [match.start() for match in _SUSPECT_ESCAPE.finditer(data, 0, end)]
+    numbers = data.translate(_AS_ZEROS)
+    for haystack, needles in ((data, _SUSPECT_NAMES), (numbers, _SUSPECT_NUMBERS)):
+        for needle in needles:
+            at = haystack.find(needle, 0, end)
+            while at >= 0:
+                starts.append(at)
+                at = haystack.find(needle, at + 1, end)
+    return sorted(starts)
 
 
 CUSTOM_ID_MSG = (

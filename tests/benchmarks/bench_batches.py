@@ -2,12 +2,18 @@
 
 Run: `.venv/bin/python tests/benchmarks/bench_batches.py [--only accept,redis,busy]
 [--accept 10000,100000] [--redis 10000,100000] [--million] [--redis-finish 20000]
-[--busy-jobs 160]`. `--million` adds a 1,000,000-line file to accept and redis (about 110 MB;
-each takes a minute or two to accept on 2 shared cores).
+[--busy-jobs 160] [--baseline DIR] [--s3]`. `--million` adds a 1,000,000-line file to accept and
+redis (about 110 MB; each takes a minute or two to accept on 2 shared cores).
 
 1. accept: a JSONL file POSTed to /v1/batches through `KilnClient.submit_batch` (streamed), the
-   API in its own uvicorn process; lines/s, and the API's peak RSS (VmHWM) after each size.
-   Flat memory means the peak after the big file is no higher than after the small one.
+   API in its own uvicorn process; lines/s, the API's CPU per line (user + system, from /proc:
+   barely moved by what else the machine runs, so `lines/s per core` = 1 / that is what the API
+   reaches on a core of its own) and the API's peak RSS (VmHWM) after each size, all sizes sent
+   to one API in turn. Flat memory means the peak after the big file is no higher than after the
+   small one. `--baseline DIR` runs a second API from another tree of the code (e.g. the commit
+   before: `git archive HEAD | tar -x -C DIR`) side by side: each file goes to both, in
+   alternating order, and each line prints both and their ratio. `--s3` stores the batches in
+   a moto S3 server (in this process) instead of a local folder.
 2. redis: a batch accepted the same way (HTTP, an API process of its own) and fed by a real
    `BatchFeeder`, its jobs run to success by hand as fast as the store allows (no node); Redis
    `used_memory` above the empty baseline right after acceptance and at its peak while feeding,
@@ -34,7 +40,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from unittest.mock import patch
 
@@ -107,8 +114,10 @@ def peak_rss_mb(pid: int) -> float:
 
 # --- 1. accepting a file through the API ----------------------------------------------------
 @contextmanager
-def api_process(env: dict[str, str]) -> Iterator[tuple[KilnClient, subprocess.Popen[bytes]]]:
-    """The API in a uvicorn process of its own, and a client with a fresh key."""
+def api_process(
+    env: dict[str, str], root: Path = ROOT
+) -> Iterator[tuple[KilnClient, subprocess.Popen[bytes]]]:
+    """The API (of the code tree `root`) in a uvicorn process of its own, a client with a key."""
     key = new_api_key()
     with patch.dict(os.environ, clear=True, values=env):
         storage = StorageSettings()
@@ -116,13 +125,14 @@ def api_process(env: dict[str, str]) -> Iterator[tuple[KilnClient, subprocess.Po
     keys.create(hash_api_key(key), "b", False)
     port = free_port()
     code = (
+        f"import sys; sys.path.insert(0, {str(root)!r}); "
         "from kiln.storage.settings import StorageSettings; "
         "from kiln.tasks.contract.settings import KilnSettings; "
         "from kiln.tasks.api.app import serve_api; "
         f"serve_api(KilnSettings(), StorageSettings(), '127.0.0.1', {port}, "
         "log_level='warning', access_log=False)"
     )
-    api = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+    api = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env)
     try:
         wait_for_port(port, timeout_s=60)
         with KilnClient(f"http://127.0.0.1:{port}", key, timeout=3600) as client:
@@ -142,25 +152,105 @@ def accept_file(client: KilnClient, path: Path, lines: int) -> tuple[str, float]
     return view.id, elapsed
 
 
-def bench_accept(sizes: list[int], folder: Path) -> None:
+def cpu_s(pid: int) -> float:
+    """CPU seconds the process used so far (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Accepted:
+    """One file accepted by one API."""
+
+    seconds: float
+    cpu_s: float
+    peak_mb: float
+
+
+def accept_measured(client: KilnClient, api: subprocess.Popen[bytes], path: Path) -> Accepted:
+    """Accept the file; its wall time, the API's CPU for it and the API's peak RSS after it."""
+    lines = sum(1 for _ in path.open("rb"))
+    before = cpu_s(api.pid)
+    _, elapsed = accept_file(client, path, lines)
+    return Accepted(elapsed, cpu_s(api.pid) - before, peak_rss_mb(api.pid))
+
+
+def accept_line(label: str, lines: int, got: Accepted) -> str:
+    """One API's figures for one file."""
+    return (
+        f"{label:<9} {lines / got.seconds:8.0f} lines/s ({got.seconds:7.2f} s), "
+        f"API CPU {got.cpu_s / lines * 1e6:6.1f} us/line = {lines / got.cpu_s:7.0f} lines/s "
+        f"per core, API peak RSS {got.peak_mb:7.1f} MB"
+    )
+
+
+def bench_accept(sizes: list[int], folder: Path, baseline: Path | None, s3: bool) -> None:
     server, redis_url = start_redis(folder)
-    env = {**base_env(redis_url, folder), "KILN_AUTH_ENABLED": "true"}
+    trees = {"this": ROOT} if baseline is None else {"this": ROOT, "baseline": baseline}
     try:
-        with api_process(env) as (client, api):
-            print(f"accept: API peak RSS before any file {peak_rss_mb(api.pid):8.1f} MB")
-            for lines in sizes:
-                path = write_batch(folder / f"accept-{lines}.jsonl", lines)
-                _, elapsed = accept_file(client, path, lines)
-                size_mb = path.stat().st_size / 1e6
+        with ExitStack() as stack:
+            apis = {}
+            for label, root in trees.items():
+                env = {**base_env(redis_url, folder), "KILN_AUTH_ENABLED": "true"}
+                if s3:
+                    env.update(stack.enter_context(s3_storage()))
+                apis[label] = stack.enter_context(api_process(env, root))
                 print(
-                    f"accept: {lines:>9} lines ({size_mb:6.1f} MB) {elapsed:7.2f} s "
-                    f"{lines / elapsed:9.0f} lines/s   API peak RSS {peak_rss_mb(api.pid):8.1f} MB",
+                    f"accept: {label} API peak RSS before any file "
+                    f"{peak_rss_mb(apis[label][1].pid):7.1f} MB",
                     flush=True,
                 )
+            for turn, lines in enumerate(sizes):
+                path = write_batch(folder / f"accept-{lines}.jsonl", lines)
+                print(f"accept: {lines:>9} lines ({path.stat().st_size / 1e6:6.1f} MB)", flush=True)
+                order = list(apis) if turn % 2 == 0 else list(apis)[::-1]
+                got = {label: accept_measured(*apis[label], path) for label in order}
+                for label in apis:
+                    print(f"  {accept_line(label, lines, got[label])}", flush=True)
+                if baseline is not None:
+                    this, base = got["this"], got["baseline"]
+                    print(
+                        f"  ratio     {base.seconds / this.seconds:8.2f}x lines/s, "
+                        f"{this.cpu_s / base.cpu_s:5.2f}x API CPU per line, "
+                        f"peak RSS {this.peak_mb - base.peak_mb:+6.1f} MB",
+                        flush=True,
+                    )
                 path.unlink()
     finally:
         server.terminate()
         server.wait(10)
+
+
+@contextmanager
+def s3_storage() -> Iterator[dict[str, str]]:
+    """A moto S3 server in this process with a fresh bucket: the settings naming it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        bucket = f"kiln-bench-{secrets.token_hex(4)}"
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+        )
+        s3.create_bucket(Bucket=bucket)
+        yield {
+            "KILN_STORAGE_URL": f"s3://{bucket}/outputs",
+            "KILN_S3_ENDPOINT_URL": endpoint,
+            "KILN_S3_REGION": "us-east-1",
+            "KILN_S3_ADDRESSING_STYLE": "path",
+            "KILN_S3_ACCESS_KEY_ID": "bench",
+            "KILN_S3_SECRET_ACCESS_KEY": "bench",
+        }
+    finally:
+        server.stop()
 
 
 # --- 2. Redis memory while a batch is fed ----------------------------------------------------
@@ -291,6 +381,8 @@ def main() -> None:
     parser.add_argument("--redis-finish", type=int, default=20_000)
     parser.add_argument("--busy-jobs", type=int, default=160)
     parser.add_argument("--busy-sleep", type=float, default=0.2)
+    parser.add_argument("--baseline", type=Path, help="accept: another tree, run alongside")
+    parser.add_argument("--s3", action="store_true", help="accept: store in a moto S3 server")
     args = parser.parse_args()
     only = set(args.only.split(","))
     million = [1_000_000] if args.million else []
@@ -298,7 +390,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-batches-") as tmp:
         folder = Path(tmp)
         if "accept" in only:
-            bench_accept([int(n) for n in args.accept.split(",")] + million, folder)
+            sizes = [int(n) for n in args.accept.split(",")] + million
+            baseline = args.baseline.resolve() if args.baseline else None
+            bench_accept(sizes, folder, baseline, args.s3)
         if "redis" in only:
             sizes = [int(n) for n in args.redis.split(",")] + million
             bench_redis(sizes, args.redis_finish, folder)
