@@ -8,8 +8,10 @@ idle nodes asking at once only as many as are surplus drain.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kiln.storage.base import StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
@@ -43,8 +45,16 @@ class BacklogReading:
     queues: dict[str, QueueBacklog]
 
 
+@dataclass(frozen=True)
+class SharedView:
+    """A view of the cluster computed by one node for all (`BacklogOps.shared_views`)."""
+
+    value: dict[str, Any] | None  # None: none computed yet, or it expired
+    due: bool  # no node has claimed its computation within the interval: one should now
+
+
 class BacklogOps(StoreBase):
-    """Read the backlog of queues; let an idle, surplus node mark itself draining."""
+    """Read the backlog of queues; let an idle, surplus node mark itself draining; share views."""
 
     @redis_boundary
     def backlog(self, queues: Sequence[str]) -> BacklogReading:
@@ -79,6 +89,34 @@ class BacklogOps(StoreBase):
             args += [pipeline, int(count)]
         keys = [self.keys.nodes, self.keys.drain_requests]
         return bool(self._run("surplus_claim", keys, args))
+
+    # Views of the cluster that one node computes per interval and every node reads: what each
+    # node would otherwise read for itself every tick (every node's heartbeat, every running
+    # job) costs the cluster its node count squared; computed once per interval and shared, it
+    # costs one such read per interval and one small read per node and tick.
+
+    @redis_boundary
+    def shared_views(self, names: Sequence[str]) -> dict[str, SharedView]:
+        """Each view and whether it is due for computing again: one round trip."""
+        k = self.keys
+        flat = self.redis.mget(
+            [key for n in names for key in (k.shared_view(n), k.shared_view_claim(n))]
+        )
+        return {
+            name: SharedView(json.loads(value) if value else None, claim is None)
+            for name, value, claim in zip(names, flat[0::2], flat[1::2], strict=True)
+        }
+
+    @redis_boundary
+    def claim_shared_view(self, name: str, node_id: str, interval_s: float) -> bool:
+        """True for one caller per `interval_s`: that caller computes the view and writes it."""
+        ttl_ms = max(1, int(interval_s * 1000))
+        return bool(self.redis.set(self.keys.shared_view_claim(name), node_id, nx=True, px=ttl_ms))
+
+    @redis_boundary
+    def write_shared_view(self, name: str, value: dict[str, Any], ttl_s: float) -> None:
+        """Store the view for every node, for `ttl_s` (a few intervals: readers keep the last)."""
+        self.redis.set(self.keys.shared_view(name), dumps(value), px=max(1, int(ttl_s * 1000)))
 
 
 def _queue_backlog(entry: list[object]) -> QueueBacklog:

@@ -3,28 +3,37 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 import redis.asyncio
+import redis.asyncio.connection
 import redis.asyncio.retry
 import redis.asyncio.sentinel
+import redis.connection
 import redis.sentinel
 from redis.backoff import EqualJitterBackoff
-from redis.connection import parse_url
+from redis.connection import Connection, parse_url
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.errors import JobNotFound, StorageError, StorageUnavailable
 from kiln.storage.keys import Keys, valid_id
 from kiln.storage.records import JobRecord, job_from_hash, pairs_to_dict
-from kiln.storage.scripts import ScriptName, Scripts, first_lost_script, queue_by_sha, source
+from kiln.storage.scripts import (
+    ScriptName,
+    Scripts,
+    check_call,
+    first_lost_script,
+    queue_by_sha,
+    sha,
+    source,
+)
 from kiln.storage.settings import StorageSettings, masked_url
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -61,6 +70,72 @@ def _sentinel_options(settings: StorageSettings) -> dict[str, Any]:
     """The connections to the Sentinels themselves: short timeouts, so a dead one is skipped."""
     timeout = settings.redis_connect_timeout_s
     return {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+
+
+def _not_primary(role: Any, address: Any) -> redis.exceptions.ConnectionError | None:
+    """The error for a server whose ROLE reply is not `master`; None when it is one."""
+    name = str(role[0]) if isinstance(role, list) and role else "master"  # (no ROLE: trusted)
+    if name == "master":
+        return None
+    return redis.exceptions.ConnectionError(f"{address} is a {name}, not the primary")
+
+
+class _PrimaryConnection(redis.sentinel.SentinelManagedConnection):
+    """A connection to the primary the Sentinels name, which checks on connecting it is one.
+
+    A Sentinel that has not heard of a failover yet still names the old primary; restarted as
+    the new primary's replica, still empty, it would answer a job's reads (not found) and only
+    refuse its writes. A ConnectionError here makes the client ask the Sentinels again.
+    """
+
+    def connect_to(self, address: Any) -> None:
+        """Connect, then ask ROLE (a user not allowed ROLE is trusted, as before)."""
+        super().connect_to(address)
+        pool: Any = self.connection_pool  # (a SentinelConnectionPool; the stubs say less)
+        if not pool.is_master:
+            return
+        self.send_command("ROLE")
+        try:
+            error = _not_primary(self.read_response(), address)
+        except redis.exceptions.ResponseError:
+            return
+        if error is not None:
+            self.disconnect()
+            raise error
+
+
+class _PrimarySSLConnection(_PrimaryConnection, redis.connection.SSLConnection):
+    """`_PrimaryConnection` over TLS (`rediss://`)."""
+
+
+class _AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    """`_PrimaryConnection` for the asyncio client."""
+
+    async def connect_to(self, address: Any) -> None:
+        """Connect, then ask ROLE (a user not allowed ROLE is trusted, as before)."""
+        await super().connect_to(address)
+        pool: Any = self.connection_pool  # (a SentinelConnectionPool; the stubs say less)
+        if not pool.is_master:
+            return
+        await self.send_command("ROLE")
+        try:
+            error = _not_primary(await self.read_response(), address)
+        except redis.exceptions.ResponseError:
+            return
+        if error is not None:
+            await self.disconnect()
+            raise error
+
+
+class _AsyncPrimarySSLConnection(_AsyncPrimaryConnection, redis.asyncio.connection.SSLConnection):
+    """`_AsyncPrimaryConnection` over TLS (`rediss://`)."""
+
+
+def _primary_connection_class(settings: StorageSettings, *, asyncio: bool) -> type[Any]:
+    tls = settings.redis_url.startswith("rediss://")
+    if asyncio:
+        return _AsyncPrimarySSLConnection if tls else _AsyncPrimaryConnection
+    return _PrimarySSLConnection if tls else _PrimaryConnection
 
 
 class _WindowRetry(Retry):
@@ -115,7 +190,10 @@ def redis_client(settings: StorageSettings, *, retries: int = _RETRIES) -> redis
         settings.sentinel_addresses, sentinel_kwargs=_sentinel_options(settings)
     )
     client: redis.Redis[str] = sentinel.master_for(
-        settings.redis_sentinel_master, **options, **_master_options(settings)
+        settings.redis_sentinel_master,
+        connection_class=_primary_connection_class(settings, asyncio=False),
+        **options,
+        **_master_options(settings),
     )
     return client
 
@@ -162,6 +240,7 @@ def async_redis_client(settings: StorageSettings, max_connections: int) -> redis
         client: redis.asyncio.Redis[str] = sentinel.master_for(
             settings.redis_sentinel_master,
             connection_pool_class=_BlockingSentinelPool,
+            connection_class=_primary_connection_class(settings, asyncio=True),
             **options,
             **_master_options(settings),
         )
@@ -224,6 +303,14 @@ class ReplicasBehind(StorageUnavailable):
     """
 
 
+class AcknowledgementLost(ReplicasBehind):
+    """The primary was lost while its replicas' acknowledgement of a write was awaited.
+
+    The write may have reached the replica promoted since, or be gone with the old primary:
+    only a read (or a fenced rerun) on the new primary tells.
+    """
+
+
 def wait_command(settings: StorageSettings) -> tuple[str, int, int] | None:
     """The `WAIT replicas timeout_ms` a durable write is followed by; None when the rule is off."""
     if settings.redis_min_replicas_ack <= 0:
@@ -242,6 +329,90 @@ def check_acknowledged(settings: StorageSettings, replicas: object) -> None:
             f"{replicas} of {wanted} Redis replicas acknowledged the write within "
             f"{settings.redis_replica_ack_timeout_s}s"
         )
+
+
+def ack_hold_s(settings: StorageSettings) -> float:
+    """How long a node's transition waits for its replicas: the hold, within half a lease.
+
+    (A start is held before its lease is renewed by the node's heartbeat: held past the
+    lease, another node could take the job meanwhile.)
+    """
+    return min(settings.redis_replica_ack_hold_s, settings.lease_ttl_s / 2)
+
+
+def _script_and_wait_on(
+    connection: Connection,
+    name: ScriptName,
+    keys: list[str],
+    args: list[Any],
+    command: tuple[str, int, int],
+) -> tuple[Any, Any]:
+    """EVALSHA then WAIT in one write on `connection` (the script loaded first if missing).
+
+    A lost connection before the script's reply may be retried (the script's fate is unknown,
+    its rerun is fenced); after it, the write is made and the loss is AcknowledgementLost:
+    running the script again could only be refused, or apply it a second time elsewhere.
+    """
+    check_call(name, keys, args)
+    call = ("EVALSHA", sha(name), len(keys), *keys, *args)
+    packed = connection.pack_commands([call, command])
+    connection.send_packed_command(packed)  # type: ignore[arg-type]  # (stubs: str, sent: bytes)
+    reply = _reply(connection)
+    if isinstance(reply, NoScriptError):
+        _reply(connection)  # WAIT's, for nothing
+        connection.send_command("SCRIPT", "LOAD", source(name))
+        connection.read_response()
+        return _script_and_wait_on(connection, name, keys, args, command)
+    if isinstance(reply, Exception):  # the script's own error (KILN_STALE, ...): no write
+        try:
+            _reply(connection)  # WAIT's, for nothing
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            connection.disconnect()  # (the pool replaces it)
+        raise reply
+    return reply, _reply_after_write(connection, wanted=command[1])
+
+
+def _reply(connection: Connection) -> Any:
+    """The next reply on `connection`; an error reply is returned, not raised."""
+    try:
+        return connection.read_response()
+    except redis.exceptions.ResponseError as error:
+        return error
+
+
+def _reply_after_write(connection: Connection, wanted: int, wait: Any = None) -> Any:
+    """WAIT's reply (sent first if `wait` is given) after a write was made on `connection`.
+
+    A lost connection is AcknowledgementLost: the write may or may not be on the primary now.
+    """
+    try:
+        if wait is not None:
+            # no health check: its PING could reconnect, and a new connection has no writes
+            connection.send_command(*wait, check_health=False)
+        return _reply(connection)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as lost:
+        connection.disconnect()
+        raise AcknowledgementLost(
+            f"the Redis primary was lost before {wanted} replicas acknowledged a job "
+            f"transition ({lost})"
+        ) from lost
+
+
+def _hold_for_replicas(connection: Connection, settings: StorageSettings, replicas: Any) -> None:
+    """Ask WAIT again on `connection` until enough replicas have its writes, within the hold."""
+    wanted, hold_s = settings.redis_min_replicas_ack, ack_hold_s(settings)
+    deadline = time.monotonic() + hold_s
+    while isinstance(replicas, Exception) or int(replicas) < wanted:
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            if isinstance(replicas, Exception):
+                raise replicas
+            raise ReplicasBehind(
+                f"{replicas} of {wanted} Redis replicas acknowledged a job transition within "
+                f"its {hold_s:g}s hold"
+            )
+        timeout_ms = max(1, int(min(left_s, settings.redis_replica_ack_timeout_s) * 1000))
+        replicas = _reply_after_write(connection, wanted, ("WAIT", wanted, timeout_ms))
 
 
 class StoreBase:
@@ -265,25 +436,25 @@ class StoreBase:
     ) -> Any:
         """`_run`, then `WAIT` for `redis_min_replicas_ack` replicas on the same connection.
 
-        (WAIT counts the writes of the connection it runs on: script and WAIT share one
-        pipeline, by sha, the script loaded once Redis answers NOSCRIPT, as after a failover to
-        a primary that never ran it.) `strict`: ReplicasBehind on a shortfall; else a warning,
-        for a write its caller cannot take back.
+        (WAIT counts the writes of the connection it runs on: script and WAIT go out together,
+        by sha, the script loaded once Redis answers NOSCRIPT, as after a failover to a primary
+        that never ran it.) `strict` (a creation): ReplicasBehind at once on a shortfall, the
+        producer retries. Else (a node's start or end, a cancel): the connection is held and
+        WAIT asked again until the replicas have the write, for up to `ack_hold_s`; then
+        ReplicasBehind, or AcknowledgementLost if the primary went away meanwhile. The caller
+        must not act on the write (compute, report the job ended) before this returns.
         """
         command = wait_command(self.settings)
         if command is None:
             return self._run(name, keys, args)
+        if not strict:
+            return self._run_held(name, keys, args, command)
         reply, replicas = self._script_then_wait(name, keys, args, command)
         if first_lost_script([reply]) is not None:
             self.redis.script_load(source(name))
             reply, replicas = self._script_then_wait(name, keys, args, command)
             first_lost_script([reply])  # raises what the script raised (NOSCRIPT included)
-        try:
-            check_acknowledged(self.settings, replicas)
-        except ReplicasBehind as behind:
-            if strict:
-                raise
-            log.warning("a job transition is not on a replica yet: %s", behind)
+        check_acknowledged(self.settings, replicas)
         return reply
 
     def _script_then_wait(
@@ -294,6 +465,27 @@ class StoreBase:
         pipe.execute_command(*command)
         reply, replicas = pipe.execute(raise_on_error=False)
         return reply, replicas
+
+    def _run_held(
+        self, name: ScriptName, keys: list[str], args: list[Any], command: tuple[str, int, int]
+    ) -> Any:
+        """The script and WAIT on one connection kept from the pool until the replicas answer.
+
+        A lost connection before the script's reply is retried as any call is (the script
+        then runs on the primary the Sentinels name now); once the reply is in, the
+        connection is never replaced: a WAIT on another connection counts none of its writes.
+        """
+        pool = self.redis.connection_pool
+        connection = pool.get_connection()
+        try:
+            reply, replicas = connection.retry.call_with_retry(
+                lambda: _script_and_wait_on(connection, name, keys, args, command),
+                lambda _error: connection.disconnect(),
+            )
+            _hold_for_replicas(connection, self.settings, replicas)
+            return reply
+        finally:
+            pool.release(connection)
 
     def _run(self, name: ScriptName, keys: list[str], args: list[Any]) -> Any:
         """Run the script `storage/lua/<name>.lua` with these KEYS and ARGV."""

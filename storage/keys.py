@@ -213,6 +213,14 @@ class Keys:
         """Hash: queue (`<lane>.<pipeline>`) -> when and by whom it was paused (JSON); no TTL."""
         return f"{self.ns}:paused_queues"
 
+    def shared_view(self, name: str) -> str:
+        """String: a view of the cluster one node computed for all (JSON), with a TTL."""
+        return f"{self.ns}:views:{name}"
+
+    def shared_view_claim(self, name: str) -> str:
+        """String: which node computes the view `name` now; its TTL is the view's interval."""
+        return f"{self.ns}:views:{name}:claim"
+
     @property
     def drain_requests(self) -> str:
         """Hash: node id -> the operator's drain request for it (JSON); no TTL."""
@@ -276,6 +284,11 @@ class Keys:
         until claimed (storage/lua/_held.lua).
         """
         return f"{self.ns}:nodes:held"
+
+    @property
+    def held_deadlines(self) -> str:
+        """Sorted set: each entry of `held_deliveries` -> its deadline (ms), to find lapses."""
+        return f"{self.ns}:nodes:held_deadlines"
 
     @property
     def queued_audits(self) -> str:

@@ -80,13 +80,15 @@ class NodeOps(StoreBase):
         """
         ttl_ms = max(1, int(ttl_s * 1000))
         args = [node_id, ttl_ms, incarnation, *job_ids]
-        self._run("held_record", [self.keys.held_deliveries], args)
+        self._run("held_record", [self.keys.held_deliveries, self.keys.held_deadlines], args)
 
     @redis_boundary
     def claim_lapsed_holders(self) -> LapsedHolds:
         """The held lists of nodes whose heartbeat lapsed, each handed out once."""
         live, *lapsed = self._run(
-            "held_claim", [self.keys.held_deliveries, self.keys.last_lapse], []
+            "held_claim",
+            [self.keys.held_deliveries, self.keys.last_lapse, self.keys.held_deadlines],
+            [],
         )
         holders = [
             LapsedHolder(str(node_id), int(written_ms), int(deadline_ms), [str(j) for j in jobs])

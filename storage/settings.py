@@ -120,8 +120,15 @@ class StorageSettings(BaseSettings):
     redis_replica_ack_timeout_s: float = Field(
         default=1.0,
         gt=0,
-        description="How long to wait for those replicas; past it a creation is answered 503 "
-        "(retryable), a node's transition logs a warning and goes on.",
+        description="How long one `WAIT` for those replicas lasts; past it a creation is "
+        "answered 503 (retryable) and a node's transition asks again, within the hold.",
+    )
+    redis_replica_ack_hold_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long a node holds a job's start or end (no compute, nothing reported) "
+        "for its replicas, at most half the lease; past it a start is given back, an end "
+        "reported with an error logged.",
     )
     home: Path | None = Field(
         default=None,

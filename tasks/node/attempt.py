@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from kiln.common.previews import DEFAULT_PREVIEW_FORMAT
+from kiln.common.states import JobState
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
 from kiln.gpu_worker.protocol import GenerationResult, StepProgress
+from kiln.storage.base import AcknowledgementLost, ReplicasBehind
 from kiln.storage.errors import IllegalTransition, StaleLease, StorageError
 from kiln.storage.job_store import JobRecord
 from kiln.storage.objects import new_attempt_name
@@ -35,11 +37,16 @@ from kiln.tasks.node.image_inputs import (
 from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome
 from kiln.tasks.node.output_uploads import discard_outputs, encode_and_upload
-from kiln.tasks.node.previews import preview_payload
+from kiln.tasks.node.previews import JobPreviews
 from kiln.tasks.node.progress_writer import PendingPreview, PendingProgress
 from kiln.tasks.queue.policy import error_dict, retry_delay
 
 log = logging.getLogger(__name__)
+
+# how often an end whose acknowledgement was lost with the primary runs again (each one waits
+# for the new primary through the store's retry window)
+_END_RERUNS = 3
+_REQUEUED = frozenset({JobState.QUEUED, JobState.CANCELED})  # `requeue` honors a pending cancel
 
 
 class LeasedAttempt:
@@ -63,6 +70,9 @@ class LeasedAttempt:
         self.notify = notify  # the job's webhook events (a no-op without a webhook)
         self.progress_webhooks = progress_webhooks
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
+        spec = record.request.get("preview") or {}
+        preview_format = str(spec.get("format", DEFAULT_PREVIEW_FORMAT))
+        self.previews = JobPreviews(node.objects, record.id, preview_format)
 
     def run(self) -> DeliveryOutcome:
         """Generate and store the outputs; any failure ends the job (it never raises for it)."""
@@ -85,6 +95,9 @@ class LeasedAttempt:
         except Exception as exc:  # a bug or a bad request: fail the job, never loop on it
             log.exception("job %s failed unexpectedly", self.job_id)
             self._failed(error_dict(exc), retryable=False)
+        finally:
+            # the attempt is over: its large preview goes, unless the job is another's now
+            self.previews.close(delete=self.outcome.kind != Delivery.LEASE_LOST)
         return self.outcome
 
     def _generate_and_store(self) -> None:
@@ -128,8 +141,12 @@ class LeasedAttempt:
         token, or the job is no longer running) the outputs are deleted: no record names them.
         An unanswered `succeed` (Redis unreachable) may have been applied: its outputs stay.
         """
+        token = self.tracked.lease_token
         try:
-            self.store.succeed(self.job_id, self.tracked.lease_token, outputs, metrics)
+            self._end(
+                lambda: self.store.succeed(self.job_id, token, outputs, metrics),
+                lambda record: record.state == JobState.SUCCEEDED and record.outputs == outputs,
+            )
         except StaleLease:
             discard_outputs(self.node.objects, outputs)
             raise
@@ -199,18 +216,13 @@ class LeasedAttempt:
 
     def _preview(self, progress: StepProgress, pixels: np.ndarray) -> None:
         """Hand the newest preview to the progress writer, which encodes and appends it."""
-        spec = self.record.request.get("preview") or {}
-        preview_format = str(spec.get("format", DEFAULT_PREVIEW_FORMAT))
-        objects, job_id = self.node.objects, self.job_id
-
-        def payload() -> dict[str, Any]:
-            return preview_payload(
-                job_id, progress.step, progress.total, pixels, preview_format, objects
-            )
-
+        previews, step, total = self.previews, progress.step, progress.total
         after_write = (lambda: self.notify("preview")) if self.progress_webhooks else None
         self.node.progress.preview(
-            job_id, PendingPreview(self.tracked.lease_token, payload, after_write)
+            self.job_id,
+            PendingPreview(
+                self.tracked.lease_token, lambda: previews.payload(step, total, pixels), after_write
+            ),
         )
 
     def _announce_output(self, index: int, entry: dict[str, Any]) -> None:
@@ -224,13 +236,16 @@ class LeasedAttempt:
         token = self.tracked.lease_token
         reason = self.tracked.stop_reason
         if reason == JobStopReason.CANCELED:
-            self.store.finish_canceled(self.job_id, token)
+            self._end(
+                lambda: self.store.finish_canceled(self.job_id, token),
+                lambda record: record.state == JobState.CANCELED,
+            )
             self.outcome = DeliveryOutcome(Delivery.CANCELED)
             log.info("job %s canceled while running", self.job_id)
             self.notify("completed")
         elif reason == JobStopReason.HANDED_BACK:
             error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
-            self.node.submitter.publish(self.store.requeue(self.job_id, token, error))
+            self.node.submitter.publish(self._requeue(token, error))
             self.outcome = DeliveryOutcome(Delivery.HANDED_BACK, error)
             log.info("job %s handed back to the queue (the node is draining)", self.job_id)
         else:
@@ -242,14 +257,54 @@ class LeasedAttempt:
         token = self.tracked.lease_token
         attempts = self.record.attempts
         if retryable and attempts < self.settings.max_attempts:
-            requeued = self.store.requeue(self.job_id, token, error)
+            requeued = self._requeue(token, error)
             delay = retry_delay(attempts, self.settings)
             self.node.submitter.publish(requeued, countdown=delay)
             self.outcome = DeliveryOutcome(Delivery.RETRYING, error, delay)
             log.info("job %s: retryable failure, retry %d in %.1fs", self.job_id, attempts, delay)
             return
         error = {**error, "retryable": False} if retryable else error
-        self.store.fail(self.job_id, token, error)
+        self._end(
+            lambda: self.store.fail(self.job_id, token, error),
+            lambda record: record.state == JobState.FAILED and record.error == error,
+        )
         self.outcome = DeliveryOutcome(Delivery.FAILED, error)
         log.warning("job %s failed: %s: %s", self.job_id, error.get("type"), error.get("message"))
         self.notify("completed")
+
+    def _requeue(self, token: int, error: dict[str, Any]) -> JobRecord:
+        """Back to the queue for another attempt (canceled instead if a cancel is pending)."""
+        return self._end(
+            lambda: self.store.requeue(self.job_id, token, error),
+            lambda record: record.state in _REQUEUED and record.error == error,
+        )
+
+    def _end(
+        self, end: Callable[[], JobRecord], ended_here: Callable[[JobRecord], bool]
+    ) -> JobRecord:
+        """Run a fenced end of this attempt until a replica has it (docs/operations.md §15).
+
+        AcknowledgementLost (the primary was lost while its replicas were awaited): the end
+        may be on the promoted replica or gone with the old primary; it runs again, fenced by
+        the lease, so it applies once. A refusal (StaleLease, IllegalTransition) of a job whose
+        record shows this very end (`ended_here`) means an earlier send applied it (a rerun,
+        or redis-py's resend of a call whose reply was lost): the end is this attempt's.
+        ReplicasBehind past the hold: the end stands on the primary that answered, which is
+        still up; it is reported, with the risk logged.
+        """
+        for rerun in range(_END_RERUNS + 1):
+            try:
+                return end()
+            except AcknowledgementLost as lost:
+                if rerun == _END_RERUNS:
+                    raise
+                log.warning("job %s: end not confirmed (%s); running it again", self.job_id, lost)
+            except ReplicasBehind as behind:
+                log.error("job %s: its end is on the primary only: %s", self.job_id, behind)
+                return self.store.get(self.job_id)
+            except (StaleLease, IllegalTransition):
+                record = self.store.get(self.job_id)
+                if not ended_here(record):
+                    raise
+                return record
+        raise AssertionError("unreachable: the last rerun returns or raises")

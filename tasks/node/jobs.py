@@ -25,6 +25,7 @@ from celery import Celery
 
 from kiln.common.logs import log_context
 from kiln.common.states import TERMINAL_STATES, JobState
+from kiln.storage.base import ReplicasBehind
 from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, QuotaExceeded
 from kiln.storage.job_store import JobRecord
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
@@ -170,8 +171,19 @@ class JobRunner:
             return
         except IllegalTransition:
             return
+        except JobNotFound:
+            # gone since it was read: its creation never reached the replica promoted since
+            # (its producer was answered 503 and creates it again) or its record expired
+            log.warning("run_job: job %s is gone; dropping", self.job_id)
+            return
         except QuotaExceeded as exc:
             self._defer(record, f"{exc}")
+            return
+        except ReplicasBehind as exc:
+            # The start is not on a replica within the hold (docs/operations.md §15): nothing
+            # is computed, or a failover could undo the start and the job run twice. It comes
+            # back once its lease lapses (the start stands) or at once (the start was lost).
+            self._defer(record, f"its start is not on a replica: {exc}")
             return
         with log_context(attempt=record.attempts):
             log.info(

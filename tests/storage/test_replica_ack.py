@@ -1,14 +1,18 @@
 """The write-acknowledgement rule (KILN_REDIS_MIN_REPLICAS_ACK) on a real primary and replica.
 
 A job's creation is answered only once a replica has it (else ReplicasBehind, a 503); a node's
-start and end wait for the replica too, and on a shortfall log and go on. The scripts run by sha
-next to the WAIT reload on a Redis that never ran them (a primary after a failover).
+start and end are held, WAIT asked again on the same connection, until the replica has them or
+the hold (`KILN_REDIS_REPLICA_ACK_HOLD_S`, at most half the lease) ends, then ReplicasBehind.
+The scripts run by sha next to the WAIT reload on a Redis that never ran them (a primary after
+a failover).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import signal
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,12 +43,13 @@ def primary_and_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Re
     primary.stop()
 
 
-def _store(primary: RedisNode, acks: int, timeout_s: float = 5.0) -> JobStore:
+def _store(primary: RedisNode, acks: int, timeout_s: float = 5.0, hold_s: float = 10.0) -> JobStore:
     settings = StorageSettings(
         redis_url=f"redis://127.0.0.1:{primary.port}/0",
         redis_namespace=f"ack-{uuid.uuid4().hex[:8]}",
         redis_min_replicas_ack=acks,
         redis_replica_ack_timeout_s=timeout_s,
+        redis_replica_ack_hold_s=hold_s,
         storage_url=f"file://{Path('/tmp').resolve()}/kiln-ack-test",
     )
     return JobStore.from_settings(settings)
@@ -81,24 +86,50 @@ def test_the_asyncio_creation_waits_for_the_replica_too(primary_and_replica: Red
     assert replica.exists(store.keys.job(new.id))
 
 
-def test_without_a_replica_a_creation_is_refused_and_a_transition_goes_on(
-    primary_and_replica: RedisNode, caplog: pytest.LogCaptureFixture
+def test_without_a_replica_a_creation_is_refused_and_a_transition_is_held_then_refused(
+    primary_and_replica: RedisNode,
 ) -> None:
-    store = _store(primary_and_replica, acks=2, timeout_s=0.2)  # one replica: never enough
+    store = _store(primary_and_replica, acks=2, timeout_s=0.2, hold_s=0.6)  # one replica: never
     with pytest.raises(ReplicasBehind, match=r"1 of 2 Redis replicas"):
         store.create_job(_new())
     with pytest.raises(ReplicasBehind):
         store.create_jobs([_new(), _new()])
-    # what was written stays (the producer retries with its Idempotency-Key); a node's
-    # transition cannot be taken back: it logs and goes on
+    # what was written stays (the producer retries with its Idempotency-Key)
     new = _new()
     with pytest.raises(ReplicasBehind):
         store.create_and_place(new)
-    with caplog.at_level(logging.WARNING, logger="kiln.storage.base"):
-        token, record = store.acquire_and_start(new.id, "node/1")
-        assert store.succeed(new.id, token, [], {}).state == "succeeded"
+    # a node's start is held for the hold, then refused: the node computes nothing on it
+    began = time.monotonic()
+    with pytest.raises(ReplicasBehind, match=r"within its 0.6s hold"):
+        store.acquire_and_start(new.id, "node/1")
+    assert time.monotonic() - began >= 0.6
+    # the start stands on the primary that answered (its lease lapses if the node gives up)
+    assert store.get(new.id).state == "running"
+
+
+def test_a_transition_waits_for_a_replica_that_falls_behind_within_the_hold(
+    primary_and_replica: RedisNode,
+) -> None:
+    """The replica frozen (SIGSTOP) for 1.5 s: the start returns once it has the write."""
+    store = _store(primary_and_replica, acks=1, timeout_s=0.2, hold_s=6.0)
+    replica_node: RedisNode = primary_and_replica.replica  # type: ignore[attr-defined]
+    new = _new()
+    store.create_and_place(new)
+    assert replica_node.process is not None
+    replica_node.process.send_signal(signal.SIGSTOP)
+    thaw = threading.Timer(1.5, replica_node.process.send_signal, (signal.SIGCONT,))
+    thaw.start()
+    try:
+        began = time.monotonic()
+        _token, record = store.acquire_and_start(new.id, "node/1")
+        held_s = time.monotonic() - began
+    finally:
+        thaw.join()
+        replica_node.process.send_signal(signal.SIGCONT)
     assert record.state == "running"
-    assert "not on a replica yet" in caplog.text
+    assert held_s >= 1.0  # it waited for the frozen replica (one WAIT lasts 0.2 s)
+    replica = replica_node.client()
+    assert replica.hget(store.keys.job(new.id), "state") == "running"
 
 
 def test_scripts_reload_next_to_the_wait_on_a_redis_that_never_ran_them(
