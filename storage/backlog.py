@@ -9,7 +9,7 @@ idle nodes asking at once only as many as are surplus drain.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,11 @@ class BacklogReading:
 
     now: float
     queues: dict[str, QueueBacklog]
+
+
+# a shared view outlives its interval a few times: the other nodes keep reading the last one
+# while the node that claimed it computes the next (or if that node dies first)
+VIEW_LIFETIME_INTERVALS = 3
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,24 @@ class BacklogOps(StoreBase):
     def write_shared_view(self, name: str, value: dict[str, Any], ttl_s: float) -> None:
         """Store the view for every node, for `ttl_s` (a few intervals: readers keep the last)."""
         self.redis.set(self.keys.shared_view(name), dumps(value), px=max(1, int(ttl_s * 1000)))
+
+    def shared_view(
+        self, name: str, owner: str, interval_s: float, compute: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The view `name` as the cluster last computed it; computed here when it is due.
+
+        One caller per `interval_s` (the one whose claim succeeds) runs `compute` and shares its
+        result; the others read it: one small read each. A caller finding no view at all (the
+        first, or every holder gone) computes one for itself meanwhile.
+        """
+        view = self.shared_views([name])[name]
+        claimed = view.due and self.claim_shared_view(name, owner, interval_s)
+        if view.value is not None and not claimed:
+            return view.value
+        value = compute()
+        if claimed:
+            self.write_shared_view(name, value, VIEW_LIFETIME_INTERVALS * interval_s)
+        return value
 
 
 def _queue_backlog(entry: list[object]) -> QueueBacklog:

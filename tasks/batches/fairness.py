@@ -40,6 +40,7 @@ from kiln.tasks.contract.settings import KilnSettings
 REFILL_PASSES = 2
 # rates and the pass period are smoothed over about this many seconds
 SMOOTHING_S = 1.0
+ANY_PIPELINE = ""  # `capacities`' key for every live node, whatever it serves
 
 
 def node_capacity(node: Mapping[str, Any]) -> int:
@@ -51,22 +52,29 @@ def node_capacity(node: Mapping[str, Any]) -> int:
     return groups * max(1, int(node.get("max_batch") or MAX_BATCH))
 
 
+def capacities(nodes: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Outputs the live nodes compute at once: per pipeline they serve, and in all (key "")."""
+    found: dict[str, int] = {ANY_PIPELINE: 0}
+    for node in nodes:
+        capacity = node_capacity(node)
+        found[ANY_PIPELINE] += capacity
+        for pipeline in node.get("pipelines") or []:
+            found[str(pipeline)] = found.get(str(pipeline), 0) + capacity
+    return found
+
+
 def window_size(
-    nodes: Iterable[Mapping[str, Any]],
+    capacity: Mapping[str, int],
     pipeline: str | None,
     settings: KilnSettings,
     refill_jobs: int = 0,
 ) -> int:
-    """The feeding window for a batch of `pipeline` (None: any) from the live nodes' heartbeats.
+    """The feeding window for a batch of `pipeline` (None: any) from the nodes' `capacities`.
 
     `refill_jobs`: what the nodes finish before the feeder comes round again (`Pace`), on top.
     """
-    capacity = sum(
-        node_capacity(node)
-        for node in nodes
-        if pipeline is None or pipeline in (node.get("pipelines") or [])
-    )
-    sized = math.ceil(capacity * settings.batch_window_factor) + refill_jobs
+    serving = capacity.get(ANY_PIPELINE if pipeline is None else pipeline, 0)
+    sized = math.ceil(serving * settings.batch_window_factor) + refill_jobs
     floor = min(settings.batch_window_min, settings.batch_window)
     return max(floor, min(settings.batch_window, sized))
 

@@ -60,7 +60,7 @@ from kiln.storage.errors import (
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.object_streams import read_range
 from kiln.storage.objects import ObjectStore, StoresByUrl
-from kiln.tasks.batches.fairness import Pace, plan_pass, window_size
+from kiln.tasks.batches.fairness import Pace, capacities, plan_pass, window_size
 from kiln.tasks.batches.lines import Item, batch_job_id, parse_item
 from kiln.tasks.batches.notify import BatchNotifier
 from kiln.tasks.batches.reporting import FeederLostLease, Lease, ResultWriter
@@ -76,6 +76,10 @@ from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 log = logging.getLogger(__name__)
 
 READ_SIZE = 256 * 1024
+# The live nodes' capacities, read from every heartbeat by one process per heartbeat interval for
+# all feeders (storage/backlog.py `shared_view`): each of n feeders reading n heartbeats every
+# pass would cost the cluster n² reads per pass while any batch is active.
+CAPACITY_VIEW = "feeding:capacity"
 
 
 class BatchFeeder:
@@ -141,10 +145,15 @@ class BatchFeeder:
     def _windows(self, live: list[FedBatch]) -> dict[str, int]:
         """Each batch's window: its nodes' capacity, plus what they finish in a pass or two."""
         self.pace.observe(live)
-        nodes = self.store.live_nodes()
+        capacity = self.store.shared_view(
+            CAPACITY_VIEW,
+            self.owner,
+            self.settings.heartbeat_interval_s,
+            lambda: capacities(self.store.live_nodes()),
+        )
         return {
             b.id: window_size(
-                nodes, b.pipeline, self.settings, self.pace.refill_jobs(live, b.pipeline)
+                capacity, b.pipeline, self.settings, self.pace.refill_jobs(live, b.pipeline)
             )
             for b in live
         }

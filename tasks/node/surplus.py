@@ -17,15 +17,13 @@ import logging
 import time
 from collections.abc import Sequence
 
+from kiln.storage.backlog import VIEW_LIFETIME_INTERVALS
 from kiln.tasks.node.node import Node
 from kiln.tasks.queue.backlog import node_counts, read_backlogs
 
 log = logging.getLogger(__name__)
 
 SURPLUS_BY = "autoscale: surplus"  # the drain request's `by`
-# a shared view outlives its interval a few times: the other nodes keep reading the last one
-# while the node that claimed it computes the next (or if that node dies first)
-VIEW_LIFETIME_INTERVALS = 3
 
 
 class SurplusWatch:

@@ -1,13 +1,15 @@
 """Views of the cluster one node computes per interval for every node (storage/backlog.py).
 
-What an idle node's surplus watch reads each tick (every heartbeat, every running job) is read by
-one node per interval: the claim is granted once per interval, the view outlives it, and a node
-that claimed nothing reads the view another wrote.
+What an idle node's surplus watch and every batch feeder read each tick (every heartbeat, every
+running job) is read by one node per interval: the claim is granted once per interval, the view
+outlives it, and a node that claimed nothing reads the view another wrote.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from kiln.storage.job_store import JobStore
 
@@ -38,3 +40,28 @@ def test_a_lapsed_list_is_found_among_many_live_ones(job_store: JobStore) -> Non
     assert claim.live_job_ids == {f"job-{n}" for n in range(50)}
     assert job_store.claim_lapsed_holders().holders == []
     assert job_store.redis.zcard(job_store.keys.held_deadlines) == 50
+
+
+def test_shared_view_is_computed_once_per_interval_for_every_caller(job_store: JobStore) -> None:
+    computed: list[str] = []
+
+    def compute_as(owner: str) -> Callable[[], dict[str, Any]]:
+        def compute() -> dict[str, Any]:
+            computed.append(owner)
+            return {"by": owner}
+
+        return compute
+
+    views = [
+        job_store.shared_view("feeding:capacity", f"node-{n}", 0.3, compute_as(f"node-{n}"))
+        for n in range(5)
+    ]
+    assert computed == ["node-0"]  # the first claims and computes; the others read its view
+    assert views == [{"by": "node-0"}] * 5
+    time.sleep(0.4)  # due again: the next caller computes it, the rest read the new one
+    views = [
+        job_store.shared_view("feeding:capacity", f"node-{n}", 0.3, compute_as(f"node-{n}"))
+        for n in (3, 1, 2)
+    ]
+    assert computed == ["node-0", "node-3"]
+    assert views == [{"by": "node-3"}] * 3

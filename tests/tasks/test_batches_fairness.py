@@ -11,7 +11,7 @@ from typing import Any
 
 from kiln.common.states import JobState
 from kiln.storage.batch_feeding import BatchFeeding
-from kiln.tasks.batches.fairness import window_size
+from kiln.tasks.batches.fairness import capacities, window_size
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success
 from tests.tasks.test_batches import feeder, finish_queued, get_batch, jsonl, lines_of, post_batch
 from tests.tasks.test_batches import results as result_lines
@@ -27,11 +27,12 @@ def test_the_window_is_sized_from_the_live_nodes_serving_the_pipeline(
     make_api: ApiFactory,
 ) -> None:
     api = make_api(batch_window=40, batch_window_min=3, batch_window_factor=2.0)
-    assert window_size(api.store.live_nodes(), "tiny", api.settings) == 3  # no node: the floor
+    assert window_size(capacities(api.store.live_nodes()), "tiny", api.settings) == 3  # floor
     heartbeat(api, "n1", ["tiny"], devices=4, group_size=2, max_batch=2)  # 2 groups × 2
     heartbeat(api, "n2", ["tiny", "other"], devices=1)  # 1 group × the default max batch, 4
     heartbeat(api, "n3", ["other"], devices=8, group_size=1)  # serves another pipeline
-    nodes = api.store.live_nodes()
+    nodes = capacities(api.store.live_nodes())
+    assert nodes == {"": 4 + 4 + 8 * 4, "tiny": 4 + 4, "other": 4 + 8 * 4}
     assert window_size(nodes, "tiny", api.settings) == 2 * (4 + 4)
     assert window_size(nodes, None, api.settings) == 40  # any node counts, up to the cap
     batch_id = post_batch(api, jsonl(lines_of(30)), pipeline="tiny").json()["id"]
@@ -82,3 +83,27 @@ def test_redis_holds_the_window_not_the_batch(make_api: ApiFactory) -> None:
     assert BatchFeeding(api.store.redis, api.store.settings).open_items(batch_id) == []
     lines = result_lines(api, batch_id)  # the results are the durable record
     assert [line["status"] for line in lines[:-1]] == [str(JobState.SUCCEEDED)] * 40
+
+
+def test_feeders_read_the_heartbeats_once_per_interval_for_all(make_api: ApiFactory) -> None:
+    """Three feeders ticking: one heartbeat read per interval in all, not one per feeder, tick."""
+    api = make_api(batch_window=40, batch_window_min=3, batch_window_factor=2.0)
+    heartbeat(api, "n1", ["tiny"], devices=1, max_batch=2)
+    post_batch(api, jsonl(lines_of(30)), pipeline="tiny")
+    reads: list[int] = []
+    live_nodes = api.store.live_nodes
+
+    def counted() -> list[dict[str, Any]]:
+        reads.append(1)
+        return live_nodes()
+
+    api.store.live_nodes = counted  # type: ignore[method-assign]  # the real read, counted
+    feeders = [feeder(api, owner=f"node-{n}", heartbeat_interval_s=60.0)[0] for n in range(3)]
+    for _ in range(5):
+        for feed in feeders:
+            feed.tick()
+    assert len(reads) == 1  # 15 ticks within one interval
+    # a node that starts meanwhile counts from the next interval on: the view is not re-read
+    heartbeat(api, "n2", ["tiny"], devices=1, max_batch=2)
+    feeders[1].tick()
+    assert len(reads) == 1
