@@ -147,11 +147,19 @@ def _check_shape(outputs: list[list[np.ndarray]], requests: Sequence[object]) ->
         raise RuntimeError(f"pipeline returned {len(outputs)} results for {len(requests)} requests")
 
 
+# Transport failures of a collective that torch raises as a plain RuntimeError, not a DistError:
+# gloo's ("[.../gloo/transport/tcp/pair.cc:537] Read error [...]: Connection reset by peer" when a
+# peer rank died under a broadcast) and NCCL's. Each means the group is broken, not the pipeline.
+_COLLECTIVE_MARKERS = ("gloo/transport/", "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL error")
+
+
 def classify_failure(exc: BaseException) -> FailureKind:
     """OOM, a broken collective (the group must go), or any other pipeline error."""
     if isinstance(exc, torch.OutOfMemoryError):
         return FailureKind.OOM
     if isinstance(exc, dist.DistError):
+        return FailureKind.COLLECTIVE
+    if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COLLECTIVE_MARKERS):
         return FailureKind.COLLECTIVE
     if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):
         return FailureKind.OOM  # the CPU allocator's wording (DefaultCPUAllocator)
