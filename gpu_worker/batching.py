@@ -98,14 +98,18 @@ class WaitingRequests:
                 ticket.stop_reason = StopReason.DEADLINE
                 ticket.fail(ticket.expired_in_queue_error())
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a waiting request (when `expire` next has work); None: none."""
+        deadlines = [t.deadline_at for t in self._tickets if t.deadline_at is not None]
+        return min(deadlines) if deadlines else None
+
     def take_batch(
         self, now: float, limits: Mapping[str, DeclaredLimits]
     ) -> tuple[list[Ticket], float | None]:
         """The batch to send now (taken out of the queue), or none and when to look again."""
         max_outputs = self._batch_cap(limits)
         planned = plan_batch(self._tickets, max_outputs)
-        deadlines = [t.deadline_at for t in self._tickets if t.deadline_at is not None]
-        next_deadline = min(deadlines) if deadlines else None
+        next_deadline = self.next_deadline()
         if not planned:
             return [], next_deadline
         wait_s = window_remaining(planned, max_outputs, self._window_s, now)

@@ -194,6 +194,11 @@ class Coordinator:
             batch: list[Ticket] = []
             if self._inflight.batch is not None:
                 wake_at, verdict = self._police(now)
+                # a waiting request whose deadline passes meanwhile fails then, not once the
+                # running batch ends (which, for a long or hung one, may be much later)
+                queued_deadline = self._waiting.next_deadline()
+                if queued_deadline is not None:
+                    wake_at = min(queued_deadline, wake_at or queued_deadline)
             else:
                 batch, wake_at = self._waiting.take_batch(now, self._slot.limits)
             idle = not batch and self._inflight.batch is None and not self._waiting

@@ -247,3 +247,23 @@ def test_shutdown_fails_pending_work_and_leaves_no_process() -> None:
             future.result(GENEROUS_S)
     assert all(process_gone(pid) for pid in pids)
     coordinator.shutdown()  # idempotent
+
+
+def test_a_queued_deadline_passes_on_time_behind_a_hung_step() -> None:
+    """A queued request's deadline passes on time though the batch ahead reports nothing.
+
+    That batch is a hung step: without the dispatcher waking for the queued deadline, the request
+    would fail only once the batch ended (here: never, until shutdown).
+    """
+    coordinator = start_coordinator("cpu:2", {"hangs": spec("hangs")}, shutdown_grace_s=1.0)
+    try:
+        coordinator.submit(request("hung-ahead", "hangs", "hang"))  # no deadline of its own
+        wait_until(
+            lambda: coordinator.stats()["jobs_running"], lambda n: n == 1, what="one job running"
+        )
+        late = coordinator.submit(request("late", "hangs", size=32), max_run_seconds=0.5)
+        with pytest.raises(DeadlineExceeded, match="before it could start"):
+            late.result(GENEROUS_S)
+        assert coordinator.stats()["jobs_running"] == 1  # the hung one: nothing else moved it
+    finally:
+        coordinator.shutdown()
