@@ -26,6 +26,7 @@ import inspect
 import json
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +61,8 @@ class NotAPipeline(SpecError, TypeError):
 class PipelineRefused(SpecError):
     """A rank could not load pipeline `name` for a fault of its spec (`reason`, one line).
 
-    What only loading shows: a factory that says nothing of what it returns and returns no
-    pipeline, or a module the rank cannot import. The rank reports it as `rank_message()` instead
+    What only loading shows: a factory declared to return a `Pipeline` that returns something
+    else, or a module the rank cannot import. The rank reports it as `rank_message()` instead
     of a traceback; its owner's start-up error carries that text, where `found_in` reads it back,
     so the worker says it in one line and exits as for a spec refused before any rank started.
     """
@@ -208,10 +209,11 @@ def check_python_spec(parsed: PipelineSpec, members: tuple[str, ...] = PIPELINE_
     """Import a `python:` spec's module and check its factory without calling it.
 
     `members` are the `Pipeline` protocol's members. The factory must be callable with one
-    argument (the device); a factory that is a class, or whose return annotation is one, must
-    define the protocol's methods. A factory that says nothing of what it returns cannot be
-    checked here (calling it loads the model): what it returns is checked where it is called,
-    in the ranks (`NotAPipeline`).
+    argument (the device) and say what it makes: be a class, or declare its return type (a
+    class, a union of classes, or the `Pipeline` protocol itself), as cog's predictors declare
+    theirs. Each class it names must define the protocol's methods. Calling the factory would
+    load the model, so what it declares is what is checked here; what it actually returns is
+    checked again where it is called, in the ranks (`NotAPipeline`).
     """
     factory = import_factory(parsed)
     if not callable(factory):
@@ -220,12 +222,12 @@ def check_python_spec(parsed: PipelineSpec, members: tuple[str, ...] = PIPELINE_
             "expected a function or class called with the device"
         )
     _check_takes_device(parsed, factory)
-    made = factory if inspect.isclass(factory) else _annotated_return(factory)
-    if made is not None:
-        missing = [m for m in members if not _class_has(made, m)]
+    made = [factory] if inspect.isclass(factory) else _declared_classes(parsed, factory)
+    for cls in made:
+        missing = [m for m in members if not _class_has(cls, m)]
         if missing:
             raise NotAPipeline(
-                f"{parsed.text}: {parsed.factory} makes {made.__name__}, which is not a Pipeline:"
+                f"{parsed.text}: {parsed.factory} makes {cls.__name__}, which is not a Pipeline:"
                 f" it lacks {', '.join(missing)} (docs/pipelines.md)"
             )
 
@@ -244,15 +246,45 @@ def _check_takes_device(parsed: PipelineSpec, factory: Any) -> None:
         ) from None
 
 
-def _annotated_return(factory: Any) -> type | None:
+def _declared_classes(parsed: PipelineSpec, factory: Any) -> list[type]:
+    """The classes `factory`'s return annotation names; none for the `Pipeline` protocol itself.
+
+    A factory that declares nothing, or nothing that is a class, is refused: what it makes could
+    only be learnt by calling it, which loads the model, and would surface only after every rank
+    had started.
+    """
+    name = parsed.factory
     try:
         hints = typing.get_type_hints(factory)
-    except Exception:  # an annotation that does not resolve says nothing either way
-        return None
-    made = hints.get("return")
-    if inspect.isclass(made) and not getattr(made, "_is_protocol", False):
-        return made
-    return None
+    except Exception as exc:
+        raw = getattr(factory, "__annotations__", {}).get("return")
+        raise NotAPipeline(
+            f"{parsed.text}: {name}'s return annotation {raw!r} does not resolve "
+            f"({one_line(exc)}); import the class it names at the module's top level"
+        ) from None
+    if "return" not in hints:
+        raise NotAPipeline(
+            f"{parsed.text}: {name} does not say what it makes; declare the pipeline class it "
+            f"returns (def {name}(device) -> MyPipeline:) so that it is checked before any rank "
+            "loads the model (docs/pipelines.md)"
+        )
+    declared = hints["return"]
+    members = typing.get_args(declared) if _is_union(declared) else (declared,)
+    if not all(inspect.isclass(member) and member is not Any for member in members):
+        raise NotAPipeline(
+            f"{parsed.text}: {name} declares it returns {_type_name(declared)}, which names no "
+            "pipeline class; declare the class it returns (docs/pipelines.md)"
+        )
+    # The protocol itself promises the members; what is returned is checked where it is called.
+    return [member for member in members if not getattr(member, "_is_protocol", False)]
+
+
+def _is_union(declared: Any) -> bool:
+    return typing.get_origin(declared) in (typing.Union, types.UnionType)
+
+
+def _type_name(declared: Any) -> str:
+    return getattr(declared, "__name__", None) or str(declared).removeprefix("typing.")
 
 
 def _class_has(cls: type, member: str) -> bool:

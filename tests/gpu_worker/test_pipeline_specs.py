@@ -1,8 +1,9 @@
 """Pipeline specs checked before any rank starts: each refusal one line naming what is wrong.
 
 A `python:` module is imported from the working directory (a console script does not put it on
-`sys.path`); its factory is looked at without being called; what a factory returns is checked
-where it is called (`load_pipeline`).
+`sys.path`); its factory is looked at without being called: it must say what it makes (be a class
+or declare its return type). What a factory actually returns is checked again where it is called
+(`load_pipeline`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from kiln.gpu_worker.pipeline_specs import (
 from kiln.gpu_worker.pipelines import check_spec, load_pipeline
 
 GOOD_CLASS = """
+from typing import Any, Optional
+
 import numpy as np
+
+from kiln.gpu_worker.pipelines.base import Pipeline
 
 class Good:
     name = "good"
@@ -89,7 +94,7 @@ def test_a_diffusers_folder_must_exist_and_hold_a_pipeline(tmp_path: Path) -> No
 
 
 def test_a_module_in_the_working_directory_is_found(module_in_cwd: Callable[[str], str]) -> None:
-    name = module_in_cwd(GOOD_CLASS + "\ndef make(device): return Good()\n")
+    name = module_in_cwd(GOOD_CLASS + "\ndef make(device) -> Good: return Good()\n")
     assert check_spec(f"python:{name}:make").module == name
     assert load_pipeline(f"python:{name}:make", torch.device("cpu")).name == "good"
 
@@ -114,7 +119,12 @@ def test_a_factory_that_is_not_one_is_one_line(module_in_cwd: Callable[[str], st
             make_constant = 42
             def make_two(device, dtype): return Good()
             def make_half(device) -> Half: return Half()
-            def make_none(device): return None
+            def make_either(device) -> Good | Half: return Good()
+            def make_optional(device) -> Optional[Good]: return None
+            def make_silently(device): return Good()
+            def make_anything(device) -> Any: return Good()
+            def make_unresolved(device) -> "Elsewhere": return Good()
+            def make_none(device) -> Pipeline: return None
             """
         )
     )
@@ -125,7 +135,19 @@ def test_a_factory_that_is_not_one_is_one_line(module_in_cwd: Callable[[str], st
     assert "lacks supported_fields, validate, denoiser" in half
     assert "lacks supported_fields" in one_line_error(f"python:{name}:Half")  # a class as factory
     assert check_spec(f"python:{name}:Good").factory == "Good"
-    # What a factory returns without saying so is seen only when it is called.
+    assert "makes Half, which is not a Pipeline" in one_line_error(f"python:{name}:make_either")
+    assert "makes NoneType" in one_line_error(f"python:{name}:make_optional")
+    # What it makes could be learnt only by calling it, after every rank had started.
+    assert "make_silently does not say what it makes" in one_line_error(
+        f"python:{name}:make_silently"
+    )
+    assert "returns Any, which names no pipeline class" in one_line_error(
+        f"python:{name}:make_anything"
+    )
+    assert "'Elsewhere' does not resolve (NameError" in one_line_error(
+        f"python:{name}:make_unresolved"
+    )
+    # The protocol itself promises a pipeline: a broken promise is seen when it is called.
     assert check_spec(f"python:{name}:make_none").factory == "make_none"
     with pytest.raises(NotAPipeline, match="returned NoneType, not a Pipeline") as caught:
         load_pipeline(f"python:{name}:make_none", torch.device("cpu"))

@@ -33,7 +33,7 @@ class Fixture:
 {step}
         return [[{frames} for _ in range(r.num_outputs)] for r in requests]
 
-def make(device): return Fixture(device)
+def make(device) -> Fixture: return Fixture(device)
 """
 GOOD_STEP = "            on_step_end(step, requests[0].steps)"
 GOOD_FRAMES = "np.zeros((r.num_frames, r.height, r.width, 3), np.uint8)"

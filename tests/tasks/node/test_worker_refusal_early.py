@@ -3,9 +3,10 @@
 A spec refused before any rank starts is checked right after the arguments are parsed: the
 refusal must come without torch, Celery, Redis, pydantic or the node's modules loaded (each of
 them costs a large part of the 2 s a refusal may take). What the user's module imports is its
-own; the modules here import nothing. A factory that says nothing of what it returns is seen to
-make no pipeline only when rank 0 calls it: the worker then ends in the same one line, exit 2,
-with no traceback and the ranks not started again.
+own; the modules here import nothing. A factory must say what it makes (one that does not is
+refused here too); one that declares the `Pipeline` protocol and returns something else is seen
+only when rank 0 calls it: the worker then ends in the same one line, exit 2, with no traceback
+and the ranks not started again.
 """
 
 from __future__ import annotations
@@ -52,7 +53,15 @@ def make_half(device) -> Half:
 def make_two(device, dtype):
     return Half(device)
 
-def make_silently(device):
+def make_unsaid(device):
+    return Half(device)
+""",
+    # A promise only the call can break; importing the protocol loads torch, as a real module's
+    # import would.
+    "promises.py": """
+from kiln.gpu_worker.pipelines.base import Pipeline
+
+def make_silently(device) -> Pipeline:
     with open("calls.log", "a") as calls:  # one line per call: per rank that got this far
         calls.write("called\\n")
     return object()
@@ -82,6 +91,7 @@ atexit.register(_record)
         ("x=python:factories:make_two", "cannot be called with one argument"),
         ("x=python:factories:make_half", "makes Half, which is not a Pipeline"),
         ("x=python:factories:Half", "lacks supported_fields, validate, denoiser"),
+        ("x=python:factories:make_unsaid", "make_unsaid does not say what it makes"),
     ],
 )
 def test_a_refusal_before_any_rank_loads_nothing_heavy(
@@ -123,7 +133,7 @@ def test_a_ranks_refusal_is_read_back_from_the_start_error() -> None:
 def test_a_factory_that_returns_no_pipeline_ends_the_start_in_one_line(
     storage_settings: StorageSettings, tmp_path: Path
 ) -> None:
-    (tmp_path / "factories.py").write_text(MODULES["factories.py"])
+    (tmp_path / "promises.py").write_text(MODULES["promises.py"])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {
         "KILN_REDIS_URL": storage_settings.redis_url,
@@ -131,7 +141,7 @@ def test_a_factory_that_returns_no_pipeline_ends_the_start_in_one_line(
         "KILN_STORAGE_URL": storage_settings.storage_url,
         "KILN_METRICS_PORT": "0",
     }
-    spec = "x=python:factories:make_silently"
+    spec = "x=python:promises:make_silently"
     args = [KILN, "worker", "--devices", "cpu:2", "--pipeline", spec]
     result = subprocess.run(
         args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
@@ -140,7 +150,7 @@ def test_a_factory_that_returns_no_pipeline_ends_the_start_in_one_line(
     assert result.returncode == 2, output
     last = result.stderr.strip().splitlines()[-1]
     assert last == (
-        "kiln: --pipeline x: python:factories:make_silently: make_silently(device) returned "
+        "kiln: --pipeline x: python:promises:make_silently: make_silently(device) returned "
         "object, not a Pipeline: it lacks name, supported_fields, validate, run, denoiser "
         "(docs/pipelines.md)"
     ), output
