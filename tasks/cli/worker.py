@@ -2,10 +2,11 @@
 
 A pipeline the node could not serve is refused in one line, exit 2: an unknown spec, a missing
 diffusers folder, a `python:` module that is not found or fails to import, a factory that is
-missing, takes no device, does not say what it makes or says it makes no pipeline. `cli.main` runs `check_arguments` right
-after parsing, before the settings check, Redis, Celery, torch or the node's modules load: only
-what the user's own module imports is loaded for it. This module and what it imports at its top
-load nothing heavy, and `cli.main` builds only this command's parser for `kiln worker`.
+missing, takes no device, does not say what it makes or says it makes no pipeline. `cli.main`
+runs `check_arguments` right after parsing, before the settings check, Redis, Celery, torch or
+the node's modules load: only what the user's own module imports is loaded for it. This module
+and what it imports at its top load nothing heavy, and `cli.main` builds only this command's
+parser for `kiln worker`.
 
 What only loading shows (a factory declared to return a `Pipeline` that returns something
 else) is found by the ranks: the start ends with the same one line and exit 2, as soon as

@@ -94,8 +94,16 @@ def test_two_batches_submitted_together_both_progress(cluster: Cluster, tmp_path
     # each had finished lines before the other finished: neither waited for the other
     assert second[0] < first[-1]
     assert first[0] < second[-1]
-    # and they shared the node: the second's median line ends before the first's last line
-    assert second[len(second) // 2] < first[-1]
+    # and they shared the node while both existed: from the moment the later one was created
+    # (the two CLIs are started together, but one may come a second later on a loaded machine)
+    # to the moment the earlier one ended, each had at least a third of the lines that ended
+    batches = BatchStore(cluster.store.redis, cluster.store.settings)
+    created = [batches.get_fed(batch_id) for batch_id in (first_id, second_id)]
+    both_from = max(batch.created_at for batch in created if batch is not None)
+    both_until = min(first[-1], second[-1])
+    shares = [sum(both_from <= t <= both_until for t in times) for times in (first, second)]
+    assert sum(shares) >= 8, shares  # long enough to judge
+    assert min(shares) * 3 >= sum(shares), shares
 
 
 def test_interactive_jobs_start_ahead_of_queued_bulk_lines(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import threading
 import time
@@ -174,11 +175,14 @@ class StateWatch:
         self.thread.join(10)
 
 
-# In sync: the primary is killed with its replica up to date, as a lost host usually is; every
-# count must be 0. Lagging: the replica missed the primary's last half second of writes (the
-# case that ran a job twice before nodes held their transitions); nothing may be lost or run
-# twice, but a reader of the primary saw those writes before they were undone by the failover
-# (a start or an end the node held and made again), so moving backwards is counted, not 0.
+# In sync: the primary is killed with its replica up to date, as a lost host usually is.
+# Lagging: the replica missed the primary's last half second of writes (the case that ran a job
+# twice before nodes held their transitions). In both nothing may be lost or run twice. A reader
+# of the primary may still see a write the failover then undoes: replication is asynchronous, so
+# even an in-sync replica can miss the primary's last millisecond (seen once in about ten in-sync
+# runs). Each such job must be one whose node held that write and saw it unacknowledged (a start
+# given back before anything was computed, an end run again): a backward move no node accounts
+# for fails the test.
 LAGS = pytest.mark.parametrize("replica_lag_s", [0.0, REPLICA_LAG_S], ids=["in-sync", "lagging"])
 
 
@@ -199,8 +203,7 @@ def test_primary_killed_mid_stream_loses_no_job(
     assert figures["missing_retry_after"] == 0
     assert figures["run_twice"] == 0
     assert figures["succeeded_twice"] == 0
-    if not replica_lag_s:
-        assert figures["moved_backwards"] == 0
+    assert figures["moved_backwards_unheld"] == 0
 
 
 @LAGS
@@ -216,8 +219,7 @@ def test_primary_killed_mid_batch_loses_no_line(
     assert figures["lost"] == 0
     assert figures["run_twice"] == 0
     assert figures["succeeded_twice"] == 0
-    if not replica_lag_s:
-        assert figures["moved_backwards"] == 0
+    assert figures["moved_backwards_unheld"] == 0
 
 
 def _batch_with_failover(
@@ -268,6 +270,7 @@ def _batch_with_failover(
         "succeeded_twice": _succeeded_twice(cluster, job_ids),
         "attempts_over_1": sum(1 for r in records if r.attempts > 1),
         "moved_backwards": len(watch.backwards),
+        "moved_backwards_unheld": len(watch.backwards - _held_jobs(cluster)),
         "node_restarts": restarts,
         **_holds(cluster),
         "promoted_s": round(promoted_s, 2),
@@ -327,6 +330,18 @@ _HOLD_LINES = {
 }
 
 
+# the lines that name a job whose start or end its node held and did not see acknowledged
+_HELD_JOB = re.compile(
+    r"job (\S+?):? (?:not started now \(its start is not on a replica|end not confirmed)"
+)
+
+
+def _held_jobs(cluster: Cluster) -> set[str]:
+    """Jobs whose start a node gave back, or whose end it ran again, for want of a replica."""
+    logs = "".join(worker.output() for worker in cluster.workers)
+    return set(_HELD_JOB.findall(logs))
+
+
 def _holds(cluster: Cluster) -> dict[str, int]:
     """How often the nodes gave a start back or ran an end again for want of a replica."""
     logs = "".join(worker.output() for worker in cluster.workers)
@@ -374,6 +389,7 @@ def _run_with_failover(
         "succeeded_twice": _succeeded_twice(cluster, job_ids),
         "attempts_over_1": sum(1 for r in records if r.attempts > 1),
         "moved_backwards": len(watch.backwards),
+        "moved_backwards_unheld": len(watch.backwards - _held_jobs(cluster)),
         "answers": dict(producer.answers),
         "missing_retry_after": producer.missing_retry_after,
         "node_restarts": restarts,
