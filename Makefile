@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 3
 XDIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: setup test test-fast test-soak test-failover lint demo clean
+.PHONY: setup test test-slow test-soak test-failover lint demo clean
 
 setup: .make/installed
 
@@ -44,16 +44,19 @@ COLD_CACHES = cache="$$(mktemp -d -t kiln-test-cache.XXXXXX)"; trap 'rm -rf "$$c
 	TORCHINDUCTOR_CACHE_DIR="$$cache/inductor" HF_HUB_OFFLINE=1 KILN_TEST_COLD_CACHE=1; \
 	url="$$(.ci/ensure-redis)" || exit 1; export KILN_TEST_REDIS_URL="$$url"
 
+# Every test but the slowest crash and recovery tests (marked `slow`), which `make test-slow` runs;
+# CI (.ci/run) runs both.
 test: lint
 	@.ci/ensure-chromium  # the browser test's Chromium (Debian's), installed if missing
-	@$(COLD_CACHES); set -x; $(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
-
-# While iterating: skips the slowest crash tests (CI runs them all).
-test-fast: lint
 	@$(COLD_CACHES); set -x; $(BIN)/pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
+# The tests marked `slow`: processes killed mid-job, Redis restarted and failed over, compiles,
+# cold starts (each tens of seconds). CI runs them after `make test`.
+test-slow: setup
+	@$(COLD_CACHES); set -x; $(BIN)/pytest $(XDIST) -m slow $(PYTEST_ARGS)
+
 # Redis failover: a primary, a replica and three Sentinels on loopback, the primary killed mid-run
-# (docs/operations.md §15). Part of `make test` (marked slow); this runs it alone.
+# (docs/operations.md §15). Part of `make test-slow`; this runs it alone.
 test-failover: setup
 	@$(COLD_CACHES); set -x; $(BIN)/pytest -m failover tests/e2e/test_redis_failover.py $(PYTEST_ARGS)
 

@@ -223,7 +223,9 @@ class Submitter:
         try:
             self._publish(job_id, queue, countdown)
             self.store.mark_published(job_id)
-        except (StorageError, OSError, ConnectionError) as exc:
+        except (StorageError, RedisError, OperationalError, OSError) as exc:
+            # (kombu raises a lost broker as its OperationalError, not as an OSError: a node
+            # giving a start back while the primary fails over met it as a traceback)
             # The record is written: the sweeper re-publishes unconfirmed jobs, nothing is lost.
             log.warning("publishing job %s failed (%s); the sweeper will retry", job_id, exc)
 

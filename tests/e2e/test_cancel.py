@@ -10,6 +10,9 @@ from tests.e2e.cluster import SLEEPY, Cluster
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
+# Long enough that a starved node (3 test processes on 2 cores) lags its ranks by less than a
+# step: at 0.1 s, a node's progress writes were seen 3 steps behind the rank.
+STEP_S = "0.4"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def test_queued_job_canceled_never_runs(sleepy_cluster: Cluster) -> None:
     result = sleepy_cluster.run_cli("cancel", job_id, "--json")
     assert result.returncode == 0, result.stderr
     assert '"status": "canceled"' in result.stdout
-    sleepy_cluster.start_worker(f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": "0.1"})
+    sleepy_cluster.start_worker(f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": STEP_S})
     canary = sleepy_cluster.submit(pipeline="sleepy", prompt="y", width=64, height=64, steps=2)
     sleepy_cluster.wait_for(canary, timeout_s=60)  # the worker has drained the queue by now
     assert str(sleepy_cluster.store.get(job_id).state) == "canceled"
@@ -34,9 +37,11 @@ def test_queued_job_canceled_never_runs(sleepy_cluster: Cluster) -> None:
 
 def test_running_job_canceled_stops_within_a_step(sleepy_cluster: Cluster) -> None:
     if not sleepy_cluster.workers:
-        sleepy_cluster.start_worker(f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": "0.1"})
+        sleepy_cluster.start_worker(
+            f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": STEP_S}
+        )
     job_id = sleepy_cluster.submit(pipeline="sleepy", prompt="x", width=64, height=64, steps=200)
-    sleepy_cluster.wait_for_step(job_id, 5)
+    sleepy_cluster.wait_for_step(job_id, 2)
     sleepy_cluster.store.cancel(job_id)  # what `kiln cancel` and the API call
     step_at_cancel = int((sleepy_cluster.store.get(job_id).progress or {})["step"])
     record = sleepy_cluster.wait_for(job_id, timeout_s=30)

@@ -1,7 +1,8 @@
 """Crash and recovery: nothing lost, nothing run twice (docs/operations.md §5).
 
 These start real `celery worker` node processes with a sleepy fixture pipeline and kill or stop
-parts of the system mid-job. They are marked slow: CI runs them, `make test-fast` skips them.
+parts of the system mid-job. They are marked slow: `make test-slow` and CI run them, `make test`
+leaves them out.
 """
 
 from __future__ import annotations

@@ -149,7 +149,9 @@ class StateWatch:
     def __init__(self, cluster: Cluster, job_ids: Callable[[], list[str]]) -> None:
         self.cluster, self.job_ids = cluster, job_ids
         self.highest: dict[str, int] = {}
+        self.seen: dict[str, str] = {}  # each job's state at its last sample
         self.backwards: set[str] = set()
+        self.moves: list[str] = []  # each backward move seen: "<job> <from> -> <to>"
         self.samples = 0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -167,7 +169,9 @@ class StateWatch:
             rank = _RANK.get(state, 2)
             if rank < self.highest.get(job_id, -1):
                 self.backwards.add(job_id)
+                self.moves.append(f"{job_id} {self.seen.get(job_id)} -> {state}")
             self.highest[job_id] = max(rank, self.highest.get(job_id, -1))
+            self.seen[job_id] = state
         self.samples += 1
 
     def stop(self) -> None:
@@ -271,6 +275,8 @@ def _batch_with_failover(
         "attempts_over_1": sum(1 for r in records if r.attempts > 1),
         "moved_backwards": len(watch.backwards),
         "moved_backwards_unheld": len(watch.backwards - _held_jobs(cluster)),
+        "backward_moves": watch.moves,
+        "held_jobs": sorted(_held_jobs(cluster)),
         "node_restarts": restarts,
         **_holds(cluster),
         "promoted_s": round(promoted_s, 2),
@@ -324,7 +330,7 @@ def _kill_primary(group: SentinelGroup, replica_lag_s: float) -> RedisNode:
 
 # what the nodes logged of the acknowledgement hold (tasks/node/jobs.py, tasks/node/attempt.py)
 _HOLD_LINES = {
-    "starts_given_back": "its start is not on a replica",
+    "starts_given_back": "not started now (its start is not on a replica",
     "ends_run_again": "end not confirmed",
     "ends_on_primary_only": "its end is on the primary only",
 }
@@ -390,6 +396,8 @@ def _run_with_failover(
         "attempts_over_1": sum(1 for r in records if r.attempts > 1),
         "moved_backwards": len(watch.backwards),
         "moved_backwards_unheld": len(watch.backwards - _held_jobs(cluster)),
+        "backward_moves": watch.moves,
+        "held_jobs": sorted(_held_jobs(cluster)),
         "answers": dict(producer.answers),
         "missing_retry_after": producer.missing_retry_after,
         "node_restarts": restarts,

@@ -27,7 +27,7 @@ from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.lanes import queue_name
 from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.positions import placement
-from kiln.tasks.queue.submit import Submitter
+from kiln.tasks.queue.submit import Submitter, celery_publisher
 from tests.e2e.services import PrivateRedis
 from tests.tasks.helpers import ThreadServer, api_settings
 
@@ -228,3 +228,26 @@ def test_without_the_broker_a_message_is_left_to_the_publish(
         finally:
             unreachable.close()
             app.close()
+
+
+def test_a_publish_to_a_lost_broker_is_left_to_the_sweeper(
+    job_store: JobStore, storage_settings: StorageSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    # kombu raises a lost broker as its OperationalError, which is no OSError: a node giving a
+    # start back while the primary failed over met it as a traceback, its job's message unsent
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
+        down = storage_settings.model_copy(
+            update={"redis_url": f"redis://127.0.0.1:{dead.getsockname()[1]}/0"}
+        )
+        app = make_celery_app(KilnSettings(), down)
+        app.conf.task_publish_retry = False  # the first refusal is enough to show
+        try:
+            submitter = Submitter(job_store, api_settings(), celery_publisher(app))
+            record, created = submitter.submit(JobRequest(pipeline="tiny", prompt="x"))
+        finally:
+            app.close()
+    assert created
+    assert not job_store.get(record.id).published
+    assert job_store.unpublished_jobs(0) == [record.id]  # what the sweeper publishes again
+    assert f"publishing job {record.id} failed" in caplog.text
