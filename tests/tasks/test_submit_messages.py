@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from celery import Celery
 
 from kiln.common.request import Lane
 from kiln.storage.creation import Placement, QueueFull
@@ -212,41 +213,38 @@ def test_the_api_submits_across_a_redis_restart(
         private.stop()
 
 
-def test_without_the_broker_a_message_is_left_to_the_publish(
-    job_store: JobStore, storage_settings: StorageSettings
-) -> None:
+@pytest.fixture
+def lost_broker_app(storage_settings: StorageSettings) -> Iterator[Celery]:
+    """A Celery app whose broker is a port nothing listens on (bound, never accepting)."""
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))
         down = storage_settings.model_copy(
             update={"redis_url": f"redis://127.0.0.1:{dead.getsockname()[1]}/0"}
         )
         app = make_celery_app(KilnSettings(), down)
-        unreachable = CeleryMessages(app)
-        submitter = Submitter(job_store, api_settings(), lambda *_: None, messages=unreachable)
-        try:
-            assert submitter.message_for(new_job("job1")) is None
-        finally:
-            unreachable.close()
-            app.close()
+        yield app
+        app.close()
+
+
+def test_without_the_broker_a_message_is_left_to_the_publish(
+    job_store: JobStore, lost_broker_app: Celery
+) -> None:
+    unreachable = CeleryMessages(lost_broker_app)
+    submitter = Submitter(job_store, api_settings(), lambda *_: None, messages=unreachable)
+    try:
+        assert submitter.message_for(new_job("job1")) is None
+    finally:
+        unreachable.close()
 
 
 def test_a_publish_to_a_lost_broker_is_left_to_the_sweeper(
-    job_store: JobStore, storage_settings: StorageSettings, caplog: pytest.LogCaptureFixture
+    job_store: JobStore, lost_broker_app: Celery, caplog: pytest.LogCaptureFixture
 ) -> None:
     # kombu raises a lost broker as its OperationalError, which is no OSError: a node giving a
     # start back while the primary failed over met it as a traceback, its job's message unsent
-    with socket.socket() as dead:
-        dead.bind(("127.0.0.1", 0))
-        down = storage_settings.model_copy(
-            update={"redis_url": f"redis://127.0.0.1:{dead.getsockname()[1]}/0"}
-        )
-        app = make_celery_app(KilnSettings(), down)
-        app.conf.task_publish_retry = False  # the first refusal is enough to show
-        try:
-            submitter = Submitter(job_store, api_settings(), celery_publisher(app))
-            record, created = submitter.submit(JobRequest(pipeline="tiny", prompt="x"))
-        finally:
-            app.close()
+    lost_broker_app.conf.task_publish_retry = False  # the first refusal is enough to show
+    submitter = Submitter(job_store, api_settings(), celery_publisher(lost_broker_app))
+    record, created = submitter.submit(JobRequest(pipeline="tiny", prompt="x"))
     assert created
     assert not job_store.get(record.id).published
     assert job_store.unpublished_jobs(0) == [record.id]  # what the sweeper publishes again
