@@ -28,7 +28,10 @@ def test_no_line_starts_after_the_cancel_answered(
         KILN_BATCH_FEED_INTERVAL_S="3",  # the wind-down comes seconds after the cancel
         KILN_BATCH_RESULTS_FLUSH_S="0.5",
         KILN_BATCH_ITEM_RETENTION_S="3600",  # the records are read at the end
-        KILN_TEST_STEP_SECONDS="0.05",
+        # Long enough that the window (16 lines, 4 at a time, 3 steps) is still running when the
+        # test sees two lines succeed, even on a starved machine: at 0.05 s a whole window once
+        # finished before the test looked, and nothing was left open to fence.
+        KILN_TEST_STEP_SECONDS="0.3",
     )
     cluster.start_worker(SLEEPY_PIPELINE)
     custom_ids = write_batch(tmp_path / "batch.jsonl", 40, steps=3)

@@ -56,6 +56,7 @@ def _load_back(folder: Path) -> None:
     DiffusionPipeline.from_pretrained(str(folder))
 
 
+@pytest.mark.slow  # three cold starts of a two-rank group, each in a fresh interpreter
 def test_a_two_rank_group_starts_on_an_empty_cache_every_time(tmp_path: Path) -> None:
     for attempt in range(COLD_STARTS):
         cache = tmp_path / f"cache-{attempt}"
