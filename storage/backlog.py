@@ -30,7 +30,7 @@ class QueueBacklog:
     run_s: float  # their total run time (finish - start), seconds
     earliest_start: float | None  # earliest start (s) of the finished runs
     running: int  # running jobs of this queue
-    holders: frozenset[str]  # node ids holding those running jobs' leases
+    holders: frozenset[str]  # node ids (not lease owners) holding those running jobs' leases
 
     def mean_run_s(self) -> float | None:
         """Mean run time of the runs that ended lately; None before any did."""

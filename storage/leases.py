@@ -18,6 +18,11 @@ def lease_ttl_ms(settings: StorageSettings) -> int:
     return max(1, int(settings.lease_ttl_s * 1000))
 
 
+def delivery_owner(node_id: str, delivery: str) -> str:
+    """A lease owner: one per delivery on a node; its node id is what precedes the last '/'."""
+    return f"{node_id}/{delivery}"
+
+
 class Renewal(Enum):
     """What a lease renewal found."""
 

@@ -3,7 +3,8 @@
 -- Returns {now (ms), then per queue, in the order of ARGV[3..]: {queued jobs, 1 if paused else 0,
 -- runs finished within the window, those of them whose start is known, their total run time
 -- (ms), earliest start (ms) of the finished runs (0 if none), running jobs, then the distinct
--- node ids holding those running jobs' leases}}.
+-- node ids holding those running jobs' leases}}. A lease owner is `<node id>/<delivery>` (one
+-- per delivery, storage/leases.py `delivery_owner`): a node holding eight leases is one node.
 -- KEYS[1] = running jobs (zset: job id -> lease deadline, ms)
 -- KEYS[2] = paused queues (hash: queue -> pause record)
 -- KEYS[3..] = per queue, its index (zset) then its completion window (zset: '<job id>@<start
@@ -46,6 +47,7 @@ for _, id in ipairs(redis.call('ZRANGE', running_key, 0, -1)) do
     entry[7] = entry[7] + 1
     local owner = fields[2]
     if owner and owner ~= '' then
+      owner = string.match(owner, '^(.*)/[^/]*$') or owner
       holders[at] = holders[at] or {}
       if not holders[at][owner] then
         holders[at][owner] = true

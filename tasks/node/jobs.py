@@ -28,6 +28,7 @@ from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.base import ReplicasBehind
 from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, QuotaExceeded
 from kiln.storage.job_store import JobRecord
+from kiln.storage.leases import delivery_owner
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
 from kiln.tasks.node.attempt import LeasedAttempt
 from kiln.tasks.node.compute import generation_request
@@ -158,7 +159,7 @@ class JobRunner:
         # silently take over (re-acquiring with the same owner would fence the first).
         if self._held_back(record):
             return
-        owner = f"{self.node.node_id}/{uuid.uuid4().hex[:8]}"
+        owner = delivery_owner(self.node.node_id, uuid.uuid4().hex[:8])
         cap = self.node.running_caps.cap(record.owner)
         try:
             # lease and start in one script: a refusal leaves the job as it was, nothing to release

@@ -8,7 +8,8 @@ broker's lists, so a message a node has prefetched still counts as queued):
   positions.py); `KILN_JOB_GPU_S_UNKNOWN` while none ended. A batched run counts its batch's time
   for each of its jobs: with batching the work is overestimated, so the fleet errs large.
 - queued GPU-seconds per lane: Q = queued jobs × job GPU-seconds.
-- running jobs, and busy nodes: the distinct nodes holding a lease of the pipeline's running jobs.
+- running jobs, and busy nodes: the distinct nodes (node ids, not the per-delivery lease owners)
+  holding a lease of the pipeline's running jobs.
 - desired nodes, for the targets T = `KILN_TARGET_START_S_INTERACTIVE` / `_BULK`:
 
       queue_nodes = ceil(max(Q_interactive / T_interactive, (Q_interactive + Q_bulk) / T_bulk))

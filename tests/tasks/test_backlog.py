@@ -113,6 +113,31 @@ def test_the_backlog_is_read_from_records(make_api: ApiFactory) -> None:
 
 
 @pytest.mark.every_redis
+def test_busy_nodes_count_nodes_not_the_leases_they_hold(make_api: ApiFactory) -> None:
+    # lease owners are `<node id>/<delivery>`: one node holding eight leases is one node
+    api = make_api(target_start_s_interactive=2.0)
+    ids = [submit(api).json()["id"] for _ in range(8)]
+    for index, job_id in enumerate(ids):
+        token = api.store.acquire_lease(job_id, f"dn1/{index:08x}")
+        api.store.start(job_id, token)
+    read = read_backlog(api.store, api.settings, "tiny")
+    assert (read.running_jobs, read.busy_nodes, read.desired_nodes) == (8, 1, 1)
+    view = httpx.get(f"{api.url}/v1/pipelines/tiny", headers=api.auth()).json()["backlog"]
+    assert view["desired_nodes"] == 1
+    # a backlog on top: the one busy node plus what the queue asks for
+    for _ in range(21):
+        submit(api)
+    read = read_backlog(api.store, api.settings, "tiny")
+    wanted = queue_nodes(21, read.queued_gpu_s, lane_targets(api.settings))
+    assert read.busy_nodes == 1
+    assert read.desired_nodes == 1 + wanted
+    # a second node's lease adds a node
+    extra = submit(api).json()["id"]
+    api.store.start(extra, api.store.acquire_lease(extra, "dn2/00000000"))
+    assert read_backlog(api.store, api.settings, "tiny").busy_nodes == 2
+
+
+@pytest.mark.every_redis
 def test_only_as_many_idle_nodes_as_are_surplus_claim_their_drain(job_store: JobStore) -> None:
     for node_id, running in (("idle-a", 0), ("idle-b", 0), ("busy-c", 1)):
         info = {"pipelines": ["tiny"], "jobs_running": running, "draining": False}
