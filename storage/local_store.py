@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from kiln.storage.errors import InvalidObjectKey, ObjectExists, ObjectNotFound, ObjectStoreError
 from kiln.storage.object_base import StoredObject, check_key, check_metadata
@@ -17,6 +18,7 @@ from kiln.storage.settings import StorageSettings
 
 # next to `<key>` lies `<key>.meta.json`; keys with this ending are refused so none collide
 _SIDECAR_SUFFIX = ".meta.json"
+STREAM_CHUNK = 256 * 1024  # what a streamed read hands on at a time
 
 
 def parse_file_url(url: str) -> Path:
@@ -37,6 +39,21 @@ def _os_errors(key: str) -> Iterator[None]:
         raise ObjectNotFound(key) from exc
     except OSError as exc:
         raise ObjectStoreError(f"local object store failed for {key!r}: {exc}") from exc
+
+
+def _file_chunks(
+    handle: BinaryIO, key: str, start: int, stop: int, chunk_size: int
+) -> Iterator[bytes]:
+    """The chunks of an open file from `start` to `stop`; closes it however the reading ends."""
+    with handle, _os_errors(key):
+        handle.seek(start)
+        left = stop - start
+        while left > 0:
+            chunk = handle.read(min(chunk_size, left))
+            if not chunk:  # shorter than its record said: what there is, no padding
+                return
+            left -= len(chunk)
+            yield chunk
 
 
 # link(2) refused by the file system itself (no hard links there), not by an existing name
@@ -157,6 +174,21 @@ class LocalObjectStore:
         path = self._path(key)
         with _os_errors(key):
             return path.read_bytes()
+
+    def stream(
+        self, key: str, start: int, stop: int, chunk_size: int = STREAM_CHUNK
+    ) -> Iterator[bytes]:
+        """Bytes `start` up to `stop` (exclusive) of `key`, read a chunk at a time as consumed.
+
+        Opened at the call (ObjectNotFound then, not at the first chunk); the file is closed
+        when the iterator ends or is closed.
+        """
+        path = self._path(key)
+        if stop <= start:
+            return iter(())
+        with _os_errors(key):
+            handle = open(path, "rb")  # noqa: SIM115 - closed by the generator below
+        return _file_chunks(handle, key, start, stop, chunk_size)
 
     def delete(self, key: str) -> None:
         """Remove `key` and its sidecar (no error if absent)."""

@@ -25,6 +25,7 @@ MIB = 1024 * 1024
 # parts of a multipart upload; S3 needs >= 5 MiB, larger parts mean fewer requests
 _PART_SIZE = 8 * MIB
 _PART_CONCURRENCY = 4  # parts of one upload in flight at once
+STREAM_CHUNK = 256 * 1024  # what a streamed read hands on at a time
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -209,6 +210,23 @@ class S3ObjectStore:
             raise ObjectStoreError(f"object {key!r} does not match its sha256")
         return data
 
+    def stream(
+        self, key: str, start: int, stop: int, chunk_size: int = STREAM_CHUNK
+    ) -> Iterator[bytes]:
+        """Bytes `start` up to `stop` (exclusive) of `key`: one ranged GET, read as consumed.
+
+        The GET is sent at the call (ObjectNotFound then, not at the first chunk); its body is
+        closed when the iterator ends or is closed.
+        """
+        check_key(self.prefix, key)
+        if stop <= start:
+            return iter(())
+        with s3_errors(key):
+            answer = self.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{stop - 1}"
+            )
+        return _body_chunks(answer["Body"], key, chunk_size)
+
     def delete(self, key: str) -> None:
         """Remove `key` (no error if absent)."""
         check_key(self.prefix, key)
@@ -233,6 +251,15 @@ class S3ObjectStore:
                 Params={"Bucket": self.bucket, "Key": key},
                 ExpiresIn=expires_s or self.presign_expiry_s,
             )
+
+
+def _body_chunks(body: Any, key: str, chunk_size: int) -> Iterator[bytes]:
+    """An S3 answer's body in chunks; closes it however the reading ends."""
+    try:
+        with s3_errors(key):
+            yield from body.iter_chunks(chunk_size)
+    finally:
+        body.close()
 
 
 def _full_object_sha256(answer: Any) -> str:
