@@ -9,6 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from redis.connection import parse_url
 
 from kiln.common.env_lists import comma_or_json_list
 
@@ -66,6 +67,32 @@ def masked_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def checked_redis_url(url: str) -> str:
+    """`url` if redis-py can connect by it (redis://, rediss:// or unix://); else ValueError.
+
+    A bare `host:port` is refused, not completed: the message shows the URL to write instead,
+    so what `kiln config` shows is what every process uses.
+    """
+    if "://" not in url:
+        suggestion = "redis://" + url + ("" if "/" in url else "/0")
+        raise ValueError(
+            f"redis_url has no scheme: write {masked_url(suggestion)!r} "
+            "(rediss:// for TLS, unix:///path/to/redis.sock for a socket)"
+        )
+    if not url.startswith(REDIS_SCHEMES):
+        raise ValueError(
+            f"redis_url {masked_url(url)!r} must start with redis://, rediss:// or unix://"
+        )
+    try:
+        parse_url(url)  # the parser every Redis client of Kiln's uses: a bad port, db or option
+    except ValueError as error:
+        raise ValueError(f"redis_url {masked_url(url)!r}: {error}") from None
+    return url
+
+
 def sentinel_address(address: str) -> tuple[str, int]:
     """(host, port) of a `host:port` Sentinel address (`[v6]:port` too); else ValueError."""
     host, _, port = address.rpartition(":")
@@ -80,7 +107,11 @@ class StorageSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
 
-    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis for job state.")
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis for job state: `redis://[user:password@]host:port/db`, `rediss://` "
+        "(TLS) or `unix:///path`; a bare `host:port` is refused with the URL to write.",
+    )
     redis_namespace: str = Field(
         default="kiln",
         pattern=r"^[A-Za-z0-9_.\-]+$",
@@ -185,6 +216,11 @@ class StorageSettings(BaseSettings):
         if not expanded.is_absolute():  # would differ between processes started elsewhere
             raise ValueError(f"home {str(value)!r} must be an absolute path")
         return expanded.resolve()
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_with_scheme(cls, value: str) -> str:
+        return checked_redis_url(value)
 
     @field_validator("redis_sentinels", mode="before")
     @classmethod

@@ -361,7 +361,10 @@ def _validation_line(exc: ValidationError) -> str:
     # Settings classes are named *Settings and read KILN_* variables: name the variable.
     if exc.title.endswith("Settings"):
         return "; ".join(
-            f"invalid setting {_env_name(err['loc'])}: {err['msg']}" for err in exc.errors()
+            f"invalid setting {_env_name(err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()
+            # a default computed from a field that failed is a consequence, not a second mistake
+            if err["type"] != "default_factory_not_called"
         )
     return "invalid job: " + "; ".join(
         f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}" for err in exc.errors()
