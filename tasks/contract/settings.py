@@ -75,6 +75,11 @@ class KilnSettings(BaseSettings):
         le=65535,
         description="Port of a node's Prometheus /metrics (`kiln worker`); 0 = off.",
     )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address a node's /metrics listens on (as `kiln api`'s, loopback unless set; "
+        "containers set 0.0.0.0 for Prometheus).",
+    )
     task_events: bool = Field(
         default=False,
         description="Workers send Celery task events (for Flower); producers send task-sent.",

@@ -1,4 +1,6 @@
-"""A node's Prometheus metrics, served by `kiln worker` on `KILN_METRICS_PORT` (0: not served).
+"""A node's Prometheus metrics, served by `kiln worker` on `KILN_METRICS_HOST`:`KILN_METRICS_PORT`.
+
+Loopback by default, as the API (containers set 0.0.0.0 for Prometheus); port 0: not served.
 
 Every series carries the node's `node_id` label (deploy/prometheus.yml scrapes each node as its own
 target and adds no label of its own; deploy/grafana/kiln-dashboard.json groups by `node_id`).
@@ -127,14 +129,14 @@ class NodeMetrics:
         """An object-store call of an upload is being retried."""
         self.upload_retries.labels(self.node_id).inc()
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> bool:
-        """Serve /metrics on `port` (0: not served); a port in use is logged, never fatal."""
+    def serve(self, port: int, addr: str = "127.0.0.1") -> bool:
+        """Serve /metrics on `addr`:`port` (0: not served); a port in use is logged, never fatal."""
         if port == 0:
             return False
         try:
             self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as exc:
-            log.error("node metrics: cannot listen on port %d (%s); not served", port, exc)
+            log.error("node metrics: cannot listen on %s:%d (%s); not served", addr, port, exc)
             return False
         log.info("node metrics on http://%s:%d/metrics", addr, port)
         return True

@@ -174,7 +174,8 @@ def _start_node(
     )
     register_run_job(app, node)  # run_job gets this node; consumed only once worker_main runs
     track_held_deliveries(node.held)
-    node.metrics.serve(settings.metrics_port)  # scrapeable while the group warms up
+    # scrapeable while the group warms up
+    node.metrics.serve(settings.metrics_port, settings.metrics_host)
     fetch_compile_cache(node.objects, gpu_settings, group.devices)  # a fresh volume warms up
     _start_group(node)
     publish_compile_cache(node.objects, gpu_settings, group.devices)

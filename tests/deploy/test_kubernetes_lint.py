@@ -178,7 +178,9 @@ def test_a_node_pod_outlasts_its_drain(overlay: str) -> None:
         assert "kiln admin drain" in container["lifecycle"]["preStop"]["exec"]["command"][-1]
         assert env["POD_NAME"] is None  # from the downward API
         assert "$(POD_NAME)" in container["args"]
-        # Prometheus scrapes the port the node serves its metrics on.
+        # Prometheus scrapes the port the node serves its metrics on, from another pod: on
+        # every interface, not the node's loopback default.
+        assert config["KILN_METRICS_HOST"] == "0.0.0.0"
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == config["KILN_METRICS_PORT"]
         assert {"name": "metrics", "containerPort": int(config["KILN_METRICS_PORT"])} in (

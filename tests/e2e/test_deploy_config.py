@@ -1,17 +1,20 @@
-"""The deploy files agree with the compose file, and presigned URLs name the public endpoint."""
+"""Deploy files agree with compose; presigned URLs name the public endpoint; node metrics' host."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+import pytest
 import yaml
 
 from kiln.storage.s3_store import S3ObjectStore
 from kiln.storage.settings import StorageSettings
+from kiln.tasks.cli.embedded import free_port
 from kiln.tasks.contract.settings import KilnSettings
-from tests.e2e.cluster import REPO_ROOT
+from tests.e2e.cluster import REPO_ROOT, SLEEPY, Cluster
 from tests.e2e.compose_stack import load_compose
 
 DEPLOY = REPO_ROOT / "deploy"
@@ -31,6 +34,8 @@ def test_prometheus_and_grafana_point_at_the_compose_services() -> None:
     api_port = services["api"]["ports"][0].rsplit(":", 1)[1]
     assert api_port == str(KilnSettings.model_fields["api_port"].default)  # what `kiln api` uses
     expected = {f"api:{api_port}"} | {f"{n}:{kiln_env['KILN_METRICS_PORT']}" for n in nodes}
+    # Prometheus reaches a node from another container: not on the node's loopback default.
+    assert kiln_env["KILN_METRICS_HOST"] == "0.0.0.0"
     assert expected <= scraped
     assert scraped - expected == {"127.0.0.1:9090"}  # Prometheus itself
 
@@ -65,3 +70,36 @@ def test_presigned_urls_name_the_public_endpoint(s3_settings: StorageSettings) -
     assert inside.url(key).startswith(f"{s3_settings.s3_endpoint_url}/")
     assert outside.url(key).startswith(f"{public}/")
     assert httpx.get(outside.url(key), timeout=10).content == b"png bytes"
+
+
+def test_a_node_serves_its_metrics_on_loopback_unless_told(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    """As `kiln api`: by default only this machine reaches /metrics; KILN_METRICS_HOST opens it.
+
+    127.0.0.2 is this machine by another address: refused by a socket bound to 127.0.0.1,
+    answered by one bound to every interface.
+    """
+    cluster = cluster_factory()
+    cluster.env.pop("KILN_METRICS_HOST", None)
+    ports = {"default": free_port(), "0.0.0.0": free_port()}
+    nodes = [
+        cluster.start_worker(
+            f"sleepy={SLEEPY}",
+            extra_env={"KILN_METRICS_PORT": str(ports["default"])},
+            wait=False,
+        ),
+        cluster.start_worker(
+            f"sleepy={SLEEPY}",
+            extra_env={"KILN_METRICS_PORT": str(ports["0.0.0.0"]), "KILN_METRICS_HOST": "0.0.0.0"},
+            wait=False,
+        ),
+    ]
+    for node in nodes:
+        node.wait_ready()
+    for port in ports.values():
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.2:{ports['default']}/metrics", timeout=10)
+    opened = httpx.get(f"http://127.0.0.2:{ports['0.0.0.0']}/metrics", timeout=10)
+    assert "kiln_node_jobs_running" in opened.text
