@@ -11,14 +11,18 @@ import errno
 import json
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.storage.errors import StorageError
 from kiln.tasks.api.json_guard import MAX_INT, printable
+from kiln.tasks.contract.request_check import requested_pipeline, restated_bounds
 
 log = logging.getLogger(__name__)
 MAX_ECHO_DEPTH = 8
@@ -69,10 +73,28 @@ def safe_json_response(
         return JSONResponse(fallback, status_code=status_code, headers=headers)
 
 
-async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
+async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     """422 in FastAPI's shape, with every echoed input made encodable."""
     errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    if _past_a_bound(request, errors):
+        # `width` 100000 names the pipeline's own limit (1024), not the schema's (4096)
+        body = getattr(exc, "body", None)
+        errors = await run_in_threadpool(_pipeline_bounds, request, errors, body)
     return safe_json_response({"detail": errors}, 422, _FALLBACK_422)
+
+
+def _past_a_bound(request: Request, errors: Sequence[Any]) -> bool:
+    jobs = request.method == "POST" and request.url.path.endswith("/v1/jobs")
+    return jobs and any(error.get("type") == "less_than_equal" for error in errors)
+
+
+def _pipeline_bounds(request: Request, errors: Sequence[Any], body: object) -> list[Any]:
+    pipeline = requested_pipeline(body)
+    try:
+        declared = request.app.state.kiln.submitter.declared(pipeline)  # reads the heartbeats
+    except StorageError:  # the schema's own refusal still stands: a 422, not a 503
+        return list(errors)
+    return restated_bounds(errors, pipeline, declared, prefix=("body",))
 
 
 async def storage_unavailable(_request: Request, exc: Exception) -> JSONResponse:

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.tasks.contract.request_check import PipelineDecl, check_request
+from kiln.tasks.contract.request_check import (
+    PipelineDecl,
+    check_request,
+    requested_pipeline,
+    restated_bounds,
+)
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.submit import Submitter
@@ -49,6 +54,13 @@ class LineChecks:
                 kind, msg = problem
                 return [_error(("webhook", "url"), msg, kind)]
         return []
+
+    def restated(self, errors: list[Any], data: dict[str, Any]) -> list[Any]:
+        """A line's schema `errors`, a bound its pipeline declares lower named as the pipeline's."""
+        if not any(error.get("type") == "less_than_equal" for error in errors):
+            return errors  # the common refusals need no read of what the nodes declare
+        pipeline = requested_pipeline(data)
+        return restated_bounds(errors, pipeline, self._declaration(pipeline))
 
     def _declaration(self, pipeline: str) -> PipelineDecl:
         """`Submitter.declared`, built once per pipeline while the submitter's read is fresh.

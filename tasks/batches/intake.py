@@ -253,7 +253,8 @@ class BatchIntake:
         try:
             request = JobRequest.model_validate(data)
         except ValidationError as exc:
-            return custom_id, [plain_error(error) for error in exc.errors()]
+            errors = self.checks.restated(list(exc.errors()), data)
+            return custom_id, [plain_error(error) for error in errors]
         problems = self.checks.errors(request)
         if problems:
             return custom_id, problems

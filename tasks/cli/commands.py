@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -19,6 +20,7 @@ from kiln.common.states import JobState
 from kiln.storage.base import require_supported_redis
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
+from kiln.tasks.cli.bounds import with_pipeline_bounds
 from kiln.tasks.cli.consoles import stdout_console
 from kiln.tasks.cli.exits import (
     EXIT_ALREADY_FINISHED,
@@ -71,8 +73,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.preview is not None or args.preview_every is not None:
         every = args.preview_every
         fields["preview"] = {"every_steps": every} if every is not None else {}
-    request = JobRequest.model_validate(fields)
     backend = backend_for(args)
+    try:
+        request = JobRequest.model_validate(fields)
+    except ValidationError as error:  # a bound the pipeline declares lower is named as its own
+        raise with_pipeline_bounds(error, fields, backend) from None
     view = backend.submit(request, idempotency_key=args.idempotency_key)
     if args.preview is None and not args.wait:
         _show(args, [view], ids_only=True)

@@ -242,6 +242,36 @@ def declared_limits(pipeline: str, announced: list[PipelineLimits]) -> list[Pipe
     return [builtin] if builtin is not None else []
 
 
+# The schema's global bounds a pipeline may declare lower: the field, the limit that lowers it.
+SCHEMA_BOUNDED_FIELDS = {
+    "width": "max_width",
+    "height": "max_height",
+    "steps": "max_steps",
+    "num_frames": "max_frames",
+}
+_LARGEST_QUOTED = 2**63  # a value past it is quoted by the schema's own message, not restated
+
+
+def tighter_bound(
+    pipeline: str, candidates: list[PipelineLimits], field: str, value: object
+) -> LimitViolation | None:
+    """The pipeline's refusal of `value`, past the schema's bound on `field`, when it declares less.
+
+    The schema refuses `--width 100000` with its global bound (4096) before any pipeline check
+    runs; a pipeline whose nodes all declare a lower one (1024) is the limit the caller must
+    meet, so that is the one named. None when no candidate declares one below the schema's.
+    """
+    limit = SCHEMA_BOUNDED_FIELDS.get(field)
+    if limit is None or not candidates or type(value) is not int or value >= _LARGEST_QUOTED:
+        return None
+    widest = max(candidates, key=lambda limits: getattr(limits, limit))
+    most = getattr(widest, limit)
+    if value <= most or most >= getattr(PipelineLimits(), limit):
+        return None
+    rule = widest.frame_rule() if field == "num_frames" else f"{field} ≤ {most}"
+    return LimitViolation(pipeline, field, limit, f"{pipeline} takes {rule}; got {value}", value)
+
+
 def first_violation(
     pipeline: str, candidates: list[PipelineLimits], request: RequestShape
 ) -> LimitViolation | None:

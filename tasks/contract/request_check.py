@@ -11,11 +11,12 @@ function, the API maps the violation to its 422, the Submitter to an exception. 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import ValidationError
+from pydantic_core import PydanticCustomError
 
 from kiln.common.request import DEFAULT_SPEED, SPEED_MODES, InputSchema, declared_speed_modes
 from kiln.tasks.contract.image_refs import ImageRef, parse_image_ref
@@ -25,7 +26,12 @@ from kiln.tasks.contract.inputs import (
     image_input_names,
     input_error,
 )
-from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, first_violation
+from kiln.tasks.contract.limits import (
+    LimitViolation,
+    PipelineLimits,
+    first_violation,
+    tighter_bound,
+)
 from kiln.tasks.contract.loras import AdapterViolation, NodeAdapters, first_adapter_violation
 from kiln.tasks.contract.schemas import JobRequest
 
@@ -126,6 +132,67 @@ def check_request(request: JobRequest, declared: PipelineDecl) -> Violation | No
         or first_adapter_violation(pipeline, declared.adapters, request.loras)
         or speed_violation(pipeline, declared.inputs, request.speed)
     )
+
+
+def restated_bounds(
+    errors: Sequence[Mapping[str, Any]],
+    pipeline: str,
+    declared: PipelineDecl,
+    prefix: tuple[str | int, ...] = (),
+) -> list[dict[str, Any]]:
+    """`errors` (pydantic's, of a JobRequest for `pipeline`) with the pipeline's own limits named.
+
+    A value past a schema bound that the pipeline declares lower (`width` 100000: the schema
+    says 4096, the pipeline takes 1024) is restated as the pipeline's refusal, with its type and
+    context; every other error is kept as it is. `prefix` is where the request sits in `loc`.
+    """
+    candidates = list(declared.limits) if pipeline in declared.known else []
+    restated: list[dict[str, Any]] = []
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        field = loc[len(prefix)] if len(loc) == len(prefix) + 1 else None
+        violation = None
+        if error.get("type") == "less_than_equal" and isinstance(field, str):
+            violation = tighter_bound(pipeline, candidates, field, error.get("input"))
+        if violation is None:
+            restated.append(dict(error))
+            continue
+        restated.append(
+            {
+                "type": violation.kind,
+                "loc": violation.loc(prefix),
+                "msg": violation.message,
+                "input": violation.value,
+                "ctx": violation.context(),
+            }
+        )
+    return restated
+
+
+def restated_error(
+    error: ValidationError, pipeline: str, declared: PipelineDecl
+) -> ValidationError:
+    """`error` (a JobRequest's) as `restated_bounds` words it, for callers that raise it on."""
+    errors = error.errors()
+    restated = restated_bounds(errors, pipeline, declared)
+    if restated == errors:
+        return error
+    # Each message goes in as context: a literal template would treat braces as placeholders.
+    lines = [
+        {
+            "type": PydanticCustomError(item["type"], "{message}", {"message": item["msg"]}),
+            "loc": item["loc"],
+            "input": item.get("input"),
+        }
+        for item in restated
+    ]
+    return ValidationError.from_exception_data(error.title, lines)  # type: ignore[arg-type]
+
+
+def requested_pipeline(fields: object) -> str:
+    """The pipeline a raw request names (JobRequest's default when it names none or no string)."""
+    named = fields.get("pipeline") if isinstance(fields, Mapping) else None
+    return named if isinstance(named, str) else str(JobRequest.model_fields["pipeline"].default)
 
 
 def speed_violation(
