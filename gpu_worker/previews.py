@@ -1,8 +1,11 @@
 """Previews while denoising: the current latents of a request, decoded cheaply on rank 0.
 
-Two decoders, chosen per pipeline when rank 0 starts leading (`build_decoders`):
-- a tiny autoencoder (diffusers `AutoencoderTiny`: TAESD, TAESDXL, TAESD3, TAEF1 weights) from
-  the folder `KILN_PREVIEW_VAE` names, for the pipelines whose latents have its channel count;
+The decoder, chosen per pipeline when rank 0 starts leading (`build_decoders`):
+- the one the pipeline names through the protocol's preview hook (`preview_decoder()`; its `run`
+  hands over its latents with `report_latents`, docs/pipelines.md), whatever else it has;
+- else, for a pipeline with a diffusers `pipe.vae`, a tiny autoencoder (diffusers
+  `AutoencoderTiny`: TAESD, TAESDXL, TAESD3, TAEF1 weights) from the folder `KILN_PREVIEW_VAE`
+  names, for the pipelines whose latents have its channel count;
 - otherwise a linear map latent channels (+ bias) → RGB, fitted by least squares to what the
   pipeline's own VAE decodes from a few random latents (`fit_linear_map`): any VAE, no weights.
 A preview is the request's first output; a video's is its middle latent frame. The decoded
@@ -137,16 +140,44 @@ def _pipeline_vae(pipeline: Pipeline) -> Any:
     return getattr(getattr(pipeline, "pipe", None), "vae", None)
 
 
+def named_decoder(pipeline: object) -> LatentDecoder | None:
+    """The decoder the pipeline names through its preview hook (`preview_decoder()`), or None."""
+    name = getattr(pipeline, "preview_decoder", None)
+    if name is None:
+        return None
+    decoder = name()
+    if decoder is not None and not callable(decoder):
+        raise TypeError(f"preview_decoder() returned {type(decoder).__name__}, not a callable")
+    return decoder  # type: ignore[no-any-return]
+
+
+def can_preview(pipeline: Pipeline) -> bool:
+    """Whether rank 0 can decode previews of `pipeline`: a named decoder, or a VAE to fit one."""
+    return named_decoder(pipeline) is not None or _pipeline_vae(pipeline) is not None
+
+
 def build_decoders(
     pipelines: Mapping[str, Pipeline], tiny_folder: Path | None, device: torch.device
 ) -> dict[str, LatentDecoder]:
-    """Per pipeline with a VAE: the tiny autoencoder where its channels fit, else a fitted map."""
+    """Per pipeline: the decoder it names, else (with a VAE) a tiny autoencoder or a fitted map.
+
+    The tiny autoencoder where its channels fit the VAE's; none for a pipeline with neither (it
+    announces no previews, `can_preview`).
+    """
     tiny: TinyAutoencoderDecoder | None = None
     decoders: dict[str, LatentDecoder] = {}
     for name, pipeline in pipelines.items():
+        try:
+            named = named_decoder(pipeline)
+        except Exception:  # best effort, as below: the pipeline still serves jobs
+            logger.exception("previews of pipeline %s are off: preview_decoder() failed", name)
+            continue
+        if named is not None:
+            decoders[name] = named
+            continue
         vae = _pipeline_vae(pipeline)
         if vae is None:
-            logger.info("pipeline %s has no VAE: no previews", name)
+            logger.info("pipeline %s has no VAE and names no preview decoder: no previews", name)
             continue
         try:
             if tiny_folder is not None and tiny is None:

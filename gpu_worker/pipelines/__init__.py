@@ -26,21 +26,25 @@ from kiln.gpu_worker.pipeline_specs import (
 from kiln.gpu_worker.pipelines.base import (
     Pipeline,
     PipelineFactory,
+    PreviewDecoder,
     StepCallback,
     StopDenoising,
     missing_members,
+    report_latents,
 )
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 __all__ = [
     "Pipeline",
     "PipelineFactory",
+    "PreviewDecoder",
     "SpecError",
     "StepCallback",
     "StopDenoising",
     "check_spec",
     "load_pipeline",
     "prepare_pipeline",
+    "report_latents",
 ]
 
 

@@ -8,6 +8,10 @@ this rank (the rank loop makes the same decision on every rank, so the collectiv
 Optionally, `limits() -> kiln.common.limits.DeclaredLimits` declares the sizes, steps, frame counts
 and memory budget the pipeline takes; the node announces them and requests over them are refused
 before they reach a rank. It is not part of the protocol, so existing pipelines stay valid.
+
+Previews, also optional: `preview_decoder()` names a `PreviewDecoder` for the pipeline's latents,
+and `run` hands its latents after each step to `report_latents(on_step_end, ...)` (a pipeline
+with a diffusers `pipe.vae` gets both from Kiln). A pipeline with neither advertises no previews.
 """
 
 from __future__ import annotations
@@ -26,6 +30,32 @@ StepCallback = Callable[[int, int], None]
 
 class StopDenoising(Exception):
     """Raised from a step callback to abort the current forward on this rank."""
+
+
+# Latents (1, C, h, w) as `run` holds them → RGB (1, 3, H, W) in [-1, 1], on any device: what a
+# pipeline's `preview_decoder()` returns (a tiny VAE, a linear map, or the identity for a
+# pipeline whose "latents" are already pixels).
+PreviewDecoder = Callable[[torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class LatentsObserver(Protocol):
+    """A step callback that also looks at the latents after each step (rank 0's previews)."""
+
+    def observe_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
+        """Called after step `step` (from 1) with the batch's latents, before the step is done."""
+        ...
+
+
+def report_latents(on_step_end: StepCallback, step: int, total: int, latents: torch.Tensor) -> None:
+    """Hand the batch's latents after `step` to the previews; nothing when no request wants one.
+
+    `latents`: one row per output of the batch, in request order ((B, C, h, w); a video's
+    (B, C, F, h, w)). Call it before `on_step_end(step, total)`, on every rank (only rank 0's
+    callback looks).
+    """
+    if isinstance(on_step_end, LatentsObserver):
+        on_step_end.observe_latents(step, total, latents)
 
 
 @runtime_checkable

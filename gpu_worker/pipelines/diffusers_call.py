@@ -9,7 +9,7 @@ the frames that come back are checked against the size asked for and split per o
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,18 +17,9 @@ import torch
 from kiln.common.request import SEED_MAX, InputSchema, InputValue
 from kiln.gpu_worker.errors import JobFailed
 from kiln.gpu_worker.inputs import extra_input_names
-from kiln.gpu_worker.pipelines.base import StepCallback
+from kiln.gpu_worker.pipelines.base import LatentsObserver, StepCallback
 from kiln.gpu_worker.pipelines.diffusers_schedulers import SCHEDULER_INPUT
 from kiln.gpu_worker.protocol import GenerationRequest
-
-
-@runtime_checkable
-class LatentsObserver(Protocol):
-    """A step callback that also looks at the latents after each step (rank 0's previews)."""
-
-    def observe_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
-        """Called after step `step` (from 1) with the batch's latents, before the step is done."""
-        ...
 
 
 def output_seed(seed: int, index: int) -> int:

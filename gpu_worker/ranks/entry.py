@@ -12,10 +12,10 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from kiln.gpu_worker.inputs import declared_input_schema
 from kiln.gpu_worker.limits import declared_limits
 from kiln.gpu_worker.logs import configure_rank_logging
 from kiln.gpu_worker.pipeline_specs import PipelineRefused
+from kiln.gpu_worker.pipelines.announced import announced_schema
 from kiln.gpu_worker.protocol import FailureKind, RankFailed, RankFault, RankReady
 from kiln.gpu_worker.ranks.follower import follow
 from kiln.gpu_worker.ranks.leader import LeaderLink, lead
@@ -50,8 +50,7 @@ def rank_main(args: RankArgs, pipes: RankPipes) -> None:
     try:
         runtime = start_rank(args)
         limits = {name: declared_limits(pipeline) for name, pipeline in runtime.pipelines.items()}
-        schemas = {name: declared_input_schema(p) for name, p in runtime.pipelines.items()}
-        inputs = {name: schema for name, schema in schemas.items() if schema is not None}
+        inputs = {name: announced_schema(p) for name, p in runtime.pipelines.items()}
     except PipelineRefused as exc:  # the spec's fault, said in one line: no traceback helps
         send_quietly(pipes.status, RankFailed(args.rank, exc.rank_message()))
         exit_rank(1)

@@ -13,3 +13,6 @@ MAX_PREVIEW_SIDE = 1024
 # A preview of at most this many encoded bytes rides inside its event (base64); a larger one is
 # stored as an object the event names by URL.
 PREVIEW_INLINE_MAX = 64 * 1024
+# A node marks the input schema it announces for a pipeline with whether rank 0 can decode its
+# previews (a decoder the pipeline names, or a VAE): false, and a request for previews is a 422.
+PREVIEWS_KEY = "x-kiln-previews"

@@ -67,6 +67,9 @@ InputValue = bool | int | float | str | None
 # request field a property is, `x-kiln-image` an image reference (an upload or a URL).
 FIELD_KEY = "x-kiln-field"
 IMAGE_KEY = "x-kiln-image"
+# A node marks the schema it announces with the request fields the pipeline honours (its
+# `supported_fields()`, sorted), which the console turns into form fields.
+FIELDS_KEY = "x-kiln-fields"
 
 # Pipeline argument names (and the fields' own names) that are request fields: a request's
 # `inputs` may give them instead of the top-level field, and a pipeline's schema marks them.

@@ -1,4 +1,4 @@
-"""`GET /v1/pipelines/{name}`: what a pipeline takes (schema, limits, adapters) and its backlog."""
+"""`GET /v1/pipelines/{name}`: a pipeline's schema, fields, previews, limits, adapters, backlog."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from fastapi import Depends, HTTPException, Path
 from kiln.tasks.api.deps import Ctx, api_router, error_docs, principal
 from kiln.tasks.contract.limits import PipelineLimits
 from kiln.tasks.contract.loras import adapter_listing
+from kiln.tasks.contract.request_check import announced_fields, announces_previews
 from kiln.tasks.contract.responses import AdapterInfo, PipelineBacklogView, PipelineInfo
 from kiln.tasks.queue.backlog import lane_targets, node_counts, read_backlog
 
 router = api_router()
+PREVIEW_LIMITS = frozenset({"max_preview_side", "min_preview_every_steps"})
 PipelineName = Annotated[
     str,
     Path(
@@ -32,18 +34,24 @@ PipelineName = Annotated[
     dependencies=[Depends(principal)],  # any valid key; who the caller is does not matter
 )
 def pipeline(ctx: Ctx, name: PipelineName) -> PipelineInfo:
-    """The pipeline's input schema (as a live node announces it), limits, adapters, backlog."""
+    """What the pipeline takes, as live nodes announce it, and its backlog."""
     declared = ctx.submitter.declared(name)  # one read of the heartbeats
     if name not in declared.known:
         known = ", ".join(declared.known) or "none"
         raise HTTPException(404, f"no pipeline {name!r}; known: {known}")
     counts = node_counts(ctx.store.live_nodes(), name)
     backlog = read_backlog(ctx.store, ctx.settings, name)
+    previews = announces_previews(declared.inputs)
+    limits = (declared.limits[0] if declared.limits else PipelineLimits()).to_dict()
+    if not previews:  # no preview limits for a pipeline that cannot emit previews
+        limits = {key: value for key, value in limits.items() if key not in PREVIEW_LIMITS}
     return PipelineInfo(
         name=name,
         live_nodes=counts.live,
         inputs=declared.inputs[0] if declared.inputs else None,
-        limits=(declared.limits[0] if declared.limits else PipelineLimits()).to_dict(),
+        fields=announced_fields(declared.inputs),
+        previews=previews,
+        limits=limits,
         adapters=[AdapterInfo(**entry) for entry in adapter_listing(declared.adapters)],
         backlog=PipelineBacklogView(
             queued=backlog.queued,

@@ -193,7 +193,8 @@ def input_violation(
     for name, value in inputs.items():
         prop = properties.get(name)
         if not isinstance(prop, Mapping) or FIELD_KEY in prop:
-            message = f"{pipeline} takes no input {name!r}; its inputs: {', '.join(extras)}"
+            listed = f"its inputs: {', '.join(extras)}" if extras else "it takes no inputs"
+            message = f"{pipeline} takes no input {name!r}; {listed}"
             return InputViolation(pipeline, name, "unknown", message, value, extras)
         if prop.get(IMAGE_KEY) is True:
             try:  # the form only; the upload's owner and the URL's host are checked later

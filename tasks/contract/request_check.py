@@ -18,7 +18,14 @@ from typing import Any, ClassVar
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
-from kiln.common.request import DEFAULT_SPEED, SPEED_MODES, InputSchema, declared_speed_modes
+from kiln.common.previews import PREVIEWS_KEY
+from kiln.common.request import (
+    DEFAULT_SPEED,
+    FIELDS_KEY,
+    SPEED_MODES,
+    InputSchema,
+    declared_speed_modes,
+)
 from kiln.tasks.contract.image_refs import ImageRef, parse_image_ref
 from kiln.tasks.contract.inputs import (
     InputViolation,
@@ -112,22 +119,64 @@ class SpeedUnsupported:
         return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
 
 
+@dataclass(frozen=True)
+class PreviewsUnsupported:
+    """The request asks for previews of a pipeline that no live node can preview."""
+
+    kind: ClassVar[str] = "previews_unsupported"
+    pipeline: str
+    preview: dict[str, Any]  # what the request asked for
+
+    @property
+    def message(self) -> str:
+        """What the caller reads: why there are no previews, and what to do."""
+        return (
+            f"{self.pipeline} emits no previews: its pipeline names no preview decoder and has no "
+            "VAE (docs/pipelines.md, Previews); submit without `preview`"
+        )
+
+    @property
+    def value(self) -> dict[str, Any]:
+        """The offending input: the request's `preview`."""
+        return self.preview
+
+    def loc(self, prefix: tuple[str | int, ...] = ()) -> tuple[str | int, ...]:
+        """Where the error points: `preview`, after `prefix`."""
+        return (*prefix, "preview")
+
+    def context(self) -> dict[str, Any]:
+        """The error's `ctx`: the pipeline."""
+        return {"pipeline": self.pipeline}
+
+    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
+        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
+        return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
+
+
 # Each has `kind`, `message`, `value`, `loc(prefix)`, `context()` and `error(prefix)`.
-Violation = PipelineUnknown | LimitViolation | InputViolation | AdapterViolation | SpeedUnsupported
+Violation = (
+    PipelineUnknown
+    | PreviewsUnsupported
+    | LimitViolation
+    | InputViolation
+    | AdapterViolation
+    | SpeedUnsupported
+)
 
 
 def check_request(request: JobRequest, declared: PipelineDecl) -> Violation | None:
     """The first reason the served pipelines refuse `request`; None when one would run it.
 
-    In order: the pipeline's name, its limits, its inputs (values, image references' form,
-    steps × strength), its adapters, its speed mode. Each passes when any live node's
-    declaration takes it.
+    In order: the pipeline's name, its previews, its limits, its inputs (values, image
+    references' form, steps × strength), its adapters, its speed mode. Each passes when any live
+    node's declaration takes it.
     """
     pipeline = request.pipeline
     if pipeline not in declared.known:
         return PipelineUnknown(pipeline, declared.known)
     return (
-        first_violation(pipeline, list(declared.limits), request)
+        preview_violation(pipeline, declared.inputs, request)
+        or first_violation(pipeline, list(declared.limits), request)
         or first_input_violation(pipeline, list(declared.inputs), request.inputs, request.steps)
         or first_adapter_violation(pipeline, declared.adapters, request.loras)
         or speed_violation(pipeline, declared.inputs, request.speed)
@@ -211,6 +260,32 @@ def speed_violation(
         return None
     modes = tuple(mode for mode in SPEED_MODES if mode in served) or (DEFAULT_SPEED,)
     return SpeedUnsupported(pipeline, speed, modes)
+
+
+def announces_previews(schemas: Sequence[InputSchema]) -> bool:
+    """Whether a request may ask for previews: some live node's schema says it can decode them.
+
+    True while no node announces a schema (nothing is known yet, as for limits), and for a
+    schema without the mark (a node from before it).
+    """
+    return not schemas or any(schema.get(PREVIEWS_KEY, True) is not False for schema in schemas)
+
+
+def announced_fields(schemas: Sequence[InputSchema]) -> list[str] | None:
+    """The request fields the live nodes' schemas say the pipeline honours; None while none says."""
+    marked = [schema[FIELDS_KEY] for schema in schemas if isinstance(schema.get(FIELDS_KEY), list)]
+    if not marked:
+        return None
+    return sorted({str(name) for names in marked for name in names})
+
+
+def preview_violation(
+    pipeline: str, schemas: Sequence[InputSchema], request: JobRequest
+) -> PreviewsUnsupported | None:
+    """A request for previews of a pipeline whose live nodes cannot decode any; else None."""
+    if request.preview is None or announces_previews(schemas):
+        return None
+    return PreviewsUnsupported(pipeline, request.preview.model_dump(mode="json"))
 
 
 def image_refs(request: JobRequest, declared: PipelineDecl) -> dict[str, ImageRef]:

@@ -181,6 +181,17 @@ class PipelineInfo(BaseModel):
         "properties with `x-kiln-field` are request fields under the pipeline's own names, "
         "the others go in a job's `inputs`. null while no live node announces one."
     )
+    fields: list[str] | None = Field(
+        default=None,
+        description="The request fields the pipeline honours (`prompt`, `width`, `steps`, "
+        "`seed`, ...), as a live node announces them (its `supported_fields()`); null while "
+        "none does.",
+    )
+    previews: bool = Field(
+        default=True,
+        description="Whether a job may ask for `preview`: false when no live node can decode "
+        "the pipeline's previews (then `limits` has no preview limits).",
+    )
     limits: dict[str, int | None] = Field(
         description="Sizes, steps, frames, budget and previews the pipeline takes "
         "(docs/contract.md §2)."
