@@ -30,6 +30,21 @@ SECRETS_EXAMPLE = KUBERNETES_DIR / "kiln-secrets.env.example"
 RANK_KILL_S = 3
 
 
+# The secrets each workload's processes read (settings of kiln-secrets.env.example): the API signs
+# nothing but hashes API keys and refuses webhooks without a secret; the webhook worker signs and
+# presigns output URLs; a node uploads and may download gated models; Redis takes its password
+# from its URL; MinIO (and its bucket Job) are the S3 keys.
+S3_KEYS = {"KILN_S3_ACCESS_KEY_ID", "KILN_S3_SECRET_ACCESS_KEY"}
+SECRETS_READ = {
+    "kiln-api": {"KILN_REDIS_URL", *S3_KEYS, "KILN_API_KEY_PEPPER", "KILN_WEBHOOK_SECRET"},
+    "kiln-webhooks": {"KILN_REDIS_URL", *S3_KEYS, "KILN_WEBHOOK_SECRET"},
+    "kiln-node-default": {"KILN_REDIS_URL", *S3_KEYS, "HF_TOKEN"},
+    "kiln-redis": {"KILN_REDIS_URL"},
+    "kiln-minio": S3_KEYS,
+    "kiln-minio-bucket": S3_KEYS,
+}
+
+
 def pod_specs(resources: list[Resource]) -> dict[str, dict[str, Any]]:
     """Each workload's pod spec, by workload name."""
     return {
@@ -153,6 +168,28 @@ def test_every_secret_and_config_reference_exists(overlay: str) -> None:
                         ref["configMapKeyRef"]["key"]
                         in configs[ref["configMapKeyRef"]["name"]]["data"]
                     )
+
+
+def secret_keys(container: dict[str, Any]) -> set[str]:
+    """The Secret keys a container's environment gets (a whole Secret fails the test)."""
+    assert all("secretRef" not in source for source in container.get("envFrom", []))
+    return {
+        variable["valueFrom"]["secretKeyRef"]["key"]
+        for variable in container.get("env", [])
+        if "secretKeyRef" in variable.get("valueFrom", {})
+    }
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_each_pod_gets_only_the_secrets_it_reads(overlay: str) -> None:
+    pods = pod_specs(render(OVERLAYS[overlay]))
+    got = {name: set().union(*map(secret_keys, pod["containers"])) for name, pod in pods.items()}
+    assert got == {name: keys for name, keys in SECRETS_READ.items() if name in pods}
+    assert "HF_TOKEN" not in got["kiln-api"] | got["kiln-webhooks"]
+    assert "KILN_API_KEY_PEPPER" not in got["kiln-node-default"] | got["kiln-webhooks"]
+    assert "KILN_WEBHOOK_SECRET" not in got["kiln-node-default"]
+    # Every key the operator writes is read by some pod.
+    assert set().union(*got.values()) == set(read_env_file(SECRETS_EXAMPLE))
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))

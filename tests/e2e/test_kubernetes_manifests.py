@@ -5,8 +5,9 @@ kubelet would build (tests/e2e/kubernetes_pods.py): the ConfigMap, the Secret wr
 kiln-secrets.env.example, the pod name from the downward API, Service links unless turned off.
 The Redis StatefulSet's command runs as a private redis-server (password, AOF, noeviction);
 moto's S3 server stands in for MinIO. Readiness is each pod's own readiness probe command. A job
-goes in through the kiln-api Service's port, the node's preStop hook drains it with a job
-running, and every pod exits 0 on SIGTERM.
+goes in through the kiln-api Service's port, the node's liveness probe fails while its process is
+frozen and passes again after, the node's preStop hook drains it with a job running, and every pod
+exits 0 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tests.e2e.compose_stack import (
     read_env_file,
 )
 from tests.e2e.kubernetes_pods import Cluster, PodLocalizer
+from tests.waiting import wait_until
 
 SECRETS_EXAMPLE = KUBERNETES_DIR / "kiln-secrets.env.example"
 NODE = "kiln-node-default"
@@ -191,6 +193,35 @@ def test_a_job_goes_through_the_api_service_and_the_node(stack: Stack) -> None:
     download = httpx.get(output["url"], timeout=10)
     assert download.status_code == 200
     assert hashlib.sha256(download.content).hexdigest() == output["sha256"]
+
+
+def liveness(stack: Stack, workload: str) -> int:
+    """The exit code of the workload's liveness probe command, run in its pod's environment."""
+    pod = stack.pods[workload]
+    container = stack.cluster.workload(workload)["spec"]["template"]["spec"]["containers"][0]
+    probe = container["livenessProbe"]
+    argv = stack.cluster.localizer.argv(probe["exec"]["command"])
+    done = subprocess.run(
+        argv, env=pod.env, capture_output=True, timeout=probe["timeoutSeconds"], check=False
+    )
+    return done.returncode
+
+
+def test_a_frozen_node_fails_its_liveness_probe(stack: Stack) -> None:
+    """SIGSTOP: the process is there and does nothing, as a wedged node; SIGCONT: it lives again.
+
+    Redis answers throughout: the node's own heartbeat, not Redis, decides.
+    """
+    node = stack.pods[NODE]
+    assert liveness(stack, NODE) == 0
+    node.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: liveness(stack, NODE), lambda code: code == 1, what="liveness fails")
+    finally:
+        node.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: liveness(stack, NODE), lambda code: code == 0, what="liveness passes")
+    job_id = stack.submit(prompt="after a freeze", steps=2, width=64, height=64)
+    assert stack.wait_for(job_id, FINAL)["status"] == "succeeded"
 
 
 def test_the_prestop_hook_drains_the_node_and_it_exits_0(stack: Stack) -> None:
