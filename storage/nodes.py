@@ -13,6 +13,7 @@ A duplicate message is harmless: the lease and the state machine run a job once.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,8 @@ class NodeOps(StoreBase):
     @redis_boundary
     def publish_node(self, node_id: str, info: dict[str, Any], ttl_s: float) -> None:
         """Announce `node_id` with `info` for `ttl_s` seconds (call again before it lapses)."""
-        payload = dumps({**info, "node_id": node_id})
+        # `heartbeat_at`: when the node wrote it, by its clock (`kiln admin nodes` shows its age)
+        payload = dumps({**info, "node_id": node_id, "heartbeat_at": time.time()})
         ttl_ms = max(1, int(ttl_s * 1000))
         self._run(
             "publish_node",

@@ -1,6 +1,7 @@
 """`kiln admin`: operator controls (docs/operations.md §10), straight in Redis or through an API.
 
-`queues`, `pause QUEUE`, `resume QUEUE`, `purge QUEUE`, `drain NODE [--exit]`, `undrain NODE`.
+`nodes`, `queues`, `pause QUEUE`, `resume QUEUE`, `purge QUEUE`, `drain NODE [--exit]`,
+`undrain NODE`.
 Without `--api` they write Redis directly, as `kiln keys` does (whoever reaches Redis is trusted);
 with `--api URL --api-key KEY` they call the API's /v1/admin routes, which need an admin key.
 """
@@ -14,13 +15,17 @@ from typing import Any
 from kiln.tasks.cli.backends import remote_args
 from kiln.tasks.cli.exits import UsageError, print_json
 
-ACTIONS = ("queues", "pause", "resume", "purge", "drain", "undrain")
+ACTIONS = ("nodes", "queues", "pause", "resume", "purge", "drain", "undrain")
 
 
 def add_parser(sub: Any) -> None:
     """`kiln admin ...` and its actions."""
     admin = sub.add_parser("admin", help="operator controls: pause, resume, purge, drain")
     actions = admin.add_subparsers(dest="admin_action", required=True)
+    nodes = actions.add_parser(
+        "nodes", help="list live nodes: pipelines, state, jobs, last heartbeat"
+    )
+    _common(nodes)
     listed = actions.add_parser("queues", help="list queues: queued jobs, paused or not")
     _common(listed)
     for name, text in (
@@ -50,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     result = _remote(args) if args.api else _direct(args)
     if args.json:
         print_json(result)
+    elif args.admin_action == "nodes":
+        from kiln.tasks.cli.admin_nodes import show_nodes
+
+        show_nodes(result)
     else:
         print(_describe(args.admin_action, result))
     return 0
@@ -74,6 +83,12 @@ def _direct(args: argparse.Namespace) -> dict[str, Any]:
     action = args.admin_action
     settings, storage_settings = KilnSettings(), StorageSettings()
     store = JobStore.from_settings(storage_settings)
+    if action == "nodes":  # what GET /v1/nodes answers an admin key
+        return {
+            "nodes": store.live_nodes(),
+            "paused_queues": sorted(store.paused_queues()),
+            "drain_requests": sorted(store.drain_requests()),
+        }
     if action == "queues":
         pipelines = set(settings.pipelines) | store.served_pipelines()
         states = controls.queue_states(store, pipelines)
@@ -119,6 +134,8 @@ def _remote(args: argparse.Namespace) -> dict[str, Any]:
     if action in ("pause", "resume", "purge"):
         _check_queue(args.queue)
     with KilnClient(args.api, api_key=args.api_key) as client:
+        if action == "nodes":
+            return client.nodes().model_dump(mode="json")
         if action == "queues":
             return client.queues().model_dump(mode="json")
         if action == "pause":

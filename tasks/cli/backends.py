@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from kiln.common.states import JobState, is_terminal
+from kiln.tasks.cli.exits import UsageError
 from kiln.tasks.cli.short_ids import resolve_id
 from kiln.tasks.contract.responses import CancelEffect, CancelResult
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.contract.views import JobView, job_view
+
+if TYPE_CHECKING:
+    from kiln.tasks.client.batch_downloads import DownloadReport
+
+# a page of jobs, newest first, and the cursor of the next one (None: no more)
+JobPage = tuple[list[JobView], str | None]
 
 
 class JobsBackend(Protocol):
@@ -30,6 +38,20 @@ class JobsBackend(Protocol):
 
     def resolve(self, job_id: str) -> str:
         """The full id of `job_id`, which may be a unique prefix (`cli.short_ids`)."""
+        ...
+
+    def page(
+        self, status: str | None, batch_id: str | None, cursor: str | None, limit: int
+    ) -> JobPage:
+        """One page of jobs, newest first, filtered by state and batch (`kiln jobs`)."""
+        ...
+
+    def download(self, view: JobView, folder: Path) -> DownloadReport:
+        """Fetch the job's outputs into `folder`, each verified by its sha256 (`kiln get`)."""
+        ...
+
+    def pipelines(self) -> list[str]:
+        """The pipelines jobs may name now (configured or served by a live node)."""
         ...
 
 
@@ -87,6 +109,29 @@ class DirectBackend:
             lambda prefix, limit: job_ids_with_prefix(store.redis, store.keys, prefix, None, limit),
         )
 
+    def page(
+        self, status: str | None, batch_id: str | None, cursor: str | None, limit: int
+    ) -> JobPage:
+        """A page read from the store's indexes (every owner's jobs: Redis access is trusted)."""
+        state = JobState(status) if status is not None else None
+        try:
+            records, next_cursor = self.store.list_jobs(
+                state=state, batch_id=batch_id, cursor=cursor, limit=limit
+            )
+        except ValueError as exc:
+            raise UsageError(f"--cursor {cursor!r}: {exc}") from exc
+        return [job_view(record, self.objects) for record in records], next_cursor
+
+    def download(self, view: JobView, folder: Path) -> DownloadReport:
+        """Fetch each output from the store its record names (a file, or a presigned URL)."""
+        from kiln.tasks.client.batch_downloads import download_outputs, job_output_files
+
+        return download_outputs(job_output_files(view, folder))
+
+    def pipelines(self) -> list[str]:
+        """What the submitter knows: configured pipelines and those live nodes announce."""
+        return list(self.submitter.known_pipelines())
+
 
 class HttpBackend:
     """Talks to a Kiln API through `KilnClient`."""
@@ -129,6 +174,21 @@ class HttpBackend:
             return [view.id for view in self.client.list(id_prefix=prefix, limit=limit).jobs]
         except ValidationFailed:  # an API from before `id_prefix`: full ids only
             return []
+
+    def page(
+        self, status: str | None, batch_id: str | None, cursor: str | None, limit: int
+    ) -> JobPage:
+        """GET /v1/jobs: the key's own jobs (an admin key's: everyone's)."""
+        jobs = self.client.list(status=status, batch_id=batch_id, cursor=cursor, limit=limit)
+        return jobs.jobs, jobs.next_cursor
+
+    def download(self, view: JobView, folder: Path) -> DownloadReport:
+        """GET /v1/jobs/{id}/outputs/{n} for each output, with the API key."""
+        return self.client.download_outputs(view.id, folder)
+
+    def pipelines(self) -> list[str]:
+        """GET /v1/pipelines."""
+        return self.client.pipelines().pipelines
 
 
 def remote_args(parser: argparse.ArgumentParser, key_help: str = "bearer key for --api") -> None:

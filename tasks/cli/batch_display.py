@@ -18,6 +18,7 @@ from rich.table import Table
 from kiln.common.states import is_final_batch
 from kiln.tasks.cli.consoles import stdout_console
 from kiln.tasks.cli.exits import print_json
+from kiln.tasks.cli.tables import fitting_table, whole_width
 from kiln.tasks.contract.batches import BatchCounts, BatchList, BatchView
 
 
@@ -121,19 +122,24 @@ def show_batch_list(json_output: bool, page: BatchList) -> None:
     if json_output:
         print_json(page.model_dump(mode="json"))
         return
-    table = Table(show_header=True)
-    # whole ids, never cut to fit the terminal: every command takes what this prints
-    table.add_column(
-        "batch", no_wrap=True, min_width=max((len(v.id) for v in page.batches), default=5)
+    # whole ids and states, never cut to fit the terminal: every command takes what this prints
+    table = fitting_table(
+        "batch", "status", "outcome", "done", "created", whole=("batch", "status")
     )
-    for column in ("status", "outcome", "done", "total", "created"):
-        table.add_column(column)
-    for view in page.batches:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(view.created_at))
-        done = str(done_count(view.counts))
-        table.add_row(
-            view.id, view.status, view.outcome or "", done, str(view.counts.total), created
+    rows = [
+        (
+            view.id,
+            str(view.status),
+            view.outcome or "",
+            f"{done_count(view.counts)}/{view.counts.total}",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(view.created_at)),
         )
+        for view in page.batches
+    ]
+    for column in (0, 1):
+        whole_width(table, column, [row[column] for row in rows])
+    for row in rows:
+        table.add_row(*row)
     stdout_console().print(table)
     if page.next_cursor:
         print(f"more: --cursor {page.next_cursor}")
@@ -142,6 +148,8 @@ def show_batch_list(json_output: bool, page: BatchList) -> None:
 def batch_table(view: BatchView) -> Table:
     """A human view of one batch."""
     table = Table(title=f"batch {view.id}", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # wrapped when narrow, never cut short
     table.add_row("status", view.status + (f" ({view.outcome})" if view.outcome else ""))
     if view.error:
         table.add_row("error", view.error)

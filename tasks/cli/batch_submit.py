@@ -16,10 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln.common.states import is_final_batch
+from kiln.common.states import BatchStatus, is_final_batch
 from kiln.tasks.cli.batch_backends import BatchBackend, BatchRefused, SubmitOptions
 from kiln.tasks.cli.batch_display import BatchProgress, show_batch
-from kiln.tasks.cli.exits import EXIT_JOB_FAILED, EXIT_USAGE, EXIT_WAIT_TIMEOUT, UsageError
+from kiln.tasks.cli.exits import (
+    EXIT_INTERRUPTED,
+    EXIT_JOB_FAILED,
+    EXIT_USAGE,
+    EXIT_WAIT_TIMEOUT,
+    UsageError,
+)
 from kiln.tasks.contract.batches import BatchView
 
 ERRORS_SHOWN = 20
@@ -119,7 +125,11 @@ def _reason(error: dict[str, Any]) -> str:
 
 
 def wait_and_show(args: argparse.Namespace, backend: BatchBackend, view: BatchView) -> int:
-    """Follow the batch with progress; show its final view; exit 0 only if every line succeeded."""
+    """Follow the batch with progress; show its final view; exit 0 if every accepted line succeeded.
+
+    Lines skipped as invalid on request (`--skip-invalid`) are not failures: they are reported
+    (the view's `invalid` count, a line on stderr). Ctrl-C leaves the batch running (130).
+    """
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     try:
         with BatchProgress.for_terminal(args.json) as progress:
@@ -127,10 +137,32 @@ def wait_and_show(args: argparse.Namespace, backend: BatchBackend, view: BatchVi
     except BatchWaitTimeout as exc:
         print(f"kiln: {exc} after {args.timeout:g} s", file=sys.stderr)
         return EXIT_WAIT_TIMEOUT
+    except KeyboardInterrupt:
+        remote = f" --api {args.api}" if getattr(args, "api", None) else ""
+        print(
+            f"kiln: stopped waiting; batch {view.id} goes on — follow with: "
+            f"kiln batch wait {view.id}{remote}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
     show_batch(args.json, view)
     if view.error:
         print(f"kiln: batch {view.id} {view.status}: {view.error}", file=sys.stderr)
-    return 0 if view.outcome == "succeeded" else EXIT_JOB_FAILED
+    if view.counts.invalid and is_final_batch(view.status):
+        print(
+            f"kiln: batch {view.id}: {view.counts.invalid} invalid line(s) skipped, not run "
+            f"(kiln batch results {view.id} names them)",
+            file=sys.stderr,
+        )
+    return 0 if every_accepted_line_succeeded(view) else EXIT_JOB_FAILED
+
+
+def every_accepted_line_succeeded(view: BatchView) -> bool:
+    """Whether the batch completed and every line it accepted (all but the invalid) succeeded."""
+    counts = view.counts
+    accepted = counts.total - counts.invalid
+    return view.status == BatchStatus.completed and accepted > 0 and counts.succeeded == accepted
 
 
 def follow(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,13 +25,15 @@ from kiln.tasks.cli.bounds import with_pipeline_bounds
 from kiln.tasks.cli.consoles import stdout_console
 from kiln.tasks.cli.exits import (
     EXIT_ALREADY_FINISHED,
+    EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
     EXIT_NOT_SERVED,
     UsageError,
     print_json,
 )
 from kiln.tasks.cli.input_files import upload_file
-from kiln.tasks.cli.progress import wait_for_jobs
+from kiln.tasks.cli.progress import JobWaitTimeout, wait_for_jobs
+from kiln.tasks.cli.tables import metric_text
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.contract.views import JobView
@@ -78,7 +81,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         request = JobRequest.model_validate(fields)
     except ValidationError as error:  # a bound the pipeline declares lower is named as its own
         raise with_pipeline_bounds(error, fields, backend) from None
-    view = backend.submit(request, idempotency_key=args.idempotency_key)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    try:
+        view = _submit(args, backend, request, deadline)
+    except KeyboardInterrupt:
+        print("kiln: stopped waiting for a node; nothing was submitted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.preview is None and not args.wait:
         _show(args, [view], ids_only=True)
         return 0
@@ -87,10 +95,60 @@ def cmd_submit(args: argparse.Namespace) -> int:
         from kiln.tasks.cli.previews import follow_previews
 
         followers = follow_previews(backend, [view.id], args.preview)
-    status = _wait_and_show(args, backend, [view.id])
+    status = _wait_and_show(args, backend, [view.id], deadline)
     for follower in followers:
         follower.join(timeout=5)  # its stream ends at the terminal event: the newest is written
     return status
+
+
+NODE_POLL_S = 0.5  # how often `--wait-for-node` asks whether the pipeline is served yet
+
+
+def _submit(
+    args: argparse.Namespace, backend: JobsBackend, request: JobRequest, deadline: float | None
+) -> JobView:
+    """Submit; with `--wait-for-node`, a pipeline nobody serves yet is waited for, not refused.
+
+    The wait ends when a node announces the pipeline (then the job is submitted), or at
+    `deadline` (`--timeout`: JobWaitTimeout, exit 3).
+    """
+    told = False
+    while True:
+        try:
+            return backend.submit(request, idempotency_key=args.idempotency_key)
+        except Exception as exc:
+            if not (args.wait_for_node and _unknown_pipeline(exc)):
+                raise
+        if not told:
+            print(
+                f"kiln: no node serves pipeline {request.pipeline!r} yet; waiting for one "
+                "(--wait-for-node)",
+                file=sys.stderr,
+            )
+            told = True
+        while request.pipeline not in backend.pipelines():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JobWaitTimeout(
+                    f"no node announced pipeline {request.pipeline!r} within {args.timeout:g} s; "
+                    "nothing was submitted"
+                )
+            time.sleep(NODE_POLL_S if deadline is None else _left(deadline, NODE_POLL_S))
+
+
+def _left(deadline: float, most: float) -> float:
+    return max(0.0, min(most, deadline - time.monotonic()))
+
+
+def _unknown_pipeline(exc: Exception) -> bool:
+    """Whether a refused submit names a pipeline nobody serves (directly, or through the API)."""
+    from kiln.tasks.client.client import ValidationFailed
+    from kiln.tasks.queue.submit import UnknownPipeline
+
+    if isinstance(exc, UnknownPipeline):
+        return True
+    if isinstance(exc, ValidationFailed) and isinstance(exc.detail, list):
+        return any(isinstance(e, dict) and e.get("type") == "unknown_pipeline" for e in exc.detail)
+    return False
 
 
 def parse_loras(values: list[str]) -> list[dict[str, Any]]:
@@ -160,6 +218,20 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """`kiln jobs [--status S] [--pipeline P] [--batch B] [--since WHEN] [--limit N]`."""
+    from kiln.tasks.cli.jobs import cmd_jobs as list_command
+
+    return list_command(args, backend_for(args))
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    """`kiln get JOB [DIR]`."""
+    from kiln.tasks.cli.jobs import cmd_get as get_command
+
+    return get_command(args, backend_for(args))
+
+
 def cmd_api(args: argparse.Namespace) -> int:
     """`kiln api`: one API process, or with `--workers N` (N > 1) a supervisor of N."""
     # Deferred: the API loads FastAPI, uvicorn, Celery and Redis.
@@ -211,7 +283,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(image_jobs=args.jobs)
 
 
-def _wait_and_show(args: argparse.Namespace, backend: JobsBackend, job_ids: list[str]) -> int:
+def _wait_and_show(
+    args: argparse.Namespace,
+    backend: JobsBackend,
+    job_ids: list[str],
+    deadline: float | None = None,
+) -> int:
+    """Wait for the jobs with progress, then show them; Ctrl-C says how to follow them (130)."""
+    try:
+        return _wait_then_show(args, backend, job_ids, deadline)
+    except KeyboardInterrupt:
+        _stopped_waiting(args, job_ids)
+        return EXIT_INTERRUPTED
+
+
+def _stopped_waiting(args: argparse.Namespace, job_ids: list[str]) -> None:
+    """What a Ctrl-C leaves: the jobs go on; the command that follows them (on stderr)."""
+    ids = " ".join(job_ids)
+    remote = f" --api {args.api}" if getattr(args, "api", None) else ""
+    jobs = f"job {ids} goes on" if len(job_ids) == 1 else f"jobs {ids} go on"
+    print(
+        f"kiln: stopped waiting; {jobs} — follow with: kiln wait {ids}{remote}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _wait_then_show(
+    args: argparse.Namespace, backend: JobsBackend, job_ids: list[str], deadline: float | None
+) -> int:
     if not args.wait_for_node:
         unserved = [view for view in map(backend.get, job_ids) if view.waiting_for]
         if unserved:
@@ -220,8 +320,9 @@ def _wait_and_show(args: argparse.Namespace, backend: JobsBackend, job_ids: list
             print("kiln: not waiting; pass --wait-for-node to wait anyway", file=sys.stderr)
             return EXIT_NOT_SERVED
     show_bars = not args.json and sys.stderr.isatty()
+    timeout_s = args.timeout if deadline is None else max(0.0, deadline - time.monotonic())
     views = wait_for_jobs(
-        backend, job_ids, timeout_s=args.timeout, show=show_bars, console=Console(stderr=True)
+        backend, job_ids, timeout_s=timeout_s, show=show_bars, console=Console(stderr=True)
     )
     _show(args, views)
     return 0 if all(v.status == JobState.SUCCEEDED for v in views) else EXIT_JOB_FAILED
@@ -239,11 +340,16 @@ def _show(args: argparse.Namespace, views: list[JobView], ids_only: bool = False
     console = stdout_console()
     for view in views:
         console.print(job_table(view))
+        # whole, on lines of their own: a path cut or folded to the terminal's width is useless
+        for index, output in enumerate(view.outputs):
+            console.print(f"output {index}: {output.url}", soft_wrap=True, highlight=False)
 
 
 def job_table(view: JobView) -> Table:
-    """A human view of one job."""
+    """A human view of one job (its outputs' URLs are printed whole below it, not in it)."""
     table = Table(title=f"job {view.id}", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # wrapped when narrow, never cut short
     table.add_row("status", view.status)
     if view.waiting_for:
         table.add_row("waiting for", view.waiting_for)
@@ -259,7 +365,6 @@ def job_table(view: JobView) -> Table:
     if view.error:
         table.add_row("error", f"{view.error.type}: {view.error.message}")
     for metric, value in view.metrics.model_dump(exclude_none=True).items():
-        table.add_row(metric, f"{value}")
-    for output in view.outputs:
-        table.add_row("output", output.url)
+        table.add_row(metric, metric_text(metric, value))
+    table.add_row("outputs", str(len(view.outputs)))
     return table

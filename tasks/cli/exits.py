@@ -14,6 +14,7 @@ EXIT_USAGE = 2  # a mistake in the command line, a setting or a job request
 EXIT_WAIT_TIMEOUT = 3  # `--timeout` ran out before the jobs finished
 EXIT_NOT_SERVED = 4  # no live node serves the job's pipeline (see --wait-for-node)
 EXIT_ALREADY_FINISHED = 5  # `kiln cancel`: the job had finished; nothing was canceled
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it; a job waited on goes on
 EXIT_PIPE_CLOSED = 141  # the reader of the output went away (`| head`), as SIGPIPE would end it
 
 

@@ -1,4 +1,4 @@
-"""The `kiln` command line: worker, submit, status, wait, cancel, api, keys, demo.
+"""The `kiln` command line: worker, submit, status, wait, cancel, jobs, get, api, keys, demo.
 
 User mistakes print one clear line and exit 2; a job that ends badly exits 1; no tracebacks.
 Every option's help shows its default; a mistake in a subcommand's arguments prints that
@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kiln.common.distribution import DISTRIBUTION
 from kiln.common.request import SPEED_MODES, Lane
 from kiln.tasks.cli import worker as worker_cli
 from kiln.tasks.cli.exits import (
@@ -91,7 +92,7 @@ def _version() -> str:
     import importlib.metadata  # slow to load: only for `--version`
 
     try:
-        return importlib.metadata.version("kiln")
+        return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
         return "unknown"
 
@@ -242,6 +243,9 @@ def _add_job_commands(sub: Any) -> None:
     )
     _wait_for_node_arg(p)
     _job_args(p)
+    from kiln.tasks.cli import jobs as jobs_cli
+
+    jobs_cli.add_parsers(sub, _job_args)
 
 
 def _add_services(sub: Any) -> None:
@@ -413,6 +417,8 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
         "status": c.cmd_status,
         "wait": c.cmd_wait,
         "cancel": c.cmd_cancel,
+        "jobs": c.cmd_jobs,
+        "get": c.cmd_get,
         "api": c.cmd_api,
         "keys": c.cmd_keys,
         "admin": admin_cli.run,

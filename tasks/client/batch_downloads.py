@@ -1,8 +1,9 @@
-"""Downloading a batch's outputs: every output of every result line into `DIR/<custom_id>/<file>`.
+"""Downloading outputs: a batch's into `DIR/<custom_id>/<file>`, a job's into `DIR/<job>-<n>.<ext>`.
 
-Each file is fetched through the URL its result line carries (presigned when the results were
-read; `file://` for a local store), written to a temporary name, checked against the line's
-sha256 and only then renamed into place. A file already present with the right sha256 is kept,
+Each file is fetched through the URL its result line or job view carries (presigned when it was
+read; `file://` for a local store; the API's `/v1/jobs/{id}/outputs/{n}`, sent with the key, for
+`kiln get --api`), written to a temporary name, checked against the recorded sha256 and only
+then renamed into place. A file already present with the right sha256 is kept,
 so an interrupted download resumes where it stopped. A bounded pool of threads fetches files
 concurrently over one shared connection pool.
 """
@@ -20,6 +21,7 @@ from urllib.parse import unquote, urlparse
 import httpx
 
 from kiln.tasks.contract.batches import BatchResult
+from kiln.tasks.contract.views import JobView
 
 DEFAULT_DOWNLOAD_WORKERS = 8
 CHUNK = 256 * 1024
@@ -60,6 +62,21 @@ def output_files(results: Iterable[BatchResult], folder: Path) -> list[OutputFil
         for output in result.outputs:
             name = output.key.rsplit("/", 1)[-1]
             files.append(OutputFile(output.url, folder / owner / name, output.sha256))
+    return files
+
+
+def job_output_files(
+    view: JobView, folder: Path, url_of: Callable[[int, str], str] | None = None
+) -> list[OutputFile]:
+    """The files of a job's outputs: `folder/<job id>-<n>.<ext>`, each from `url_of(n, url)`.
+
+    `url_of` picks where output n is fetched from (default: the URL its view carries).
+    """
+    files = []
+    for index, output in enumerate(view.outputs):
+        ext = output.key.rsplit(".", 1)[-1] if "." in output.key.rsplit("/", 1)[-1] else "bin"
+        url = output.url if url_of is None else url_of(index, output.url)
+        files.append(OutputFile(url, folder / f"{view.id}-{index}.{ext}", output.sha256))
     return files
 
 
@@ -113,11 +130,15 @@ def download_outputs(
     *,
     workers: int = DEFAULT_DOWNLOAD_WORKERS,
     on_done: Callable[[OutputFile, bool], None] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> DownloadReport:
-    """Download `files` with a pool of `workers` threads; every file is verified by sha256."""
+    """Download `files` with a pool of `workers` threads; every file is verified by sha256.
+
+    `headers` go with every request: an API key, only where every URL is the API's own.
+    """
     report = DownloadReport()
     limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
-    with httpx.Client(limits=limits, timeout=60.0) as http:
+    with httpx.Client(limits=limits, timeout=60.0, headers=headers) as http:
 
         def one(item: OutputFile) -> tuple[OutputFile, bool | Exception]:
             try:

@@ -33,6 +33,7 @@ from kiln.tasks.client.batch_downloads import (
     DEFAULT_DOWNLOAD_WORKERS,
     DownloadReport,
     download_outputs,
+    job_output_files,
     output_files,
 )
 from kiln.tasks.contract.backoff import doubling_delay
@@ -49,7 +50,9 @@ from kiln.tasks.contract.responses import (
     CancelResult,
     DrainResult,
     JobList,
+    NodeList,
     PipelineInfo,
+    PipelineList,
     PurgeResult,
     QueueControl,
     QueueList,
@@ -240,10 +243,11 @@ def preview_image(data: PreviewData, timeout: httpx.Timeout | float = 10.0) -> b
 class KilnClient:
     """A Kiln API session.
 
-    Jobs: `submit`, `get`, `wait`, `cancel`, `events`, `list`, `webhooks`, `pipeline`. Inputs:
-    `upload`. Batches: `submit_batch`, `get_batch`, `list_batches`, `cancel_batch`, `pause_batch`,
-    `resume_batch`, `retry_batch`, `batch_events`, `batch_results`, `download_batch_results`,
-    `wait_batch`. Operators: `queues`, `pause_queue`, `resume_queue`, `purge_queue`,
+    Jobs: `submit`, `get`, `wait`, `cancel`, `events`, `list`, `webhooks`, `pipeline`,
+    `pipelines`, `output_url`, `download_outputs`. Inputs: `upload`. Batches: `submit_batch`,
+    `get_batch`, `list_batches`, `cancel_batch`, `pause_batch`, `resume_batch`, `retry_batch`,
+    `batch_events`, `batch_results`, `download_batch_results`, `wait_batch`. Operators: `nodes`,
+    `queues`, `pause_queue`, `resume_queue`, `purge_queue`,
     `drain_node`, `undrain_node`.
     """
 
@@ -267,6 +271,11 @@ class KilnClient:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    @property
+    def base_url(self) -> str:
+        """The API's address, as given (no trailing slash)."""
+        return str(self._http.base_url).rstrip("/")
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -318,9 +327,29 @@ class KilnClient:
         clean = {k: v for k, v in params.items() if v is not None}
         return JobList.model_validate(self._call("GET", "/v1/jobs", params=clean).json())
 
+    def output_url(self, job_id: str, index: int) -> str:
+        """Where the API serves output `index` (0-based) of the job: `/v1/jobs/{id}/outputs/{n}`."""
+        return f"{self.base_url}/v1/jobs/{job_id}/outputs/{index}"
+
+    def download_outputs(
+        self, job_id: str, folder: str | Path, *, workers: int = DEFAULT_DOWNLOAD_WORKERS
+    ) -> DownloadReport:
+        """Fetch the job's outputs through the API into `folder/<job id>-<n>.<ext>`.
+
+        Each is verified against the sha256 its record names; files already there with it are
+        kept. A job with no outputs (not finished, or failed) fetches nothing.
+        """
+        view = self.get(job_id)
+        files = job_output_files(view, Path(folder), lambda n, _url: self.output_url(view.id, n))
+        return download_outputs(files, workers=workers, headers=dict(self._http.headers))
+
     def pipeline(self, name: str) -> PipelineInfo:
         """What a pipeline takes: its input schema (for `JobRequest.inputs`), limits, adapters."""
         return PipelineInfo.model_validate(self._call("GET", f"/v1/pipelines/{name}").json())
+
+    def pipelines(self) -> PipelineList:
+        """The pipelines the API accepts jobs for (configured or served by a live node)."""
+        return PipelineList.model_validate(self._call("GET", "/v1/pipelines").json())
 
     def webhooks(self, job_id: str) -> WebhookAttempts:
         """The job's webhook delivery attempts."""
@@ -384,6 +413,10 @@ class KilnClient:
             raise KilnConnectionError(f"events of {job_id}: {exc}") from exc
 
     # --- operator controls (admin keys) ------------------------------------------------------
+    def nodes(self) -> NodeList:
+        """Live nodes from their heartbeats, paused queues and pending drain requests."""
+        return NodeList.model_validate(self._call("GET", "/v1/nodes").json())
+
     def queues(self) -> QueueList:
         """Every queue with its queued jobs and whether it is paused."""
         return QueueList.model_validate(self._call("GET", "/v1/admin/queues").json())

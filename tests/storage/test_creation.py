@@ -142,7 +142,9 @@ def test_nodes_heartbeat(job_store: JobStore) -> None:
     deadline = time.monotonic() + 30
     while len(job_store.live_nodes()) > 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert job_store.live_nodes() == [{"pipelines": ["tiny"], "node_id": "node-1"}]
+    (node,) = job_store.live_nodes()
+    assert 0 < node.pop("heartbeat_at") <= time.time()  # when it was written
+    assert node == {"pipelines": ["tiny"], "node_id": "node-1"}
 
 
 def test_webhook_attempts_log(job_store: JobStore) -> None:
