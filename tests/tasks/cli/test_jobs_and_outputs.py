@@ -74,7 +74,8 @@ def test_jobs_lists_with_filters_and_pages(api: Api, remote: str | None) -> None
     assert table.returncode == 0, table.stderr
     for job in mine:
         assert job in table.stdout  # whole ids
-    assert "succeeded" in table.stdout and "queued" in table.stdout  # whole states
+    assert "succeeded" in table.stdout  # whole states
+    assert "queued" in table.stdout
     refused = kiln(api, "jobs", "--since", "yesterday", remote=remote)
     assert refused.returncode == 2
     assert refused.stderr.startswith("kiln: --since 'yesterday': an age such as 90m")
@@ -139,7 +140,8 @@ def test_status_at_80_columns_prints_whole_paths_and_speed_in_words(api: Api) ->
     assert f"output 0: {url}\n" in shown.stdout  # whole, on a line of its own
     words = " ".join(shown.stdout.replace("│", " ").split())
     assert "speed fast: 12 of 40 block calls skipped (first_block cache, threshold 0.1)" in words
-    assert "{" not in shown.stdout and "…" not in shown.stdout
+    assert "{" not in shown.stdout
+    assert "…" not in shown.stdout
 
 
 @pytest.mark.parametrize("remote", [None, "admin"])
@@ -149,7 +151,8 @@ def test_admin_nodes_lists_live_nodes(api: Api, remote: str | None) -> None:
         {"pipelines": ["tiny", "tiny-video"], "jobs_running": 2, "draining": False},
         60,
     )
-    api.store.publish_node("n2", {"pipelines": ["default"], "jobs_running": 0, "draining": True}, 60)
+    draining = {"pipelines": ["default"], "jobs_running": 0, "draining": True}
+    api.store.publish_node("n2", draining, 60)
     shown = kiln(api, "admin", "nodes", remote=remote)
     assert shown.returncode == 0, shown.stderr
     rows = {line.split()[0]: line.split() for line in shown.stdout.splitlines()[2:]}
