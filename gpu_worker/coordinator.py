@@ -10,7 +10,8 @@ Threads: callers `submit()` from any thread; one dispatcher thread forms batches
 deadlines, and is the only thread that starts, kills and rebuilds the group (a rank's
 PR_SET_PDEATHSIG is tied to the thread that spawned it, so that thread lives as long as the
 coordinator); the group's monitor thread delivers rank 0's messages and deaths. User callbacks
-(`on_progress`, `should_stop`) run on the monitor thread, never under the coordinator's lock.
+(`on_progress`, `should_stop`) run on the monitor thread, `should_stop` and `on_start` also on the
+dispatcher thread as a batch takes a request; never under the coordinator's lock.
 """
 
 from __future__ import annotations
@@ -91,10 +92,13 @@ class Coordinator:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
+        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request; `max_run_seconds` counts from this call.
 
-        The future raises JobFailed (and subclasses), JobStopped or WorkerGroupDied.
+        `on_start` runs on the dispatcher thread as a batch takes the request, before the ranks
+        get it; False (or an exception) and the request does not run: its future raises
+        JobStopped. The future raises JobFailed (and subclasses), JobStopped or WorkerGroupDied.
         """
         future: Future[GenerationResult] = Future()
         if request.pipeline not in self.config.pipelines:
@@ -104,7 +108,13 @@ class Coordinator:
             )
             return future
         ticket = Ticket(
-            request, future, time.monotonic(), on_progress, should_stop, max_run_seconds
+            request,
+            future,
+            time.monotonic(),
+            on_progress,
+            should_stop,
+            max_run_seconds,
+            on_start=on_start,
         )
         with self._cond:
             if not self._started.is_set() or self._closing:

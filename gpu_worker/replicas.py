@@ -105,6 +105,7 @@ class Replicas:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
+        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request on the least busy group; the future is that group's."""
         request_id = request.request_id
@@ -119,7 +120,7 @@ class Replicas:
             self._where[request_id] = index
         try:
             future = self.coordinators[index].submit(
-                request, on_progress, should_stop, max_run_seconds
+                request, on_progress, should_stop, max_run_seconds, on_start
             )
         except BaseException:
             self._finished(index, request_id)

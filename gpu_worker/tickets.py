@@ -42,6 +42,8 @@ class Ticket:
     should_stop: Callable[[], bool] | None = None
     max_run_seconds: float | None = None
     stop_reason: StopReason | None = None
+    # the caller's word that the request starts now (False: it must not run after all)
+    on_start: Callable[[], bool] | None = None
 
     @property
     def deadline_at(self) -> float | None:
@@ -65,14 +67,31 @@ class Ticket:
     def begin_running(self) -> bool:
         """Mark the future running as the request leaves the queue for the group.
 
-        False when it must not run after all: its `should_stop` says stop (the future then fails
-        with JobStopped) or the caller cancelled the future.
+        False when it must not run after all: its `should_stop` says stop or its `on_start`
+        refuses the start (the future then fails with JobStopped), or the caller cancelled the
+        future. `on_start` runs last, once nothing else stands in the way.
         """
         if self.wants_stop():
             self.stop_reason = StopReason.STOPPED
             self.fail(JobStopped(f"request {self.request.request_id} stopped while queued"))
             return False
-        return self.future.set_running_or_notify_cancel()
+        if not self.future.set_running_or_notify_cancel():
+            return False
+        if not self.starts():
+            self.stop_reason = StopReason.STOPPED
+            self.fail(JobStopped(f"request {self.request.request_id} was refused its start"))
+            return False
+        return True
+
+    def starts(self) -> bool:
+        """Call on_start; a failing callback refuses the start (and is logged)."""
+        if self.on_start is None:
+            return True
+        try:
+            return bool(self.on_start())
+        except Exception:
+            logger.exception("on_start of request %s failed", self.request.request_id)
+            return False
 
     def report(self, progress: StepProgress) -> None:
         """Call on_progress; a failing callback is logged, never propagated."""

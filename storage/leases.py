@@ -18,6 +18,12 @@ def lease_ttl_ms(settings: StorageSettings) -> int:
     return max(1, int(settings.lease_ttl_s * 1000))
 
 
+# the progress stage of a queued job a node holds the lease of, until its group starts it
+# (storage/lua/hold.lua): {"stage": WAITING_IN_NODE, "node": <node id>, "position": <jobs the
+# node starts before it>}
+WAITING_IN_NODE = "waiting_in_node"
+
+
 def delivery_owner(node_id: str, delivery: str) -> str:
     """A lease owner: one per delivery on a node; its node id is what precedes the last '/'."""
     return f"{node_id}/{delivery}"
@@ -69,10 +75,13 @@ class LeaseOps(StoreBase):
         return _RENEWALS.get(reply, Renewal.LOST)
 
     @redis_boundary
-    def release_lease(self, job_id: str, lease_token: int) -> None:
-        """Give the lease up (no-op with a stale token); a running job is then reaped at once."""
+    def release_lease(self, job_id: str, lease_token: int) -> bool:
+        """Give the lease up; False with a stale token (nothing done).
+
+        A running job released is then reaped at once; a held queued job waits in no node.
+        """
         self._require_id(job_id)
-        self._run("release", self._lease_keys(job_id), [job_id, str(lease_token)])
+        return bool(self._run("release", self._lease_keys(job_id), [job_id, str(lease_token)]))
 
     @redis_boundary
     def lease_owner(self, job_id: str) -> str | None:

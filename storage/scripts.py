@@ -50,6 +50,7 @@ ScriptName = Literal[
     "create_many",
     "acquire",
     "acquire_start",
+    "hold",
     "renew",
     "release",
     "mark_published",

@@ -7,7 +7,7 @@ from typing import Any
 from kiln.common.states import JobState, edge_sources
 from kiln.storage.base import StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.leases import lease_ttl_ms
+from kiln.storage.leases import WAITING_IN_NODE, lease_ttl_ms
 from kiln.storage.records import JobRecord
 
 Q, R = JobState.QUEUED, JobState.RUNNING
@@ -108,6 +108,8 @@ class TransitionOps(StoreBase):
     ) -> JobRecord:
         """Queued → running (fenced): sets started_at, attempts + 1; the event names the node.
 
+        The start of a held job (`hold`) as its group takes it; its waiting progress is cleared.
+
         With `running_cap`, QuotaExceeded (nothing written) while the job's owner has that many
         running jobs already: checked and counted in the same step, so the cap holds across nodes.
         """
@@ -151,14 +153,43 @@ class TransitionOps(StoreBase):
         return int(token), self._record(job_id, reply)
 
     @redis_boundary
+    def hold(self, job_id: str, owner: str, node_id: str, position: int) -> tuple[int, JobRecord]:
+        """Lease the queued job for `owner`; it stays queued, waiting in node `node_id`.
+
+        Returns (token, record). Its progress becomes `waiting_in_node` at `position` (jobs the
+        node starts before it). Only the token's holder can start it (`start`). LeaseHeld
+        (another owner's live lease) or IllegalTransition (not queued, or its batch was asked to
+        stop) leave it as it was.
+        """
+        self._require_id(job_id)
+        k = self.keys
+        progress = {"stage": WAITING_IN_NODE, "node": node_id, "position": position}
+        args = [
+            job_id,
+            owner,
+            lease_ttl_ms(self.settings),
+            dumps(progress),
+            k.batch_prefix,
+            self.settings.event_stream_maxlen,
+        ]
+        keys = [k.job(job_id), k.events(job_id), k.lease(job_id)]
+        token, reply = self._run("hold", keys, args)
+        return int(token), self._record(job_id, reply)
+
+    @redis_boundary
     def set_progress(self, job_id: str, lease_token: int, progress: dict[str, Any]) -> None:
-        """Record progress of the running job (fenced) and append a `progress` event."""
+        """Record progress of a job whose lease the caller holds (fenced), with a `progress` event.
+
+        A running job's stages; a queued (held) job's `waiting_in_node` only, which a job started
+        meanwhile ignores.
+        """
         self._require_id(job_id)
         k, maxlen = self.keys, self.settings.event_stream_maxlen
+        waiting = "1" if progress.get("stage") == WAITING_IN_NODE else "0"
         self._run(
             "progress",
             [k.job(job_id), k.events(job_id)],
-            [job_id, str(lease_token), dumps(progress), maxlen],
+            [job_id, str(lease_token), dumps(progress), maxlen, waiting],
         )
 
     @redis_boundary

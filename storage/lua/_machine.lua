@@ -92,7 +92,8 @@ end
 
 local function enter_running(m, job, time, now_ms, payload)
   local attempts = redis.call('HINCRBY', m.job, 'attempts', 1)
-  redis.call('HSET', m.job, 'started_at', time)
+  -- what the job did before its start (waiting in a node: hold.lua) is over
+  redis.call('HSET', m.job, 'started_at', time, 'progress', 'null')
   local ttl = redis.call('PTTL', m.lease)
   redis.call('ZADD', m.running, now_ms + math.max(ttl, 0), job.id)
   redis.call('ZREM', m.unpublished, job.id)

@@ -1,8 +1,9 @@
 -- transition: move a job along one edge of the state machine (kiln/common/states.py), fenced by
 -- its lease. A pending cancel turns a retry into `canceled` when honor_cancel is '1' (the job
 -- would only be stopped again). Returns the record after the change as a flat HGETALL.
--- Errors: NOTFOUND, ILLEGAL (terminal, or not in a source state), STALE (fence), QUOTA (a move
--- into running while the job's owner has `running cap` running jobs already).
+-- Errors: NOTFOUND, ILLEGAL (terminal, or not in a source state, or a move into running of a job
+-- whose batch was asked to stop), STALE (fence), QUOTA (a move into running while the job's owner
+-- has `running cap` running jobs already).
 -- include: _machine
 -- KEYS[1] = job record (hash)
 -- KEYS[2] = job events (stream)
@@ -50,6 +51,11 @@ local job = load_job(m.job, job_id)
 if TERMINAL[job.state] then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target) end
 check_fence(job, fence, token)
 if not string.find(sources, ' ' .. job.state .. ' ', 1, true) then
+  raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
+end
+-- a job of a batch asked to stop never starts, held or not (acquire_start.lua, hold.lua)
+if target == S.running and job.batch ~= ''
+    and (redis.call('HGET', m.batch_prefix .. job.batch, 'stop') or '') ~= '' then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
 end
 if target == S.running and running_cap ~= '' and job.job_owner ~= ''

@@ -1,7 +1,12 @@
 """One attempt of a job whose lease a delivery of `run_job` holds (tasks/node/jobs.py).
 
-The attempt fetches the job's image inputs, has the node's group generate, encodes and uploads
-the outputs, and ends the job: succeeded; canceled, handed back or left to the lease's new holder
+The delivery holds the job still `queued` (waiting in the node: tasks/node/waiting.py). The
+attempt fetches the job's image inputs and hands the request to the node's group; the job starts
+(queued → running, fenced by the lease token, under its key's running cap and its start_by) only
+as the group's batch takes it (`_start`, on the coordinator's dispatcher thread). A job that never
+started here ends as its record says (canceled, expired, taken over) or goes back to its queue,
+its attempts untouched (`_not_started`). A started attempt encodes and uploads the outputs, and
+ends the job: succeeded; canceled, handed back or left to the lease's new holder
 when it was told to stop; failed, or re-queued for a retry while attempts are left. Every Redis
 write is fenced by the lease token and the outputs go to keys of the attempt's own, created never
 replaced (tasks/node/output_uploads.py), so an attempt that lost its lease never overwrites the
@@ -35,7 +40,7 @@ from kiln.tasks.node.image_inputs import (
     with_images,
 )
 from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
-from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome
+from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, describe_error
 from kiln.tasks.node.output_uploads import discard_outputs, encode_and_upload
 from kiln.tasks.node.previews import JobPreviews
 from kiln.tasks.node.progress_writer import PendingPreview, PendingProgress
@@ -70,6 +75,7 @@ class LeasedAttempt:
         self.notify = notify  # the job's webhook events (a no-op without a webhook)
         self.progress_webhooks = progress_webhooks
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
+        self.expired_here = False  # its start_by passed as its start came: `_start` expired it
         spec = record.request.get("preview") or {}
         preview_format = str(spec.get("format", DEFAULT_PREVIEW_FORMAT))
         self.previews = JobPreviews(node.objects, record.id, preview_format)
@@ -80,7 +86,10 @@ class LeasedAttempt:
         try:
             self._generate_and_store()
         except JobStopped:
-            self._stopped()
+            if self.tracked.started:
+                self._stopped()
+            else:
+                self._not_started()
         except GpuWorkerError as exc:
             if isinstance(exc, OutOfMemory):
                 self.node.metrics.count_oom(str(record.request.get("pipeline")))
@@ -180,10 +189,80 @@ class LeasedAttempt:
             on_progress=on_progress,
             should_stop=should_stop,
             max_run_seconds=float(max_run) if max_run else None,
+            on_start=self._start,
         )
         result = future.result()
         self._observe_compute(result, time.monotonic() - submitted, decoding_at)
         return result
+
+    def _start(self) -> bool:
+        """Queued → running as the group's batch takes the job: fenced by the lease, once.
+
+        Runs on the coordinator's dispatcher thread (one round trip). False, and the job does not
+        run here: its start_by passed (it is expired now), its key is at its running cap, it was
+        canceled or ended meanwhile, its batch was stopped, or the lease is another's;
+        `_not_started` then reads what became of it.
+        """
+        self.node.waiting.leave(self.job_id)
+        start_by = self.record.request.get("start_by")
+        try:
+            if start_by is not None and time.time() > float(start_by):
+                self.store.expire(self.job_id)
+                self.expired_here = True
+                log.info("job %s expired: not started by its start_by", self.job_id)
+                return False
+            cap = self.node.running_caps.cap(self.record.owner)
+            token, node_id = self.tracked.lease_token, self.node.node_id
+            self.record = self.store.start(self.job_id, token, node_id=node_id, running_cap=cap)
+        except (StorageError, ReplicasBehind) as exc:
+            log.info("job %s not started here: %s", self.job_id, exc)
+            return False
+        self.tracked.started = True
+        record = self.record
+        log.info(
+            "job %s started: attempt %d on %s",
+            self.job_id,
+            record.attempts,
+            record.request.get("pipeline"),
+        )
+        if record.started_at is not None:
+            self.node.metrics.observe_stage("queue", record.started_at - record.created_at)
+        self.node.progress.call_soon(self.job_id, lambda: self.notify("started"))
+        return True
+
+    def _not_started(self, error: dict[str, Any] | None = None) -> None:
+        """End a delivery whose job never started here, as its record now says.
+
+        Ended (canceled while it waited, expired at its start, ended elsewhere): that is the
+        outcome, nothing to write. Another's lease: left to them. Still this delivery's (a key
+        at its running cap, the node draining, a retryable failure before the start): the lease
+        goes and the job is published again, its attempts untouched (it never ran).
+        """
+        self.node.progress.discard(self.job_id)
+        record = self.store.get(self.job_id)
+        if record.state == JobState.CANCELED:
+            self.outcome = DeliveryOutcome(Delivery.CANCELED)
+            log.info("job %s canceled while it waited in the node", self.job_id)
+        elif record.state == JobState.EXPIRED:
+            self.outcome = DeliveryOutcome(Delivery.EXPIRED)
+            if self.expired_here:
+                self.notify("completed")
+        elif record.state != JobState.QUEUED:
+            self.outcome = DeliveryOutcome(Delivery.DROPPED)
+            log.info("job %s is %s already; this delivery leaves it", self.job_id, record.state)
+        elif not self.store.release_lease(self.job_id, self.tracked.lease_token):
+            self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
+            log.warning("job %s: lease lost while it waited in the node", self.job_id)
+        else:
+            handed_back = self.tracked.stop_reason == JobStopReason.HANDED_BACK
+            delay = 0.0 if handed_back else self.settings.lease_busy_delay_s
+            self.node.submitter.publish(record, countdown=delay)
+            self.outcome = DeliveryOutcome(Delivery.DEFERRED, error)
+            if handed_back:
+                why = "the node is draining"
+            else:
+                why = describe_error(error) if error else "its start was refused"
+            log.info("job %s not started here (%s); re-published", self.job_id, why)
 
     def _observe_compute(
         self, result: GenerationResult, total_s: float, decoding_at: list[float]
@@ -254,6 +333,9 @@ class LeasedAttempt:
 
     def _failed(self, error: dict[str, Any], *, retryable: bool) -> None:
         self.node.progress.settle(self.job_id)
+        if retryable and not self.tracked.started:
+            self._not_started(error)  # it never ran: back to its queue, no attempt spent
+            return
         token = self.tracked.lease_token
         attempts = self.record.attempts
         if retryable and attempts < self.settings.max_attempts:

@@ -3,8 +3,10 @@
 A delivery of a finished (or expired-away) job is dropped. A job leased by a live owner elsewhere
 is published again after `lease_busy_delay_s`; a running job whose lease is gone is reaped and
 taken over. A queued job past its `start_by`, out of attempts or over this node's limits is
-ended without running. Otherwise the node takes the lease and runs the job. Every write after
-that is fenced by the lease token, so a node that lost its lease can never overwrite the work of
+ended without running. Otherwise the node takes the lease and holds the job, still `queued`
+(waiting in the node, with its position there), until its group starts it (tasks/node/
+waiting.py; the start and its refusals: tasks/node/attempt.py). Every write after that is
+fenced by the lease token, so a node that lost its lease can never overwrite the work of
 the node that took over (the attempt itself: tasks/node/attempt.py). Each delivery is
 acknowledged once, whatever it did; the Celery state it ends in says what that was
 (tasks/node/outcomes.py: SUCCESS, FAILURE, REVOKED, RETRY).
@@ -25,8 +27,7 @@ from celery import Celery
 
 from kiln.common.logs import log_context
 from kiln.common.states import TERMINAL_STATES, JobState
-from kiln.storage.base import ReplicasBehind
-from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, QuotaExceeded
+from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld
 from kiln.storage.job_store import JobRecord
 from kiln.storage.leases import delivery_owner
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
@@ -160,12 +161,11 @@ class JobRunner:
         if self._held_back(record):
             return
         owner = delivery_owner(self.node.node_id, uuid.uuid4().hex[:8])
-        cap = self.node.running_caps.cap(record.owner)
+        waiting = self.node.waiting
         try:
-            # lease and start in one script: a refusal leaves the job as it was, nothing to release
-            token, record = self.store.acquire_and_start(
-                self.job_id, owner, node_id=self.node.node_id, running_cap=cap
-            )
+            # held, still queued: the group starts it when a batch takes it (attempt.py)
+            position = waiting.next_position()
+            token, record = self.store.hold(self.job_id, owner, self.node.node_id, position)
         except LeaseHeld:
             self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
             self.outcome = DeliveryOutcome(Delivery.DEFERRED)
@@ -177,33 +177,20 @@ class JobRunner:
             # (its producer was answered 503 and creates it again) or its record expired
             log.warning("run_job: job %s is gone; dropping", self.job_id)
             return
-        except QuotaExceeded as exc:
-            self._defer(record, f"{exc}")
-            return
-        except ReplicasBehind as exc:
-            # The start is not on a replica within the hold (docs/operations.md §15): nothing
-            # is computed, or a failover could undo the start and the job run twice. It comes
-            # back once its lease lapses (the start stands) or at once (the start was lost).
-            self._defer(record, f"its start is not on a replica: {exc}")
-            return
-        with log_context(attempt=record.attempts):
-            log.info(
-                "job %s started: attempt %d on %s",
-                self.job_id,
-                record.attempts,
-                record.request.get("pipeline"),
-            )
-            if record.started_at is not None:
-                self.node.metrics.observe_stage("queue", record.started_at - record.created_at)
-            self._notify("started")
-            with self.node.tracking(self.job_id, token) as tracked:
+        log.info("job %s held: waiting in the node at position %d", self.job_id, position)
+        with self.node.tracking(self.job_id, token) as tracked:
+            waiting.add(self.job_id, token)
+            try:
                 attempt = LeasedAttempt(
                     self.node, record, tracked, self._notify, progress_webhooks=bool(self.webhook)
                 )
-                self.outcome = attempt.run()
-            self.node.progress.settle(self.job_id)  # once more: a lost lease ends on no transition
-            if self.outcome.kind not in ENDED_WITH_A_TRANSITION:
-                self.store.release_lease(self.job_id, token)
+                with log_context(attempt=record.attempts + 1):
+                    self.outcome = attempt.run()
+            finally:
+                waiting.leave(self.job_id)  # a job that never started leaves the line too
+        self.node.progress.settle(self.job_id)  # once more: a lost lease ends on no transition
+        if self.outcome.kind not in ENDED_WITH_A_TRANSITION:
+            self.store.release_lease(self.job_id, token)
 
     def _held_back(self, record: JobRecord) -> bool:
         """A paused queue or an operator's drain: nothing starts here (tasks/node/controls.py)."""

@@ -152,7 +152,7 @@ class NodeMetrics:
 class GroupCollector(Collector):
     """The series read at scrape time: the node's running jobs and its coordinator's counters.
 
-    `jobs_running` counts the jobs the node holds the lease of; `coordinator` is the node's
+    `jobs_running` counts the jobs the node's group has started; `coordinator` is the node's
     (a test's fake may have no counters); `devices` labels the peak memory.
     """
 
@@ -168,7 +168,9 @@ class GroupCollector(Collector):
         """Jobs running now, then the coordinator's cumulative counters."""
         node_id = self._node_id
         running = GaugeMetricFamily(
-            "kiln_node_jobs_running", "Jobs this node holds the lease of.", labels=["node_id"]
+            "kiln_node_jobs_running",
+            "Jobs this node's group has started and not finished.",
+            labels=["node_id"],
         )
         running.add_metric([node_id], self._jobs_running())
         yield running

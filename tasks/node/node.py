@@ -39,6 +39,7 @@ from kiln.tasks.node.adapters import AdapterSources
 from kiln.tasks.node.held import HeldDeliveries
 from kiln.tasks.node.metrics import GroupCollector, NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
+from kiln.tasks.node.waiting import WaitingInNode
 from kiln.tasks.queue.quotas import RunningCaps
 from kiln.tasks.queue.submit import Publish, Submitter, celery_publisher
 
@@ -73,8 +74,12 @@ class GroupCoordinator(Protocol):
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
+        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
-        """Queue a request; the future holds its result or the reason it failed or stopped."""
+        """Queue a request; the future holds its result or the reason it failed or stopped.
+
+        `on_start` is asked as the group takes the request; False and it does not run.
+        """
         ...
 
     def pipeline_limits(self) -> Mapping[str, DeclaredLimits]:
@@ -92,13 +97,17 @@ class GroupCoordinator(Protocol):
 
 @dataclass
 class TrackedJob:
-    """A job this node holds the lease of; the heartbeat renews it until untracked."""
+    """A job this node holds the lease of; the heartbeat renews it until untracked.
+
+    Held first (still queued, waiting in the node: tasks/node/waiting.py), then started.
+    """
 
     job_id: str
     lease_token: int
     stop_reason: JobStopReason | None = None
     last_progress_at: float = field(default_factory=time.time)
     last_stage: str = ""
+    started: bool = False  # its group has started it (queued → running); until then it waits
 
 
 @dataclass
@@ -159,6 +168,7 @@ class Node:
         self.group_size = group_size or len(group.world())
         self.coordinator: GroupCoordinator = coordinator or node_coordinator(group, group_size)
         self.progress = ProgressWriter(self.store, settings.progress_interval_s)
+        self.waiting = WaitingInNode(self.node_id, self.progress)  # held, not started
         self.draining = threading.Event()
         self.held = HeldDeliveries()  # job messages this worker holds, for its heartbeat
         # operator controls: pauses and this node's drain request (tasks/node/controls.py)
@@ -172,7 +182,7 @@ class Node:
         scraped = GroupCollector(
             self.node_id,
             ",".join(group.devices),
-            lambda: len(self.tracked_jobs()),
+            lambda: len(self.running_jobs()),
             self.coordinator,
         )
         # served by `kiln worker` (tasks/node/metrics.py)
@@ -210,6 +220,10 @@ class Node:
         """A snapshot of the jobs this node holds."""
         with self._lock:
             return list(self._jobs.values())
+
+    def running_jobs(self) -> list[TrackedJob]:
+        """The jobs this node holds that its group has started."""
+        return [tracked for tracked in self.tracked_jobs() if tracked.started]
 
     def hand_back_all(self) -> None:
         """Ask every running job to stop at its next step and go back to the queue."""
@@ -257,9 +271,10 @@ class Node:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
+        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
         """Hand a request to the node's group (with replica groups: the least busy one)."""
-        return self.coordinator.submit(request, on_progress, should_stop, max_run_seconds)
+        return self.coordinator.submit(request, on_progress, should_stop, max_run_seconds, on_start)
 
     def adapters(self, stats: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
         """Per served pipeline, its LoRA adapters: available, loaded, fused (from `stats`)."""
@@ -267,7 +282,7 @@ class Node:
 
     def health(self) -> dict[str, object]:
         """What the heartbeat publishes about this node."""
-        jobs = self.tracked_jobs()
+        jobs = self.running_jobs()
         stats = self.coordinator.stats()
         return {
             "node_id": self.node_id,
@@ -279,6 +294,7 @@ class Node:
             "group_size": self.group_size,
             "max_batch": self.group_config.max_batch,  # sizes the batch windows (batches/fairness)
             "jobs_running": len(jobs),
+            "jobs_waiting": len(self.waiting),  # held, queued until the group starts them
             "last_progress_at": max((j.last_progress_at for j in jobs), default=None),
             "draining": self.draining.is_set(),
             # Sleep and warm-up (gpu_worker/sleep.py): idle memory released; (re)starting groups.

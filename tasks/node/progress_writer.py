@@ -115,6 +115,19 @@ class ProgressWriter:
         with self._lock:
             self._handed_over.setdefault(job_id, []).append(future)
 
+    def call_soon(self, job_id: str, call: Callable[[], None]) -> None:
+        """Run `call` for a job next on the ordered thread (`settle` waits for it).
+
+        For work a compute-path callback must not wait on (a webhook's enqueue at a job's start).
+        """
+        try:
+            future = self._ordered.submit(call)
+        except RuntimeError:  # stopped (the node is going down): run it here
+            call()
+            return
+        with self._lock:
+            self._handed_over.setdefault(job_id, []).append(future)
+
     def write_now(self, job_id: str, pending: PendingProgress) -> None:
         """Write a job's progress on the calling thread, superseding anything pending for it.
 

@@ -212,6 +212,13 @@ SCRIPT_ERRORS: list[tuple[str, Callable[[JobStore], object], type[StorageError]]
         lambda s: _running_quota(s, lambda s, i: s.acquire_and_start(i, WORKER, running_cap=1)),
         QuotaExceeded,
     ),
+    ("hold", lambda s: s.hold(_missing(), WORKER, "node-1", 0), JobNotFound),
+    ("hold", lambda s: s.hold(_held_by_another(s), WORKER, "node-1", 0), LeaseHeld),
+    (
+        "hold",
+        lambda s: s.hold(job_in_state(s, JobState.RUNNING)[0], WORKER, "node-1", 0),
+        IllegalTransition,
+    ),
     ("cancel", lambda s: s.cancel(_missing()), JobNotFound),
     ("create", _idempotency_conflict, IdempotencyConflict),
     ("create", lambda s: s.create_job(new_job(batch_id="no-such-batch")), BatchNotFound),

@@ -59,10 +59,18 @@ class FakeCoordinator:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
+        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
         del max_run_seconds  # the fake runs at once; no deadline can pass
-        self.requests.append(request)
         future: Future[GenerationResult] = Future()
+        # as the real one as a batch takes it: stopped, or refused its start, it never runs
+        if should_stop is not None and should_stop():
+            future.set_exception(JobStopped(f"request {request.request_id} stopped while queued"))
+            return future
+        if on_start is not None and not on_start():
+            future.set_exception(JobStopped(f"request {request.request_id} was refused its start"))
+            return future
+        self.requests.append(request)
         try:
             future.set_result(self._run(request, on_progress, should_stop))
         except BaseException as exc:  # the real coordinator hands every failure to the future

@@ -197,8 +197,11 @@ def test_the_running_cap_defers_a_start(make_node: NodeFactory) -> None:
     harness.store.start(first, token, node_id="other-node")  # key_a runs one elsewhere
     harness.deliver(second)
     record = harness.store.get(second)
-    assert (record.state, record.attempts) == (JobState.QUEUED, 0)
-    assert harness.event_types(second) == ["queued"]
+    # held, then refused at its start (the cap applies as the group takes it): still queued,
+    # no attempt spent, waiting in no node
+    assert (record.state, record.attempts, record.progress) == (JobState.QUEUED, 0, None)
+    assert harness.event_types(second) == ["queued", "progress"]
+    assert harness.coordinator.requests == []  # the group never ran it
     assert harness.store.lease_owner(second) is None  # released
     assert harness.published == [(second, QUEUE, harness.node.settings.lease_busy_delay_s)]
     harness.deliver(other)  # another key is not held up

@@ -20,8 +20,10 @@ from kiln.tasks.node.maintenance import renew_leases, watch_cancels
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from tests.tasks.node.conftest import QUEUE, STEPS, NodeFactory, NodeHarness, wait_until_expired
 
+# held first: still queued, its progress `waiting_in_node`; running once the group starts it;
 # progress: encoding, uploading; then the one output is announced before the end
-RAN = ["queued", "running", "progress", "progress", "output", "succeeded"]
+RAN = ["queued", "progress", "running", "progress", "progress", "output", "succeeded"]
+WAITING = {"stage": "waiting_in_node", "node": "node-under-test", "position": 0}
 
 
 def start_elsewhere(store: JobStore, job_id: str, owner: str = "other-node/1") -> int:
@@ -37,7 +39,8 @@ def test_a_queued_job_runs_and_succeeds_with_verified_outputs(harness: NodeHarne
     record = harness.store.get(job_id)
     assert (record.state, record.attempts, record.error) == (JobState.SUCCEEDED, 1, None)
     assert harness.event_types(job_id) == RAN
-    assert harness.events(job_id)[1].payload["node_id"] == "node-under-test"
+    assert harness.events(job_id)[1].payload == WAITING
+    assert harness.events(job_id)[2].payload["node_id"] == "node-under-test"
     (key,) = [o["key"] for o in record.outputs]
     assert re.fullmatch(rf"{job_id}/1-[0-9a-f]{{8}}/0\.png", key)  # the attempt's own folder
     assert harness.node.objects.head(record.outputs[0]["key"]) is not None
@@ -117,7 +120,8 @@ def test_delivered_while_running_after_the_lease_expired_is_reaped_and_taken_ove
     events = harness.events(job_id)
     assert [e.type for e in events] == ["queued", "running", "queued", *RAN[1:]]
     assert events[2].payload["reason"] == "lease_expired"
-    assert events[3].payload["node_id"] == "node-under-test"
+    assert events[3].payload == WAITING
+    assert events[4].payload["node_id"] == "node-under-test"
     assert len(harness.coordinator.requests) == 1
     assert harness.published == []  # run here and now, not re-published
 
@@ -182,7 +186,7 @@ def test_a_cancel_stops_the_job_at_its_next_step(harness: NodeHarness) -> None:
     record = harness.store.get(job_id)
     assert (record.state, record.attempts, record.outputs) == (JobState.CANCELED, 1, [])
     events = harness.events(job_id)
-    assert [e.type for e in events] == ["queued", "running", "canceled"]
+    assert [e.type for e in events] == ["queued", "progress", "running", "canceled"]
     assert events[-1].payload == {"reason": "requested"}
     assert harness.published == []
     assert harness.store.lease_owner(job_id) is None
@@ -198,7 +202,7 @@ def test_a_job_handed_back_at_drain_is_requeued_and_published(harness: NodeHarne
     assert record.error is not None
     assert (record.error["type"], record.error["retryable"]) == ("handed_back", True)
     events = harness.events(job_id)
-    assert [e.type for e in events] == ["queued", "running", "queued"]
+    assert [e.type for e in events] == ["queued", "progress", "running", "queued"]
     assert events[-1].payload["reason"] == "retry"
     assert harness.published == [(job_id, QUEUE, 0.0)]
     assert harness.store.lease_owner(job_id) is None
@@ -209,11 +213,17 @@ def test_a_delivery_during_the_drain_is_handed_back_at_once(harness: NodeHarness
     harness.node.draining.set()
     harness.deliver(job_id)
     record = harness.store.get(job_id)
-    assert (record.state, record.attempts) == (JobState.QUEUED, 1)
-    assert record.error is not None
-    assert record.error["type"] == "handed_back"
-    assert harness.event_types(job_id) == ["queued", "running", "queued"]
+    # held, never started: back in its queue with no attempt spent, waiting in no node
+    assert (record.state, record.attempts, record.error, record.progress) == (
+        JobState.QUEUED,
+        0,
+        None,
+        None,
+    )
+    assert harness.event_types(job_id) == ["queued", "progress"]
+    assert harness.coordinator.requests == []  # the group never ran it
     assert harness.published == [(job_id, QUEUE, 0.0)]
+    assert harness.store.lease_owner(job_id) is None
 
 
 def test_a_job_whose_lease_was_lost_is_left_to_the_new_holder(harness: NodeHarness) -> None:
@@ -232,7 +242,8 @@ def test_a_job_whose_lease_was_lost_is_left_to_the_new_holder(harness: NodeHarne
 
     record = harness.store.get(job_id)
     assert (record.state, record.attempts, record.outputs) == (JobState.RUNNING, 1, [])
-    assert harness.event_types(job_id) == ["queued", "running"]  # no write of ours after that
+    # no write of ours after that
+    assert harness.event_types(job_id) == ["queued", "progress", "running"]
     assert harness.published == []
     assert harness.store.lease_owner(job_id) == "other-node/1"
 
@@ -278,7 +289,7 @@ def test_a_retryable_failure_requeues_with_backoff(harness: NodeHarness) -> None
     assert (record.state, record.attempts) == (JobState.QUEUED, 1)
     assert record.error == {"type": "WorkerGroupDied", "message": "rank 1 died", "retryable": True}
     events = harness.events(job_id)
-    assert [e.type for e in events] == ["queued", "running", "queued"]
+    assert [e.type for e in events] == ["queued", "progress", "running", "queued"]
     assert events[-1].payload == {"reason": "retry", "error": record.error}
     ((published_id, queue, countdown),) = harness.published
     assert (published_id, queue) == (job_id, QUEUE)
@@ -298,7 +309,7 @@ def test_a_retryable_failure_on_the_last_attempt_fails_for_good(make_node: NodeF
     record = harness.store.get(job_id)
     assert (record.state, record.attempts) == (JobState.FAILED, 1)
     assert record.error == {"type": "WorkerGroupDied", "message": "rank 1 died", "retryable": False}
-    assert harness.event_types(job_id) == ["queued", "running", "failed"]
+    assert harness.event_types(job_id) == ["queued", "progress", "running", "failed"]
     assert harness.published == []
 
 
@@ -318,7 +329,7 @@ def test_a_non_retryable_failure_fails_the_job(
     record = harness.store.get(job_id)
     assert (record.state, record.attempts) == (JobState.FAILED, 1)
     assert record.error == {"type": expected, "message": str(error), "retryable": False}
-    assert harness.event_types(job_id) == ["queued", "running", "failed"]
+    assert harness.event_types(job_id) == ["queued", "progress", "running", "failed"]
     assert harness.published == []
     assert harness.store.lease_owner(job_id) is None
 
@@ -365,7 +376,7 @@ def test_run_job_is_registered_bound_to_its_node_on_that_app_only(
 
     record = harness.store.get(job_id)
     assert (record.state, record.attempts) == (JobState.SUCCEEDED, 1)
-    assert harness.events(job_id)[1].payload["node_id"] == harness.node.node_id
+    assert harness.events(job_id)[2].payload["node_id"] == harness.node.node_id
     assert len(harness.coordinator.requests) == 1
     other = make_celery_app(harness.node.settings, harness.node.storage_settings)
     try:

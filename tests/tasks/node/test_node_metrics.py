@@ -1,4 +1,4 @@
-"""A node's registry reads the node at scrape time: the jobs it holds the lease of, its pipelines.
+"""A node's registry reads the node at scrape time: the jobs its group started, its pipelines.
 
 The metrics receive what they read (a count, the pipelines, the coordinator), not the node, so
 `tasks.node.metrics` never imports `tasks.node.node` (tests/packaging/test_import_graph.py).
@@ -16,12 +16,15 @@ def jobs_running(harness: NodeHarness) -> float | None:
     )
 
 
-def test_the_running_gauge_counts_the_jobs_the_node_tracks(harness: NodeHarness) -> None:
+def test_the_running_gauge_counts_the_jobs_the_nodes_group_started(harness: NodeHarness) -> None:
     first, second = harness.submit(), harness.submit()
     assert jobs_running(harness) == 0
-    with harness.node.tracking(first, 1):
+    with harness.node.tracking(first, 1) as first_tracked:
+        assert jobs_running(harness) == 0  # held: waiting in the node, not running
+        first_tracked.started = True
         assert jobs_running(harness) == 1
-        with harness.node.tracking(second, 1):
+        with harness.node.tracking(second, 1) as second_tracked:
+            second_tracked.started = True
             assert jobs_running(harness) == 2
     assert jobs_running(harness) == 0
 
