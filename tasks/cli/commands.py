@@ -354,9 +354,7 @@ def job_table(view: JobView) -> Table:
     if view.waiting_for:
         table.add_row("waiting for", view.waiting_for)
     if view.progress:
-        table.add_row(
-            "progress", f"{view.progress.stage} {view.progress.step}/{view.progress.total}"
-        )
+        table.add_row("progress", view.progress.describe())
     if view.queue_position is not None:
         table.add_row("queue position", f"{view.queue_position} (jobs to start before it)")
     if view.estimated_start_s is not None:

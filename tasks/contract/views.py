@@ -23,13 +23,27 @@ class JobParameters(JobRequest):
 
 
 class Progress(BaseModel):
-    """Where a running job is."""
+    """Where a job is: a running one's stage, or where a queued one a node holds waits."""
 
     model_config = ConfigDict(extra="ignore")
 
-    stage: str = Field(description="queued|loading|denoising|decoding|encoding|uploading")
+    stage: str = Field(
+        description="waiting_in_node (queued: held by a node, not started yet)|loading|denoising|"
+        "decoding|encoding|uploading"
+    )
     step: int | None = None
     total: int | None = None
+    node: str | None = Field(default=None, description="waiting_in_node: the node holding it")
+    position: int | None = Field(
+        default=None, description="waiting_in_node: the jobs that node starts before it"
+    )
+
+    def describe(self) -> str:
+        """One line: `waiting in node N (2 ahead there)` or `denoising 3/20`."""
+        if self.node is not None:
+            return f"waiting in node {self.node} ({self.position or 0} ahead there)"
+        steps = f" {self.step}/{self.total}" if self.total else ""
+        return f"{self.stage}{steps}"
 
 
 class OutputView(BaseModel):
