@@ -7,14 +7,17 @@ real API in a thread and the real Redis namespace and object store behind it: st
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kiln.storage.object_base import output_key
+from kiln.tasks.cli.main import build_parser
 from kiln.tasks.contract.schemas import JobRequest
 from tests.tasks.helpers import Api, queued_job, start_job
 from tests.tasks.test_cli_batch import finish
@@ -208,3 +211,25 @@ def test_new_commands_refuse_a_bad_redis_url_in_one_line(api: Api, tmp_path: Pat
         assert done.returncode == 2, done.stderr
         assert len(done.stderr.splitlines()) == 1
         assert done.stderr.startswith("kiln: invalid setting KILN_REDIS_URL: ")
+
+
+def test_every_command_but_the_services_takes_json() -> None:
+    services = {"worker", "api", "demo"}  # they serve; they print no data
+    missing = []
+    for path, parser in _commands(build_parser(), ()):
+        options = {option for action in parser._actions for option in action.option_strings}
+        if path[0] not in services and "--json" not in options:
+            missing.append(" ".join(path))
+    assert missing == []
+
+
+def _commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...]
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every leaf command of `parser` with its words (`admin nodes`)."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        yield path, parser
+        return
+    for name, child in subparsers[0].choices.items():
+        yield from _commands(child, (*path, name))
