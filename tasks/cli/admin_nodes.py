@@ -8,7 +8,7 @@ from typing import Any
 from kiln.tasks.cli.consoles import stdout_console
 from kiln.tasks.cli.tables import age_text, fitting_table, whole_width
 
-COLUMNS = ("node", "pipelines", "state", "running", "held", "heartbeat")
+COLUMNS = ("node", "pipelines", "state", "running", "waiting", "heartbeat")
 
 
 def node_state(node: dict[str, Any], drain_requests: list[str]) -> str:
@@ -25,15 +25,15 @@ def node_state(node: dict[str, Any], drain_requests: list[str]) -> str:
 
 
 def node_row(node: dict[str, Any], drain_requests: list[str], now: float) -> tuple[str, ...]:
-    """One node's row: id, pipelines, state, jobs running and held, age of its heartbeat."""
+    """One node's row: id, pipelines, state, jobs running and waiting in it, heartbeat's age."""
     beat = node.get("heartbeat_at")
-    held = node.get("jobs_held", node.get("jobs_waiting"))
+    waiting = node.get("jobs_waiting")  # held for its group, not started yet
     return (
         str(node.get("node_id", "?")),
         ", ".join(str(name) for name in node.get("pipelines", [])) or "-",
         node_state(node, drain_requests),
         str(node.get("jobs_running", 0)),
-        "-" if held is None else str(held),
+        "-" if waiting is None else str(waiting),
         "-" if not isinstance(beat, int | float) else f"{age_text(now - beat)} ago",
     )
 
