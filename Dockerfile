@@ -9,7 +9,10 @@
 #             --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
 # The checkout is turned into a wheel once (builder); the runtime stages install that wheel and
-# nothing else of the source tree, so a container never installs anything when it starts. They run
+# nothing else of the source tree, so a container never installs anything when it starts. Every
+# other package comes from the lock of its image (deploy/lock/: slim.txt, flower.txt, worker.txt,
+# the versions `make test` ran on, each file checked against its hash, `--no-deps` so nothing
+# outside the lock comes in); torch alone is the worker's own, from TORCH_INDEX_URL. They run
 # as the unprivileged user `kiln` with `kiln` itself as PID 1 (exec-form ENTRYPOINT): SIGTERM
 # reaches Celery's and uvicorn's own handlers, and a node drains (docs/operations.md §4).
 
@@ -20,6 +23,9 @@ FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
+# The build backend (setuptools, wheel) from the lock too: no unpinned build environment.
+COPY deploy/lock/slim.txt /tmp/lock.txt
+RUN pip install --require-hashes --no-deps -r /tmp/lock.txt
 COPY pyproject.toml README.md ./
 # kiln/ holds links to the three top-level folders: copy them side by side so the links resolve;
 # the wheel then carries kiln/tasks, kiln/gpu_worker and kiln/storage as real files.
@@ -27,7 +33,7 @@ COPY kiln/ kiln/
 COPY tasks/ tasks/
 COPY gpu_worker/ gpu_worker/
 COPY storage/ storage/
-RUN pip wheel --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels .
 
 # ---- runtime: what every image shares ------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -46,13 +52,16 @@ WORKDIR /home/kiln
 
 # ---- slim: API, webhook workers, CLI (no torch) --------------------------------------------
 FROM runtime AS slim
+COPY deploy/lock/slim.txt /tmp/lock.txt
 COPY --from=builder /wheels/ /tmp/wheels/
 # The wheel's file name carries the version: take whichever the builder made. DL3013 (pin pip
 # versions) is about registry names; this is the builder's wheel file, pinned by construction.
 # hadolint ignore=DL3013
-RUN set -- /tmp/wheels/kiln-*.whl \
-    && pip install "$1" \
-    && rm -rf /tmp/wheels
+RUN set -- /tmp/wheels/kiln_queue-*.whl \
+    && pip install --require-hashes --no-deps -r /tmp/lock.txt \
+    && pip install --no-deps "$1" \
+    && pip check \
+    && rm -rf /tmp/wheels /tmp/lock.txt
 USER 10001:10001
 # Inside a container the API listens on every interface (the host decides what is published).
 ENV KILN_API_HOST=0.0.0.0
@@ -66,9 +75,11 @@ CMD ["api"]
 
 # ---- flower: Celery's monitor on Kiln's app ------------------------------------------------
 FROM slim AS flower
-ARG FLOWER_VERSION=2.2.0
 USER 0:0
-RUN pip install "flower==${FLOWER_VERSION}"
+COPY deploy/lock/flower.txt /tmp/lock.txt
+RUN pip install --require-hashes --no-deps -r /tmp/lock.txt \
+    && pip check \
+    && rm /tmp/lock.txt
 USER 10001:10001
 # Flower reads its options from FLOWER_* variables; the healthcheck reads the same port.
 ENV FLOWER_PORT=5555
@@ -85,16 +96,19 @@ FROM runtime AS worker
 # PyTorch's wheel index for the CUDA version the hosts' drivers support (cu126, cu128, ...).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG TORCH_VERSION=2.13.0
-# torch first, in its own layer (gigabytes; rebuilt only when these arguments change), so that
-# kiln[worker] finds it satisfied and never pulls another build. Its CUDA runtime comes as wheels;
+# torch first, in its own layer (gigabytes; rebuilt only when these arguments change); the lock
+# leaves it out, so nothing pulls another build. Its CUDA runtime comes as wheels;
 # the NVIDIA container toolkit supplies the driver.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+COPY deploy/lock/worker.txt /tmp/lock.txt
 COPY --from=builder /wheels/ /tmp/wheels/
-# DL3013: the builder's wheel file again (its extra's dependencies follow pyproject.toml's ranges).
+# DL3013: the builder's wheel file again; its extra's dependencies are the lock's.
 # hadolint ignore=DL3013
-RUN set -- /tmp/wheels/kiln-*.whl \
-    && pip install "$1[worker]" \
-    && rm -rf /tmp/wheels
+RUN set -- /tmp/wheels/kiln_queue-*.whl \
+    && pip install --require-hashes --no-deps -r /tmp/lock.txt \
+    && pip install --no-deps "$1" \
+    && pip check \
+    && rm -rf /tmp/wheels /tmp/lock.txt
 USER 10001:10001
 # Kiln's model cache and the Hugging Face hub cache both live under /models: mount a volume
 # there so a restart neither rebuilds nor downloads them again.

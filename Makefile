@@ -1,6 +1,7 @@
 # Kiln — the two commands: `make demo` and `make test`. Both set themselves up on a fresh machine.
+SHELL := /bin/bash
 PYTHON ?= python3.11
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch lies on local disk here. GPU users: see README ("GPU install").
 TORCH_SPEC ?= torch==2.13.0
@@ -11,21 +12,51 @@ PYTEST_ARGS ?=
 # the suite's order (tests/conftest.py puts the long ones first), not by how many tests they hold.
 PYTEST_WORKERS ?= 3
 XDIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# What `make setup` installs: every version pinned, with its hashes (`make lock` writes it from
+# pyproject.toml's ranges). LOCKED=0 installs the newest versions the ranges allow instead
+# (`make test-latest`).
+LOCK := deploy/lock/dev.txt
+LOCKED ?= 1
 
-.PHONY: setup test test-slow test-soak test-failover lint demo clean
+.PHONY: setup lock test test-latest test-slow test-soak test-failover lint demo clean
 
-setup: .make/installed
+setup: $(VENV)/.installed
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 
-# Re-installs only when pyproject.toml changes; torch first so nothing pulls another build.
-.make/installed: pyproject.toml | $(BIN)/python
-	@mkdir -p .make
+# Re-installs only when pyproject.toml or the lock changes. torch first (it is left out of the
+# lock: the CPU build here, the CUDA build on a GPU machine), then the lock with --no-deps, so
+# nothing outside it is installed and every file is checked against its hash; then Kiln itself.
+# (A venv from before the distribution was renamed holds it as `kiln`: that one goes.)
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip uninstall -q -y kiln 2>/dev/null || true
+ifeq ($(LOCKED),1)
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
+else
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+	@echo "newest in range, where not the locked version ($(LOCK)):"
+	@norm() { tr 'A-Z_' 'a-z-' | grep -oE '^[a-z0-9.-]+==[^ ;\\]+' | sort; }; \
+		comm -23 <($(BIN)/pip freeze --exclude-editable | norm) <(norm < $(LOCK)) | sed 's/^/  /'
+endif
 	@touch $@
+
+# Writes deploy/lock/ from pyproject.toml's ranges: dev.txt (make setup, CI: every extra), and
+# for the Dockerfile's images slim.txt (API, webhooks), flower.txt and worker.txt (a node), those
+# three held to dev.txt's versions. Resolved against the CPU build of torch (deploy/lock/torch-cpu.txt,
+# on local disk here; elsewhere add PyTorch's CPU wheel index with PIP_EXTRA_INDEX_URL).
+PIP_COMPILE = $(BIN)/pip-compile -q --generate-hashes --strip-extras --all-build-deps \
+	--no-emit-index-url --no-emit-find-links --unsafe-package torch --unsafe-package kiln-queue
+lock: setup
+	$(PIP_COMPILE) --upgrade --all-extras -c deploy/lock/torch-cpu.txt -o $(LOCK) pyproject.toml
+	$(PIP_COMPILE) --upgrade -c $(LOCK) -o deploy/lock/slim.txt pyproject.toml
+	$(PIP_COMPILE) --upgrade --extra flower -c $(LOCK) -o deploy/lock/flower.txt pyproject.toml
+	$(PIP_COMPILE) --upgrade --extra worker -c $(LOCK) -c deploy/lock/torch-cpu.txt \
+		-o deploy/lock/worker.txt pyproject.toml
 
 lint: setup
 	$(BIN)/ruff check .
@@ -50,6 +81,13 @@ test: lint
 	@.ci/ensure-chromium  # the browser test's Chromium (Debian's), installed if missing
 	@$(COLD_CACHES); set -x; $(BIN)/pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
+# The same suite on the newest versions pyproject.toml's ranges allow, in its own venv (.venv-latest,
+# made anew each time): how the next release that breaks Kiln is found on purpose, not by a
+# newcomer's fresh clone. It prints which versions differ from the lock first.
+test-latest:
+	rm -rf .venv-latest
+	$(MAKE) test VENV=.venv-latest LOCKED=0
+
 # The tests marked `slow`: processes killed mid-job, Redis restarted and failed over, compiles,
 # cold starts (each tens of seconds). CI runs them after `make test`.
 test-slow: setup
@@ -69,4 +107,4 @@ demo: setup
 	$(BIN)/kiln demo
 
 clean:
-	rm -rf $(VENV) .make .mypy_cache .ruff_cache .pytest_cache kiln-outputs
+	rm -rf $(VENV) .venv-latest .make .mypy_cache .ruff_cache .pytest_cache kiln-outputs

@@ -213,17 +213,21 @@ def _retry(settings: StorageSettings, retries: int) -> Retry:
     return Retry(_BACKOFF, retries)
 
 
-def redis_client(settings: StorageSettings, *, retries: int = _RETRIES) -> redis.Redis[str]:
+def redis_client(
+    settings: StorageSettings, *, retries: int = _RETRIES, protocol: int | None = None
+) -> redis.Redis[str]:
     """A client for Kiln's Redis as the stores expect it (str replies, short retries).
 
     With `redis_sentinels`, a client of the primary the Sentinels name: after a failover its
     connections reconnect to the new primary (a write in flight fails as StorageUnavailable).
+    `protocol` None is redis-py's default (RESP3, opened with HELLO); 2 speaks RESP2 only.
     """
     options = {
         # bounded, so a flood of clients fails fast instead of opening Redis connections unbounded
         "max_connections": settings.redis_max_connections,
         "retry": _retry(settings, retries),
         **_client_options(settings),
+        **({} if protocol is None else {"protocol": protocol}),
     }
     if not settings.redis_sentinels:
         return redis.Redis.from_url(settings.redis_url, **options)
@@ -313,9 +317,11 @@ def require_supported_redis(settings: StorageSettings) -> None:
 
     What long-running commands (`kiln api`, `kiln worker`, `kiln demo`) check at start. Only a
     version read and found too old stops them: a Redis that does not answer yet, or an ACL user
-    not allowed INFO, starts the command as it would without the check.
+    not allowed INFO, starts the command as it would without the check. It asks in RESP2, which
+    every Redis speaks: redis-py opens a default connection with `HELLO 3`, and on a server older
+    than 6.0 (no HELLO) falls back to RESP2 with a multi-line warning of its own on stderr.
     """
-    client = redis_client(settings, retries=0)
+    client = redis_client(settings, retries=0, protocol=2)
     try:
         version = redis_version(client)
     except redis.exceptions.RedisError:

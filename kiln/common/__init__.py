@@ -3,7 +3,8 @@
 `kiln.tasks`, `kiln.gpu_worker` and `kiln.storage` may all import it (pyproject.toml's import
 contracts say so), so each fact here has one home: the job and batch states (`states`), the
 request's ranges, fields and output formats (`request`), the tiny pipelines' limits (`limits`),
-content types and upload references (`media`), the defaults the CLI, the worker options and the
+content types and upload references (`media`), the distribution's name and extras
+(`distribution`), the defaults the CLI, the worker options and the
 group's config share (`defaults`), and the log line formats (`logs`). Standard library and
 pydantic-free except `logs`, which needs python-json-logger.
 """

