@@ -147,7 +147,8 @@ def show_batch_list(json_output: bool, page: BatchList) -> None:
 
 def batch_table(view: BatchView) -> Table:
     """A human view of one batch."""
-    table = Table(title=f"batch {view.id}", show_header=False)
+    title = f"batch {view.id}"
+    table = Table(title=title, show_header=False, min_width=len(title))  # the id never wraps
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")  # wrapped when narrow, never cut short
     table.add_row("status", view.status + (f" ({view.outcome})" if view.outcome else ""))

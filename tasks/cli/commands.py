@@ -347,7 +347,8 @@ def _show(args: argparse.Namespace, views: list[JobView], ids_only: bool = False
 
 def job_table(view: JobView) -> Table:
     """A human view of one job (its outputs' URLs are printed whole below it, not in it)."""
-    table = Table(title=f"job {view.id}", show_header=False)
+    title = f"job {view.id}"
+    table = Table(title=title, show_header=False, min_width=len(title))  # the id never wraps
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")  # wrapped when narrow, never cut short
     table.add_row("status", view.status)

@@ -35,6 +35,7 @@ from kiln.tasks.cli.embedded import (
 )
 from kiln.tasks.cli.previews import follow_previews
 from kiln.tasks.cli.progress import wait_for_jobs
+from kiln.tasks.cli.tables import fitting_table
 from kiln.tasks.contract.schemas import JobRequest, PreviewRequest
 from kiln.tasks.contract.views import JobView
 
@@ -195,9 +196,10 @@ def _wait_for_node(api_url: str, console: Console, children: ChildWatch) -> None
 
 def results_table(views: list[JobView]) -> Table:
     """The demo's final table: one row per job, its timings and output count."""
-    table = Table(title="kiln demo — jobs")
-    for column in ("job", "pipeline", "status", "queue s", "run s", "encode s", "upload s", "outs"):
-        table.add_column(column, no_wrap=True)
+    # a unique prefix of each id (any command takes it) and whole states; timings wrap if need be
+    columns = ("job", "pipeline", "status", "queue s", "run s", "encode s", "upload s", "outs")
+    table = fitting_table(*columns, whole=("job", "status"))
+    table.title = "kiln demo — jobs"
     for view in views:
         m = view.metrics
         timings = (m.queue_s, m.run_s, m.encode_s, m.upload_s)

@@ -15,9 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from kiln.storage.object_base import output_key
+from kiln.tasks.cli.demo import results_table
 from kiln.tasks.cli.main import build_parser
+from kiln.tasks.client import KilnClient
 from kiln.tasks.contract.schemas import JobRequest
 from tests.tasks.helpers import Api, queued_job, start_job
 from tests.tasks.test_cli_batch import finish
@@ -198,6 +201,12 @@ def test_every_command_that_prints_data_prints_json(api: Api, tmp_path: Path) ->
     batch_id = json.loads(submitted.stdout)["id"]
     status = kiln(api, "batch", "status", batch_id, "--json")
     assert json.loads(status.stdout)["id"] == batch_id
+    table = kiln(api, "batch", "status", batch_id)  # at 80 columns, a narrow table
+    assert f"batch {batch_id}\n" in table.stdout  # its title whole, on one line
+    listed = kiln(api, "batch", "list")
+    assert batch_id in listed.stdout
+    assert "running" in listed.stdout
+    assert "…" not in listed.stdout
     results = kiln(api, "batch", "results", batch_id, "--json")
     assert results.returncode == 0, results.stderr
     for line in results.stdout.splitlines():  # JSON lines
@@ -233,3 +242,15 @@ def _commands(
         return
     for name, child in subparsers[0].choices.items():
         yield from _commands(child, (*path, name))
+
+
+def test_the_demo_table_keeps_states_whole_at_80_columns(api: Api) -> None:
+    job_id = job_for(api, "tiny-video")
+    finish(api, job_id)
+    with KilnClient(api.url, api.keys["alice"]) as client:
+        view = client.get(job_id)
+    console = Console(width=80, record=True)
+    console.print(results_table([view, view]))
+    drawn = console.export_text()
+    assert drawn.count("succeeded") == 2
+    assert "…" not in drawn
