@@ -44,9 +44,8 @@ def start_kiln(api: Api, *args: str, remote: str | None = None) -> subprocess.Po
     )
 
 
-def job_reads(api: Api) -> Iterator[str]:
-    """Ids of the jobs whose records are read (HGETALL) in the API's namespace, as they are."""
-    prefix = api.store.keys.job("")
+def record_reads(api: Api, prefix: str) -> Iterator[str]:
+    """Ids of the records under `prefix` read (HGETALL) in the API's namespace, as they are."""
     client = redis.Redis.from_url(api.storage_settings.redis_url, socket_timeout=COMMAND_S)
     with client.monitor() as monitor:
         for command in monitor.listen():
@@ -55,15 +54,20 @@ def job_reads(api: Api) -> Iterator[str]:
                 yield words[1].removeprefix(prefix)
 
 
-def polled_job(api: Api, job_id: str | None = None) -> str:
-    """The job (`job_id`, or any) once its record was read READS_IN_THE_WAIT times."""
+def polled(api: Api, prefix: str, record_id: str | None = None) -> str:
+    """The record (`record_id`, or any) under `prefix` once read READS_IN_THE_WAIT times."""
     counts: dict[str, int] = {}
-    for read in job_reads(api):
-        if job_id is None or read == job_id:
+    for read in record_reads(api, prefix):
+        if record_id is None or read == record_id:
             counts[read] = counts.get(read, 0) + 1
             if counts[read] >= READS_IN_THE_WAIT:
                 return read
     raise AssertionError("the monitor ended")
+
+
+def polled_job(api: Api, job_id: str | None = None) -> str:
+    """The job (`job_id`, or any) once the wait is seen reading it."""
+    return polled(api, api.store.keys.job(""), job_id)
 
 
 def interrupted(process: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -104,6 +108,24 @@ def test_ctrl_c_in_wait_names_every_job(api: Api) -> None:
     assert err == (
         f"kiln: stopped waiting; jobs {first} {second} go on — follow with: "
         f"kiln wait {first} {second}\n"
+    )
+
+
+def test_ctrl_c_in_batch_wait_names_the_batch(api: Api, tmp_path: Path) -> None:
+    path = tmp_path / "b.jsonl"
+    path.write_text(json.dumps({**LINE, "custom_id": "a"}) + "\n")
+    submitted = kiln(api, "batch", "submit", str(path), "--pipeline", "tiny")
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = submitted.stdout.strip()
+    process = start_kiln(api, "batch", "wait", batch_id[:8])
+    try:
+        polled(api, api.store.keys.batch(""), batch_id)
+        code, _, err = interrupted(process)
+    finally:
+        process.kill()
+    assert code == EXIT_INTERRUPTED
+    assert err.splitlines()[-1] == (
+        f"kiln: stopped waiting; batch {batch_id} goes on — follow with: kiln batch wait {batch_id}"
     )
 
 
