@@ -22,6 +22,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
 from kiln.tasks.api.app import create_app
@@ -47,6 +48,7 @@ CHROMIUM_FLAGS = (
 )
 STEPS = 6  # a preview at every step: up to 6 previews of the one job
 QUEUE = "interactive.tiny"
+PAINTED = "python:tests.e2e.painted_pipelines:painted"
 JOB_TIMEOUT_S = 180.0
 
 pytestmark = pytest.mark.skipif(
@@ -57,9 +59,21 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def cluster(module_cluster_factory: Callable[..., Cluster]) -> Cluster:
-    made = module_cluster_factory()
+def cluster(
+    module_cluster_factory: Callable[..., Cluster], tmp_path_factory: pytest.TempPathFactory
+) -> Cluster:
+    # the default store, a local folder: a page cannot open its file:// paths, only the API's route
+    outputs = tmp_path_factory.mktemp("console-outputs")
+    made = module_cluster_factory(KILN_STORAGE_URL=f"file://{outputs}")
     made.start_worker("tiny", devices="cpu:1")
+    # a node of pipelines of your own: one that emits previews through the protocol's hook, one
+    # that cannot emit any
+    made.start_worker(
+        f"painted={PAINTED}",
+        "sleepy=python:tests.e2e.pipelines:sleepy",
+        devices="cpu:1",
+        extra_env={"KILN_TEST_STEP_SECONDS": "0.1"},
+    )
     return made
 
 
@@ -241,5 +255,155 @@ def test_a_job_submitted_from_the_page_shows_its_previews_and_its_output(
             in d.find_element(By.CSS_SELECTOR, f"#jobs-body tr[data-id='{job_id}']").text
         ),
     )
+    path = save_screenshot(browser, tmp_path)
+    assert path.stat().st_size > 0
+
+
+def hold_queue(cluster: Cluster, queue: str) -> None:
+    """Pause `queue` and wait until the node stops consuming it (the job waits for the page)."""
+    worker = cluster.workers[1]  # the node of the python: pipelines
+    controls.pause(cluster.store, queue, by="test_console")
+    wait_until(
+        lambda: worker.heartbeat() or {},
+        lambda beat: queue not in beat.get("consuming", [queue]),
+        what=f"{worker.node_id} not consuming {queue}",
+    )
+
+
+def submit_and_follow(browser: WebDriver, cluster: Cluster, queue: str) -> None:
+    """Submit the form while `queue` is held, once the page follows the job's events release it."""
+    hold_queue(cluster, queue)
+    browser.find_element(By.ID, "submit-job").click()
+    wait_for(
+        browser,
+        "the job's live event stream",
+        lambda d: (
+            d.find_element(By.ID, "watch").get_attribute("data-stream") == "live"
+            or shown(d, "submit-error")
+        ),
+    )
+    submit_error = browser.find_element(By.ID, "submit-error")
+    assert not submit_error.is_displayed(), submit_error.text
+    controls.resume(cluster.store, queue)
+
+
+def field_names(driver: WebDriver) -> set[str]:
+    return {
+        str(element.get_attribute("data-field") or element.get_attribute("name"))
+        for element in driver.find_elements(
+            By.CSS_SELECTOR, "#fields input, #fields select, #fields textarea"
+        )
+    }
+
+
+def choose(driver: WebDriver, pipeline: str, field: str) -> None:
+    """Pick `pipeline` and wait until its form shows `field`."""
+    Select(driver.find_element(By.ID, "pipeline")).select_by_value(pipeline)
+    wait_for(
+        driver,
+        f"the {pipeline} pipeline's fields",
+        lambda d: d.find_elements(By.CSS_SELECTOR, f"#fields [data-field={field}]"),
+    )
+
+
+def test_a_python_pipelines_form_previews_image_and_video_open_from_a_local_store(
+    api: Api, cluster: Cluster, browser: WebDriver, tmp_path: Path
+) -> None:
+    browser.get(f"{api.url}/console/")
+    wait_for(browser, "the key form", lambda d: shown(d, "auth"))
+    enter_key(browser, api.keys["alice"])
+    wait_for(
+        browser,
+        "the node's pipelines in the list",
+        lambda d: (
+            {"painted", "sleepy"}
+            <= {
+                o.get_attribute("value")
+                for o in d.find_elements(By.CSS_SELECTOR, "#pipeline option")
+            }
+        ),
+        timeout=60,
+    )
+    # a pipeline that cannot emit previews: the form offers none (its request would be a 422)
+    choose(browser, "sleepy", "num_frames")
+    wait_for(
+        browser,
+        "no previews offered",
+        lambda d: not d.find_element(By.ID, "preview-on").is_enabled(),
+    )
+    assert browser.find_element(By.ID, "preview-none").is_displayed()
+
+    # the fields `painted` declares it honours, and no others (no guidance, no negative prompt)
+    choose(browser, "painted", "num_frames")
+    wait_for(
+        browser, "previews offered", lambda d: d.find_element(By.ID, "preview-on").is_enabled()
+    )
+    names = field_names(browser)
+    assert {"prompt", "width", "height", "steps", "seed", "num_frames", "num_outputs"} <= names
+    assert {"output_format", "fps"} <= names  # it makes videos: formats and frame rate
+    assert not {"guidance_scale", "negative_prompt"} & names
+    assert browser.find_element(By.ID, "preview-on").is_selected()
+
+    fill(browser, "#fields [data-field=prompt]", "a ramp of colour")
+    fill(browser, "#fields [data-field=width]", "96")
+    fill(browser, "#fields [data-field=height]", "64")
+    fill(browser, "#fields [data-field=steps]", str(STEPS))
+    fill(browser, "#fields [data-field=seed]", "11")
+    fill(browser, "#preview-every", "1")
+    submit_and_follow(browser, cluster, "interactive.painted")
+    wait_for(
+        browser,
+        "the painted image",
+        lambda d: loaded_images(d, "img.output") >= 1 or shown(d, "watch-error"),
+        timeout=JOB_TIMEOUT_S,
+    )
+    watch_error = browser.find_element(By.ID, "watch-error")
+    assert not watch_error.is_displayed(), watch_error.text
+    image_job = browser.find_element(By.ID, "watch-id").text
+    assert cluster.store.get(image_job).state == "succeeded"
+    previews = loaded_images(browser, "img.preview")
+    assert previews >= 2, f"{previews} previews of the painted pipeline shown"
+    size = browser.execute_script(
+        "const img = document.querySelector('img.output');"
+        "return [img.naturalWidth, img.naturalHeight, img.src];"
+    )
+    assert size[:2] == [96, 64]
+    assert size[2].startswith("blob:")  # fetched with the key through the outputs route
+    link = browser.find_element(By.CSS_SELECTOR, "#outputs a.download")
+    assert link.get_attribute("download") == f"{image_job}-0.png"
+    assert "file://" not in browser.find_element(By.ID, "outputs").text
+
+    # the same pipeline, a video: 9 frames of WebM, played in the page
+    fill(browser, "#fields [data-field=num_frames]", "9")
+    Select(
+        browser.find_element(By.CSS_SELECTOR, "#fields [data-field=output_format]")
+    ).select_by_visible_text("webm")
+    browser.find_element(By.ID, "preview-on").click()  # no previews this time
+    browser.find_element(By.ID, "submit-job").click()
+    wait_for(
+        browser,
+        "the video job on show",
+        lambda d: d.find_element(By.ID, "watch-id").text not in ("", image_job),
+    )
+    wait_for(
+        browser,
+        "the video playing",
+        lambda d: (
+            d.execute_script(
+                "const v = document.querySelector('video.output');"
+                "return v !== null && v.readyState >= 2 && v.videoWidth === 96;"
+            )
+            or shown(d, "watch-error")
+        ),
+        timeout=JOB_TIMEOUT_S,
+    )
+    watch_error = browser.find_element(By.ID, "watch-error")
+    assert not watch_error.is_displayed(), watch_error.text
+    video_job = browser.find_element(By.ID, "watch-id").text
+    record = cluster.store.get(video_job)
+    assert record.state == "succeeded"
+    assert record.outputs[0]["content_type"] == "video/webm"
+    assert record.outputs[0]["storage_url"].startswith("file://")
+    assert loaded_images(browser, "img.preview") == 0
     path = save_screenshot(browser, tmp_path)
     assert path.stat().st_size > 0

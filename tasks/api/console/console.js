@@ -11,16 +11,29 @@
   const MAX_PREVIEWS = 64; // thumbnails kept on the page; the oldest go first
   const MAX_WAIT_LOOKUPS = 5; // queued jobs whose expected start is looked up per refresh
   const PREVIEW_SIDE = 256; // a preview's longer side, unless the pipeline's limits take less
-  // Request fields the form always offers, used while no live node announces a schema.
-  const FALLBACK_FIELDS = {
-    prompt: { type: "string", minLength: 1, "x-kiln-field": "prompt" },
-    negative_prompt: { type: "string", "x-kiln-field": "negative_prompt" },
-    width: { type: "integer", minimum: 64, multipleOf: 8, "x-kiln-field": "width" },
-    height: { type: "integer", minimum: 64, multipleOf: 8, "x-kiln-field": "height" },
-    steps: { type: "integer", minimum: 1, "x-kiln-field": "steps" },
-    guidance_scale: { type: "number", minimum: 0, maximum: 50, "x-kiln-field": "guidance_scale" },
-    seed: { type: "integer", minimum: 0, "x-kiln-field": "seed" },
+  const IMAGE_FORMATS = ["png", "jpeg", "webp"];
+  const VIDEO_FORMATS = ["mp4", "webm", "gif"];
+  // Kiln's request fields as form fields (docs/contract.md §2), in the form's order. A pipeline's
+  // node announces which of them it honours (`fields` of GET /v1/pipelines/{name}, its
+  // `supported_fields()`); the form shows those, within the pipeline's limits.
+  const STANDARD_FIELDS = {
+    prompt: { type: "string", minLength: 1 },
+    negative_prompt: { type: "string" },
+    width: { type: "integer", minimum: 64, multipleOf: 8 },
+    height: { type: "integer", minimum: 64, multipleOf: 8 },
+    steps: { type: "integer", minimum: 1 },
+    guidance_scale: { type: "number", minimum: 0, maximum: 50 },
+    seed: { type: "integer", minimum: 0 },
+    num_frames: { type: "integer", minimum: 1 },
+    fps: { type: "integer", minimum: 1, maximum: 120 },
+    num_outputs: { type: "integer", minimum: 1, maximum: 16 },
+    output_format: { enum: IMAGE_FORMATS },
   };
+  // Offered whatever a pipeline declares: a job always has a prompt (the contract requires one),
+  // and the node encodes every output in the format asked.
+  const ALWAYS = new Set(["prompt", "output_format"]);
+  // Shown while no live node says which fields a pipeline honours (none is up yet).
+  const UNDECLARED = new Set(["prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed"]);
   const LONG_TEXT = new Set(["prompt", "negative_prompt"]);
 
   const $ = (id) => document.getElementById(id);
@@ -229,24 +242,58 @@
     }
     if (name !== $("pipeline").value) return; // another pipeline was chosen meanwhile
     const schema = info && info.inputs;
-    const properties = schema ? schema.properties || {} : FALLBACK_FIELDS;
-    const required = new Set((schema && schema.required) || ["prompt"]);
+    const properties = (schema && schema.properties) || {};
+    const limits = (info && info.limits) || {};
+    const required = new Set((schema && schema.required) || []);
+    required.add("prompt");
     if (info) {
-      showPreviewLimits(info.limits || {});
+      showPreviewLimits(info.previews !== false, limits);
       $("pipeline-info").textContent =
         info.live_nodes + " live node" + (info.live_nodes === 1 ? "" : "s") +
-        (schema ? "" : " (no schema announced yet: the request fields only)");
+        (Array.isArray(info.fields) ? "" : " (no node has announced its fields yet: the usual ones)");
     }
+    // the standard fields it honours, unless its schema has one under its own name already
+    const own = new Set(Object.values(properties).map((prop) => prop["x-kiln-field"]).filter(Boolean));
+    const standard = standardFields(info && Array.isArray(info.fields) ? info.fields : null, limits)
+      .filter(([field]) => !own.has(field));
     const names = Object.keys(properties).sort(
       (a, b) => Number(!LONG_TEXT.has(a)) - Number(!LONG_TEXT.has(b)),
     );
     $("fields").replaceChildren(
+      ...standard.map(([field, prop]) => fieldRow(field, prop, required.has(field))),
       ...names.map((field) => fieldRow(field, properties[field], required.has(field))),
     );
   }
 
-  // Previews within the pipeline's declared limits: no larger side, no shorter cadence.
-  function showPreviewLimits(limits) {
+  // [name, schema] of each request field the pipeline honours, its limits applied.
+  function standardFields(declared, limits) {
+    const honoured = declared === null ? UNDECLARED : new Set(declared);
+    const video = honoured.has("num_frames") && (limits.max_frames || 2) > 1;
+    const shown = (field) =>
+      ALWAYS.has(field) || honoured.has(field) || (field === "fps" && video);
+    return Object.keys(STANDARD_FIELDS).filter(shown).map((field) => {
+      const prop = { ...STANDARD_FIELDS[field], "x-kiln-field": field };
+      const multiple = limits.size_multiple || 8;
+      if (field === "width" || field === "height") {
+        prop.multipleOf = multiple;
+        prop.minimum = Math.ceil(64 / multiple) * multiple;
+        const most = limits[field === "width" ? "max_width" : "max_height"];
+        if (most) prop.maximum = most;
+      } else if (field === "steps" && limits.max_steps) {
+        prop.maximum = limits.max_steps;
+      } else if (field === "num_frames") {
+        if (limits.max_frames) prop.maximum = limits.max_frames;
+        if (limits.frame_step > 1) prop.multipleOf = limits.frame_step; // 1, 1 + step, ...
+      } else if (field === "output_format" && video) {
+        prop.enum = [...IMAGE_FORMATS, ...VIDEO_FORMATS];
+      }
+      return [field, prop];
+    });
+  }
+
+  // Previews within the pipeline's declared limits: no larger side, no shorter cadence; none for
+  // a pipeline that cannot emit them (its request would be refused).
+  function showPreviewLimits(previews, limits) {
     previewLimits = {
       side: Math.min(PREVIEW_SIDE, limits.max_preview_side || PREVIEW_SIDE),
       every: limits.min_preview_every_steps || 1,
@@ -254,6 +301,10 @@
     const every = $("preview-every");
     every.min = previewLimits.every;
     if ((parseInt(every.value, 10) || 1) < previewLimits.every) every.value = previewLimits.every;
+    const box = $("preview-on");
+    if (box.disabled !== !previews) box.checked = previews; // the user's choice, kept otherwise
+    box.disabled = !previews;
+    $("preview-none").hidden = previews;
   }
 
   function fieldRow(name, prop, required) {
@@ -311,7 +362,7 @@
       else request.inputs[input.name] = value;
     }
     if (Object.keys(request.inputs).length === 0) delete request.inputs;
-    if ($("preview-on").checked) {
+    if ($("preview-on").checked && !$("preview-on").disabled) {
       request.preview = {
         every_steps: parseInt($("preview-every").value, 10) || 1,
         max_side: previewLimits.side,
@@ -354,6 +405,8 @@
     $("watch-id").textContent = id;
     $("previews").replaceChildren();
     $("outputs").replaceChildren();
+    blobUrls.forEach((url) => URL.revokeObjectURL(url));
+    blobUrls = [];
     $("watch-error").hidden = true;
     showJobState(job);
     const onEvent = (type, data) => onJobEvent(id, type, data);
@@ -435,9 +488,10 @@
       $("watch-error").textContent = payload.error.type + ": " + payload.error.message;
       $("watch-error").hidden = false;
     }
-    // the view's URLs are presigned now; the event's outputs may be older or carry none
+    // the record lists the outputs now: each opens through the outputs route
     api("v1/jobs/" + encodeURIComponent(id)).then((job) => {
-      if (watching === id) job.outputs.forEach((output, index) => addOutput({ index, ...output }));
+      if (watching !== id) return;
+      job.outputs.forEach((output, index) => openOutput(id, { ...output, index }));
     }, () => {});
     refresh();
   }
@@ -462,38 +516,90 @@
     while (strip.children.length > MAX_PREVIEWS) strip.firstElementChild.remove();
   }
 
-  function addOutput(output) {
-    if (!output.url) return;
+  // Outputs open through GET /v1/jobs/{id}/outputs/{n}, which serves them from whichever store
+  // holds them (a local folder included). An <img> or <video> cannot send the key's
+  // `Authorization` header, and the key never goes in a URL: the page fetches each output with
+  // the header and shows it from a blob: URL (the download link is the same blob). An `output`
+  // event comes before the job's record lists its outputs: it shows a placeholder, filled once
+  // the job has succeeded.
+  let blobUrls = []; // the watched job's, revoked when another job is watched
+
+  function outputFigure(output) {
     const outputs = $("outputs");
-    const key = output.key || output.url;
-    if ([...outputs.children].some((child) => child.dataset.key === key)) return;
-    const figure = document.createElement("figure");
-    figure.dataset.key = key;
-    const type = output.content_type || "";
+    const key = output.key || String(output.index);
+    let figure = [...outputs.children].find((child) => child.dataset.key === key);
+    if (!figure) {
+      figure = document.createElement("figure");
+      figure.dataset.key = key;
+      const caption = document.createElement("figcaption");
+      caption.textContent = "output " + output.index + " stored; it opens when the job ends";
+      figure.append(caption);
+      outputs.append(figure);
+    }
+    return figure;
+  }
+
+  function addOutput(output) {
+    if (output.index === undefined || output.index === null) return;
+    outputFigure(output);
+  }
+
+  async function openOutput(jobId, output) {
+    const figure = outputFigure(output);
+    if (figure.dataset.state) return; // loading or shown already
+    figure.dataset.state = "loading";
+    const path = "v1/jobs/" + encodeURIComponent(jobId) + "/outputs/" + output.index;
+    let blob;
+    try {
+      const response = await fetch(apiUrl(path), { headers: authHeaders() });
+      if (!response.ok) {
+        const text = await response.text();
+        let body = null;
+        try { body = JSON.parse(text); } catch (_) { body = null; }
+        throw new ApiError(response.status, errorMessage(response.status, body, text));
+      }
+      blob = await response.blob();
+    } catch (error) {
+      figure.dataset.state = "failed";
+      figure.querySelector("figcaption").textContent = "output " + output.index + ": " + error.message;
+      return;
+    }
+    if (watching !== jobId) return; // another job is on show now
+    const url = URL.createObjectURL(blob);
+    blobUrls.push(url);
+    const type = output.content_type || blob.type || "";
     let media;
-    if (output.url.startsWith("file:")) {
-      media = document.createElement("code"); // a local store: a browser page cannot load it
-      media.textContent = output.url;
-    } else if (type.startsWith("video/")) {
+    if (type.startsWith("video/")) {
       media = document.createElement("video");
       media.controls = true;
       media.loop = true;
-      media.src = output.url;
+      media.muted = true;
+      media.autoplay = true;
     } else {
       media = document.createElement("img");
-      media.alt = "output " + (output.index ?? "");
-      media.src = output.url;
+      media.alt = "output " + output.index;
     }
+    media.src = url;
     media.classList.add("output");
-    const caption = document.createElement("figcaption");
+    media.dataset.index = output.index;
     const link = document.createElement("a");
-    link.href = output.url;
-    link.textContent = [type, output.width && output.width + "×" + output.height, output.bytes && output.bytes + " bytes"]
-      .filter(Boolean).join(", ");
-    link.rel = "noreferrer";
-    caption.append(link);
-    figure.append(media, caption);
-    outputs.append(figure);
+    link.href = url;
+    link.download = jobId + "-" + output.index + "." + extension(output, type);
+    link.className = "download";
+    link.textContent = "download";
+    const caption = document.createElement("figcaption");
+    const facts = [type, output.width && output.width + "×" + output.height,
+      output.frames > 1 && output.frames + " frames", output.bytes && output.bytes + " bytes"];
+    caption.append(facts.filter(Boolean).join(", ") + " · ", link);
+    figure.replaceChildren(media, caption);
+    figure.dataset.state = "shown";
+  }
+
+  function extension(output, type) {
+    const key = output.key || "";
+    const dot = key.lastIndexOf(".");
+    if (dot > key.lastIndexOf("/")) return key.slice(dot + 1);
+    return (type.split("/")[1] || "bin").replace("jpeg", "jpg");
   }
 
   // --- lists ---------------------------------------------------------------------------------
