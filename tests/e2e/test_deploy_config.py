@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
@@ -72,6 +73,7 @@ def test_presigned_urls_name_the_public_endpoint(s3_settings: StorageSettings) -
     assert httpx.get(outside.url(key), timeout=10).content == b"png bytes"
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 is this machine only on Linux")
 def test_a_node_serves_its_metrics_on_loopback_unless_told(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
