@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln.common.states import JobState, is_terminal
 from kiln.tasks.cli.exits import UsageError
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
 # a page of jobs, newest first, and the cursor of the next one (None: no more)
 JobPage = tuple[list[JobView], str | None]
+WHOLE = 1 << 62  # read to the end: an output recorded without its size
 
 
 class JobsBackend(Protocol):
@@ -123,10 +125,30 @@ class DirectBackend:
         return [job_view(record, self.objects) for record in records], next_cursor
 
     def download(self, view: JobView, folder: Path) -> DownloadReport:
-        """Fetch each output from the store its record names (a file, or a presigned URL)."""
+        """Read each output from the store its record names (a folder, or an S3 bucket)."""
         from kiln.tasks.client.batch_downloads import download_outputs, job_output_files
 
-        return download_outputs(job_output_files(view, folder))
+        outputs = self.store.get(view.id).outputs
+        return download_outputs(
+            job_output_files(view, folder, read_of=lambda n: self._reader(outputs[n]))
+        )
+
+    def _reader(self, output: dict[str, Any]) -> Callable[[], Iterator[bytes]]:
+        """A read of one output's bytes from its store; a store's failure as an OSError."""
+        from kiln.storage.errors import StorageError
+        from kiln.storage.objects import read_stream, store_named
+        from kiln.tasks.contract.views import OUTPUT_STORAGE_URL
+
+        def read() -> Iterator[bytes]:
+            try:
+                store = store_named(self.objects, output.get(OUTPUT_STORAGE_URL))
+                yield from read_stream(
+                    store, str(output["key"]), 0, int(output.get("bytes") or WHOLE)
+                )
+            except StorageError as exc:
+                raise OSError(str(exc)) from exc
+
+        return read
 
     def pipelines(self) -> list[str]:
         """What the submitter knows: configured pipelines and those live nodes announce."""

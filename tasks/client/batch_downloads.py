@@ -29,11 +29,16 @@ CHUNK = 256 * 1024
 
 @dataclass(frozen=True)
 class OutputFile:
-    """One output to download: where from, where to, and the sha256 it must have."""
+    """One output to download: where from, where to, and the sha256 it must have.
+
+    `read`, when given, yields the bytes instead of the URL (a store read directly: `kiln get`
+    without an API); it raises OSError when it cannot.
+    """
 
     url: str
     path: Path
     sha256: str
+    read: Callable[[], Iterable[bytes]] | None = None
 
 
 @dataclass
@@ -66,17 +71,22 @@ def output_files(results: Iterable[BatchResult], folder: Path) -> list[OutputFil
 
 
 def job_output_files(
-    view: JobView, folder: Path, url_of: Callable[[int, str], str] | None = None
+    view: JobView,
+    folder: Path,
+    url_of: Callable[[int, str], str] | None = None,
+    read_of: Callable[[int], Callable[[], Iterable[bytes]]] | None = None,
 ) -> list[OutputFile]:
-    """The files of a job's outputs: `folder/<job id>-<n>.<ext>`, each from `url_of(n, url)`.
+    """The files of a job's outputs: `folder/<job id>-<n>.<ext>`.
 
-    `url_of` picks where output n is fetched from (default: the URL its view carries).
+    Output n is fetched from `url_of(n, url)` (default: the URL its view carries), or read by
+    `read_of(n)` when that is given.
     """
     files = []
     for index, output in enumerate(view.outputs):
         ext = output.key.rsplit(".", 1)[-1] if "." in output.key.rsplit("/", 1)[-1] else "bin"
         url = output.url if url_of is None else url_of(index, output.url)
-        files.append(OutputFile(url, folder / f"{view.id}-{index}.{ext}", output.sha256))
+        read = None if read_of is None else read_of(index)
+        files.append(OutputFile(url, folder / f"{view.id}-{index}.{ext}", output.sha256, read))
     return files
 
 
@@ -91,10 +101,16 @@ def file_sha256(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def _fetch(http: httpx.Client, url: str, into: Path) -> str:
-    """Write the URL's body to `into`; returns its sha256."""
+def _fetch(http: httpx.Client, item: OutputFile, into: Path) -> str:
+    """Write the output's bytes (its `read`, else its URL's body) to `into`; their sha256."""
     digest = hashlib.sha256()
+    url = item.url
     with into.open("wb") as out:
+        if item.read is not None:
+            for chunk in item.read():
+                digest.update(chunk)
+                out.write(chunk)
+            return digest.hexdigest()
         if url.startswith("file://"):
             with open(unquote(urlparse(url).path), "rb") as source:
                 while chunk := source.read(CHUNK):
@@ -116,7 +132,7 @@ def download_one(http: httpx.Client, item: OutputFile) -> bool:
     item.path.parent.mkdir(parents=True, exist_ok=True)
     partial = item.path.with_name(f".{item.path.name}.part")
     try:
-        got = _fetch(http, item.url, partial)
+        got = _fetch(http, item, partial)
         if got != item.sha256:
             raise ChecksumMismatch(f"{item.path}: sha256 {got} is not {item.sha256}")
         os.replace(partial, item.path)  # only a verified file takes the final name

@@ -9,22 +9,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 from rich.console import Console
 
+from kiln.storage.job_store import JobStore
 from kiln.storage.object_base import output_key
+from kiln.storage.objects import open_object_store
+from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.demo import results_table
 from kiln.tasks.cli.main import build_parser
 from kiln.tasks.client import KilnClient
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.views import with_storage_url
+from tests.conftest import S3_KEY_ID, S3_REGION, S3_SECRET
 from tests.tasks.helpers import Api, queued_job, start_job
 from tests.tasks.test_cli_batch import finish
-from tests.tasks.test_cli_habits import kiln
+from tests.tasks.test_cli_habits import COMMAND_S, kiln
 
 SPEED = {
     "mode": "fast",
@@ -254,3 +263,45 @@ def test_the_demo_table_keeps_states_whole_at_80_columns(api: Api) -> None:
     drawn = console.export_text()
     assert drawn.count("succeeded") == 2
     assert "…" not in drawn
+
+
+def test_get_without_the_api_reads_the_store_the_record_names(
+    job_store: JobStore, storage_settings: StorageSettings, s3_settings: StorageSettings,
+    s3_bucket: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    written = s3_settings.model_copy(update={"redis_namespace": storage_settings.redis_namespace})
+    job_id = queued_job(job_store)
+    token = start_job(job_store, job_id)
+    objects = open_object_store(written)
+    key = output_key(objects.prefix, job_id, 0, "png", attempt="1-0123abcd")
+    stored = objects.put(key, b"pixels in the bucket", "image/png")
+    output = {
+        "key": key,
+        "content_type": "image/png",
+        "bytes": stored.size,
+        "sha256": stored.sha256,
+    }
+    job_store.succeed(job_id, token, with_storage_url([output], written.storage_url), {})
+    # the CLI's own store is another bucket: the record, not the setting, says where it is
+    other = f"{s3_bucket}-now"
+    boto3.client(
+        "s3", endpoint_url=s3_settings.s3_endpoint_url, region_name=S3_REGION,
+        aws_access_key_id=S3_KEY_ID, aws_secret_access_key=S3_SECRET,
+    ).create_bucket(Bucket=other)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(
+        KILN_REDIS_URL=storage_settings.redis_url,
+        KILN_REDIS_NAMESPACE=storage_settings.redis_namespace,
+        KILN_STORAGE_URL=f"s3://{other}/outputs",
+        KILN_S3_ENDPOINT_URL=str(s3_settings.s3_endpoint_url),
+        KILN_S3_REGION=S3_REGION,
+        KILN_S3_ADDRESSING_STYLE="path",
+        KILN_S3_ACCESS_KEY_ID=S3_KEY_ID,
+        KILN_S3_SECRET_ACCESS_KEY=S3_SECRET,
+    )
+    got = subprocess.run(
+        [sys.executable, "-m", "kiln.tasks.cli", "get", job_id, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=COMMAND_S,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    assert (tmp_path / f"{job_id}-0.png").read_bytes() == b"pixels in the bucket"
