@@ -132,7 +132,9 @@ class LeasedAttempt:
         )
         self.node.metrics.observe_stage("encode", report.encode_s)
         self.node.metrics.observe_stage("upload", report.upload_s)
-        metrics: dict[str, Any] = {**run_metrics(record, result, report.encode_s, report.upload_s)}
+        # the record as its start left it (`_start`): queue_s runs to the group's start
+        started = self.record
+        metrics: dict[str, Any] = {**run_metrics(started, result, report.encode_s, report.upload_s)}
         metrics.update(input_facts(images))  # what each image input was: sha256, size, source
         self.node.progress.settle(self.job_id)  # stages written; the terminal state ends them
         outputs = with_storage_url(report.outputs, self.node.storage_settings.storage_url)

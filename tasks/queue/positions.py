@@ -10,7 +10,9 @@ other lane lets nothing through (unless the job's own queue is paused as well: i
 then the one it will have once they resume). The expected start is (position + 1) / rate, where
 the rate is the runs of the job's pipeline (both lanes) finished per second over the last ten
 minutes: each run that ends frees a slot for the next job in line. No rate (nothing finished
-lately) or a paused queue: no estimate.
+lately) or a paused queue: no estimate. A job a node holds (waiting in the node, not started)
+is placed by its node's line instead: its position there, at the same rate (a paused queue does
+not stop a node from starting what it holds).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kiln.common.request import Lane
 from kiln.common.states import JobState
 from kiln.storage.creation import Placement
 from kiln.storage.job_store import JobRecord, JobStore
+from kiln.storage.leases import WAITING_IN_NODE
 from kiln.storage.queues import QueueSnapshot
 from kiln.tasks.contract.views import QueueEstimate
 from kiln.tasks.queue.lanes import LANES, queue_name
@@ -49,12 +52,27 @@ def placement(lane: str, queue: str) -> Placement:
 def queue_estimate(
     store: JobStore, record: JobRecord, bulk_share_every: int
 ) -> QueueEstimate | None:
-    """The queued job's position and expected start; None if it is not queued (or predates them)."""
+    """The queued job's position and expected start; None if it is not queued (or predates them).
+
+    A job a node holds (progress `waiting_in_node`) starts after the jobs ahead of it in that
+    node's line, whatever the queue holds: its position is its place there.
+    """
     if record.state != JobState.QUEUED or not record.queue:
         return None
     where = placement(record.lane, record.queue)
     snapshot = store.queue_snapshot(record.id, where.queue, where.other, where.rate_queues)
+    progress = record.progress or {}
+    if progress.get("stage") == WAITING_IN_NODE and snapshot.rank is not None:
+        return in_node_estimate(snapshot, int(progress.get("position") or 0))
     return estimate_from(snapshot, record.lane, bulk_share_every)
+
+
+def in_node_estimate(snapshot: QueueSnapshot, position: int) -> QueueEstimate:
+    """The estimate of a job waiting in a node at `position` there (no lane interleaves)."""
+    rate = snapshot.completion_rate()
+    if rate is None:
+        return QueueEstimate(position=position)
+    return QueueEstimate(position=position, estimated_start_s=round((position + 1) / rate, 1))
 
 
 def estimate_from(

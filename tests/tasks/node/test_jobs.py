@@ -45,6 +45,8 @@ def test_a_queued_job_runs_and_succeeds_with_verified_outputs(harness: NodeHarne
     assert re.fullmatch(rf"{job_id}/1-[0-9a-f]{{8}}/0\.png", key)  # the attempt's own folder
     assert harness.node.objects.head(record.outputs[0]["key"]) is not None
     assert {"queue_s", "encode_s", "upload_s"} <= set(record.metrics)
+    assert record.started_at is not None  # queue_s runs from creation to the group's start
+    assert record.metrics["queue_s"] == round(record.started_at - record.created_at, 4)
     assert harness.published == []
     (ran,) = harness.coordinator.requests  # the recorded request, read without node defaults
     assert (ran.guidance_scale, ran.seed, ran.steps) == (3.5, 7, STEPS)
