@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln.common.previews import DEFAULT_PREVIEW_SIDE
 from kiln.gpu_worker.pipelines.base import Pipeline
 from kiln.gpu_worker.protocol import GenerationRequest, RunBatch, StepPreview
 
@@ -272,3 +273,49 @@ def _preview_rows(requests: Sequence[GenerationRequest]) -> list[tuple[Generatio
             rows.append((request, row))
         row += request.num_outputs
     return rows
+
+
+class _LatentsKept:
+    """A step callback that keeps what `report_latents` hands it (a `LatentsObserver`)."""
+
+    def __init__(self) -> None:
+        self.latents: torch.Tensor | None = None
+
+    def __call__(self, step: int, total: int) -> None:
+        del step, total
+
+    def observe_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
+        """Keep the latents of the latest step."""
+        del step, total
+        self.latents = latents.detach()
+
+
+def check_preview_hook(pipeline: Pipeline, request: GenerationRequest) -> bool:
+    """Whether `pipeline` emits previews; ValueError naming what is wrong with its preview hook.
+
+    A pipeline that names a decoder is run on `request`: its `run` must hand its latents to
+    `report_latents`, and the decoder must turn the first output's into RGB (1, 3, H, W).
+    """
+    decoder = named_decoder(pipeline)
+    if decoder is None:
+        return _pipeline_vae(pipeline) is not None
+    kept = _LatentsKept()
+    pipeline.run([request], kept)
+    if kept.latents is None:
+        raise ValueError(
+            "preview_decoder() names a decoder but run() never called report_latents(on_step_end,"
+            " step, total, latents): no preview would come"
+        )
+    image = latent_image(kept.latents, 0)
+    if image is None:
+        raise ValueError(
+            f"report_latents got latents of shape {tuple(kept.latents.shape)}; expected "
+            "(outputs, C, h, w) or (outputs, C, frames, h, w)"
+        )
+    with torch.inference_mode():
+        decoded = decoder(image)
+    if not isinstance(decoded, torch.Tensor) or decoded.ndim != 4 or decoded.shape[:2] != (1, 3):
+        shape = tuple(decoded.shape) if isinstance(decoded, torch.Tensor) else type(decoded)
+        raise ValueError(f"preview_decoder()'s decoder returned {shape}; expected (1, 3, H, W)")
+    preview_pixels(decoded, DEFAULT_PREVIEW_SIDE)
+    return True

@@ -7,16 +7,19 @@ decoder, and the schema its node announces says so (`x-kiln-previews`), with its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 from kiln.common.previews import PREVIEWS_KEY
 from kiln.common.request import FIELDS_KEY
+from kiln.gpu_worker.pipelines import PreviewDecoder, StepCallback
 from kiln.gpu_worker.pipelines.announced import announced_schema
-from kiln.gpu_worker.previews import PreviewTap, build_decoders, can_preview
-from kiln.gpu_worker.protocol import PreviewSpec, RunBatch, StepPreview
+from kiln.gpu_worker.previews import PreviewTap, build_decoders, can_preview, check_preview_hook
+from kiln.gpu_worker.protocol import GenerationRequest, PreviewSpec, RunBatch, StepPreview
 from tests.e2e.painted_pipelines import PaintedPipeline
 from tests.e2e.pipelines import SleepyPipeline
 from tests.gpu_worker.conftest import request
@@ -74,3 +77,41 @@ def test_the_announced_schema_names_the_fields_and_whether_previews_come() -> No
     assert sleepy[PREVIEWS_KEY] is False
     assert sleepy[FIELDS_KEY] == sorted(SleepyPipeline(CPU).supported_fields())
     assert sleepy["properties"] == {}  # no input_schema(): no inputs of its own
+
+
+class Silent(PaintedPipeline):
+    """Names a decoder but never reports its latents."""
+
+    def run(
+        self, requests: Sequence[GenerationRequest], on_step_end: StepCallback
+    ) -> list[list[np.ndarray]]:
+        return super().run(requests, lambda step, total: on_step_end(step, total))
+
+
+class Flat(PaintedPipeline):
+    """Reports its latents, but its decoder returns one channel."""
+
+    def preview_decoder(self) -> PreviewDecoder:
+        return lambda latents: latents[:, :1]
+
+
+def test_the_hook_check_passes_a_working_hook_and_names_what_is_wrong_with_a_broken_one() -> None:
+    checked = request("check", "painted", steps=2)
+    painted = PaintedPipeline(CPU)
+    painted.step_seconds = 0.0
+    assert check_preview_hook(painted, checked) is True
+    assert check_preview_hook(SleepyPipeline(CPU), checked) is False
+    silent, flat = Silent(CPU), Flat(CPU)
+    silent.step_seconds = flat.step_seconds = 0.0
+    with pytest.raises(ValueError, match="never called report_latents"):
+        check_preview_hook(silent, checked)
+    with pytest.raises(ValueError, match=r"returned \(1, 1, 64, 64\); expected \(1, 3, H, W\)"):
+        check_preview_hook(flat, checked)
+
+
+def test_kiln_pipeline_check_runs_the_preview_hook() -> None:
+    from kiln.tasks.node.pipeline_check import CheckFailed, check_pipeline
+
+    check_pipeline("python:tests.e2e.painted_pipelines:painted")
+    with pytest.raises(CheckFailed, match=r"the preview hook raised .*never called report_latents"):
+        check_pipeline("python:tests.gpu_worker.test_preview_hook:Silent")
