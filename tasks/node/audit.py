@@ -23,10 +23,10 @@ reads, in this order, which is the order a message moves in:
 A message moving on between two reads is seen by the later one; only one moving back (kombu
 restoring an unacked message to its list after the visibility timeout) or still in the BRPOP
 window at step 4 is missed, and then the job gets a second message. That is harmless: a queued
-job is leased and started by one delivery only (storage/lua/acquire_start.lua), the others are
-deferred or dropped (tasks/node/jobs.py). Cost per pass of an audited queue with an old job:
-O(messages in its lists + queued jobs older than the age), plus O(entries of `unacked`) once when
-suspects remain; nothing for a queue whose head is young.
+job is held by one delivery only (storage/lua/hold.lua: its lease) and started by that
+delivery's token alone; the others are deferred or dropped (tasks/node/jobs.py). Cost per pass
+of an audited queue with an old job: O(messages in its lists + queued jobs older than the age),
+plus O(entries of `unacked`) once when suspects remain; nothing for a queue whose head is young.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ deliveries of that window once, as it claims the lapse, and publishes again the 
 that are still queued, not listed by a live node and not leased. A delivery of a live node read
 there (a running job, a countdown it listed) is left alone by those tests; one a live node took
 a moment before the read and has not listed yet gets a duplicate message, which is harmless:
-a queued job is leased and started by one delivery only (storage/lua/acquire_start.lua), the
-others are deferred (lease busy) or dropped (finished) by tasks/node/jobs.py.
+a queued job is held by one delivery only (storage/lua/hold.lua: its lease), started by that
+delivery's token alone; the others are deferred (lease busy) or dropped (finished) by
+tasks/node/jobs.py.
 
 Not closed from here: kombu pops a message with BRPOP and records it in `unacked` with one
 pipeline after the reply is read (tasks/queue/kombu_redis.py, item 4). A node
