@@ -58,6 +58,44 @@ class NotAPipeline(SpecError, TypeError):
     """A `python:` factory made something that is not a `Pipeline`."""
 
 
+class PipelineFailed(RuntimeError):
+    """A rank could not load or warm up pipeline `name` (`reason`: the error, in one line).
+
+    Not the spec's form (that is `PipelineRefused`): the model's files did not load (network,
+    cache, memory) or the factory or the first run raised. The rank reports it as
+    `rank_message()`, its owner reads it back with `found_in`, and the worker ends in one line
+    with exit 1, as `kiln pipeline check` does for the same fault.
+    """
+
+    MARK = "pipeline failed: "  # starts the line a rank sends; JSON [name, reason] follows
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"pipeline {name}: {reason}")
+        self.name = name
+        self.reason = reason
+
+    def rank_message(self) -> str:
+        """The one line a rank sends its owner in place of a traceback."""
+        return self.MARK + json.dumps([self.name, self.reason])
+
+    @classmethod
+    def found_in(cls, text: str) -> PipelineFailed | None:
+        """The failure a rank's `rank_message()` carries within `text` (an error's), or None."""
+        found = _marked(text, cls.MARK)
+        return None if found is None else cls(*found)
+
+
+def _marked(text: str, mark: str) -> tuple[str, str] | None:
+    for line in text.splitlines():
+        if line.startswith(mark):
+            try:
+                name, reason = json.loads(line.removeprefix(mark))
+            except (ValueError, TypeError):  # not a rank's line after all
+                return None
+            return str(name), str(reason)
+    return None
+
+
 class PipelineRefused(SpecError):
     """A rank could not load pipeline `name` for a fault of its spec (`reason`, one line).
 
@@ -81,14 +119,8 @@ class PipelineRefused(SpecError):
     @classmethod
     def found_in(cls, text: str) -> PipelineRefused | None:
         """The refusal a rank's `rank_message()` carries within `text` (an error's), or None."""
-        for line in text.splitlines():
-            if line.startswith(cls.MARK):
-                try:
-                    name, reason = json.loads(line.removeprefix(cls.MARK))
-                except (ValueError, TypeError):  # not a refusal's line after all
-                    return None
-                return cls(str(name), str(reason))
-        return None
+        found = _marked(text, cls.MARK)
+        return None if found is None else cls(*found)
 
 
 @dataclass(frozen=True)
@@ -171,6 +203,26 @@ def _check_diffusers_target(parsed: PipelineSpec) -> None:
         raise SpecError(
             f"{parsed.text}: {parsed.target!r} is neither a folder here nor a hub id (<org>/<name>)"
         )
+    _check_cached_when_offline(parsed)
+
+
+def _check_cached_when_offline(parsed: PipelineSpec) -> None:
+    """A hub id with HF_HUB_OFFLINE set must be in the local cache: found now, not at load.
+
+    Loading finds it only after diffusers and the model libraries have loaded in each rank
+    (18 s here), and says so in 136 lines; huggingface_hub answers from the cache in 0.5 s.
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        return
+    if isinstance(try_to_load_from_cache(parsed.target, "model_index.json"), str):
+        return
+    raise SpecError(
+        f"{parsed.text}: {parsed.target} is not in the Hugging Face cache "
+        f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE forbids downloading it: download it "
+        f"first (hf download {parsed.target}) or unset HF_HUB_OFFLINE"
+    )
 
 
 def make_working_directory_importable() -> None:

@@ -22,7 +22,7 @@ from kiln.common.limits import DeclaredLimits
 from kiln.common.request import SPEED_KEY, InputSchema
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.inputs import extra_inputs_refusal
-from kiln.gpu_worker.pipeline_specs import TINY_VARIANTS
+from kiln.gpu_worker.pipeline_specs import TINY_VARIANTS, one_line
 from kiln.gpu_worker.pipelines.base import StepCallback
 from kiln.gpu_worker.pipelines.diffusers_call import (
     batch_kwargs,
@@ -101,7 +101,10 @@ class DiffusersPipeline:
     ) -> DiffusersPipeline:
         """`from_pretrained(source)` in the device's dtype, moved to `device`, progress bars off."""
         # `limits`, when given, replaces what `limits()` would derive from the model.
-        pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype or default_dtype(device))
+        try:
+            pipe = DiffusionPipeline.from_pretrained(source, dtype=dtype or default_dtype(device))
+        except OSError as exc:  # said in one line by the rank: the cause must be in that line
+            raise OSError(load_error_text(exc)) from exc
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device, name or f"diffusers:{source}", limits)
@@ -242,6 +245,24 @@ class DiffusersPipeline:
         )
         kwargs.update(step_hook_kwargs(self.pipe, self._call_params, first.steps, on_step_end))
         return kwargs
+
+
+def load_error_text(exc: OSError) -> str:
+    """A loading error and its root cause in one line, without diffusers' "stacktrace above"."""
+    text = " ".join(str(exc).replace(_SEE_ABOVE, "").split())
+    root: BaseException = exc
+    for _ in range(16):  # the chain's end (bounded: nothing stops a chain from looping)
+        linked = root.__cause__ or root.__context__
+        if linked is None:
+            break
+        root = linked
+    if root is not exc and type(root).__name__ not in text:
+        text += f" (cause: {one_line(root)})"
+    return text
+
+
+# diffusers ends a hub error so, pointing at the traceback a one-line report does not show
+_SEE_ABOVE = "Please check out the root cause in the stacktrace above."
 
 
 def _check_compatible(requests: Sequence[GenerationRequest]) -> None:

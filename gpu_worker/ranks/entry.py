@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 
 from kiln.gpu_worker.limits import declared_limits
 from kiln.gpu_worker.logs import configure_rank_logging
-from kiln.gpu_worker.pipeline_specs import PipelineRefused
+from kiln.gpu_worker.pipeline_specs import PipelineFailed, PipelineRefused
 from kiln.gpu_worker.pipelines.announced import announced_schema
 from kiln.gpu_worker.protocol import FailureKind, RankFailed, RankFault, RankReady
 from kiln.gpu_worker.ranks.follower import follow
@@ -51,7 +51,7 @@ def rank_main(args: RankArgs, pipes: RankPipes) -> None:
         runtime = start_rank(args)
         limits = {name: declared_limits(pipeline) for name, pipeline in runtime.pipelines.items()}
         inputs = {name: announced_schema(p) for name, p in runtime.pipelines.items()}
-    except PipelineRefused as exc:  # the spec's fault, said in one line: no traceback helps
+    except (PipelineRefused, PipelineFailed) as exc:  # said in one line (traceback at debug)
         send_quietly(pipes.status, RankFailed(args.rank, exc.rank_message()))
         exit_rank(1)
     except BaseException:

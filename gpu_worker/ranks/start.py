@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.gpu_worker.parallel import ParallelSpec, apply_parallel
-from kiln.gpu_worker.pipeline_specs import PipelineRefused, SpecError
+from kiln.gpu_worker.pipeline_specs import PipelineFailed, PipelineRefused, SpecError, one_line
 from kiln.gpu_worker.pipelines import Pipeline, load_pipeline
 from kiln.gpu_worker.pipelines.compile import (
     compile_denoiser,
@@ -77,7 +77,11 @@ def start_rank(args: RankArgs) -> RankRuntime:
         started = time.monotonic()
         shapes = tuple(parse_warmup_shape(text) for text in settings.warmup)
         for name, pipeline in runtime.pipelines.items():
-            warm_up(name, pipeline, shapes)
+            try:
+                warm_up(name, pipeline, shapes)
+            except Exception as exc:  # the pipeline's first run: one line, the traceback at debug
+                logger.debug("pipeline %s: warm-up failed", name, exc_info=True)
+                raise PipelineFailed(name, f"warm-up raised {one_line(exc)}") from None
         if settings.compile and args.rank == 0:
             save_compile_cache(settings.compile_cache(), time.monotonic() - started)
     return runtime
@@ -86,7 +90,8 @@ def start_rank(args: RankArgs) -> RankRuntime:
 def load_resident(runtime: RankRuntime) -> None:
     """Load each pipeline, compile (`KILN_COMPILE`) and parallelise its denoiser; start, wake.
 
-    A spec that loads no pipeline raises `PipelineRefused` naming it (one line, no traceback).
+    A spec that loads no pipeline raises `PipelineRefused` naming it (one line, no traceback);
+    one whose loading raises, `PipelineFailed` (the same, the traceback logged at debug).
     """
     args = runtime.args
     settings = args.settings or GpuWorkerSettings()
@@ -95,6 +100,9 @@ def load_resident(runtime: RankRuntime) -> None:
             pipeline = load_pipeline(spec, runtime.device, args.settings)
         except SpecError as exc:  # the spec's fault, e.g. a factory that made no pipeline
             raise PipelineRefused(name, str(exc)) from None
+        except Exception as exc:  # the model's files or the factory raised: one line, not 136
+            logger.debug("pipeline %s: loading %s failed", name, spec, exc_info=True)
+            raise PipelineFailed(name, f"loading {spec} raised {one_line(exc)}") from None
         if settings.compile:
             compile_denoiser(pipeline, settings.compile_mode)
         if pipeline.denoiser() is None and args.parallel.mode != "none":

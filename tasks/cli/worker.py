@@ -16,12 +16,13 @@ rank 0 has tried to load it.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
 from kiln.common.defaults import BATCH_WINDOW_S, MAX_BATCH
 from kiln.common.request import Lane
-from kiln.tasks.cli.exits import UsageError
+from kiln.tasks.cli.exits import EXIT_JOB_FAILED, UsageError
 from kiln.tasks.node.worker_options import check_pipelines, parse_lanes, parse_pipelines
 
 
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     # Deferred, all of them: `check_arguments` must refuse before any of it loads.
     from kiln.storage.base import require_supported_redis
     from kiln.storage.settings import StorageSettings
-    from kiln.tasks.node.worker import PipelineRefused, WorkerOptions, run_worker
+    from kiln.tasks.node.worker import PipelineFailed, PipelineRefused, WorkerOptions, run_worker
 
     require_supported_redis(StorageSettings())  # one line, before torch and Celery load
     try:
@@ -145,4 +146,7 @@ def run(args: argparse.Namespace) -> int:
         run_worker(options)
     except PipelineRefused as exc:  # rank 0 could not load it: said as the checks above say it
         raise UsageError(f"--pipeline {exc.name}: {exc.reason}") from None
+    except PipelineFailed as exc:  # its model or code raised loading or warming up (as `check`)
+        print(f"kiln: --pipeline {exc.name}: {exc.reason}", file=sys.stderr)
+        return EXIT_JOB_FAILED
     return 0

@@ -30,9 +30,11 @@ from kiln.gpu_worker.pipelines import (
     Pipeline,
     SpecError,
     StopDenoising,
+    check_spec_form,
     load_pipeline,
     prepare_pipeline,
 )
+from kiln.gpu_worker.previews import check_preview_hook
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.tasks.contract.schemas import JobRequest
@@ -67,6 +69,7 @@ def check_pipeline(
     """Load `spec` on `device` and run the checks; `SpecError` or `CheckFailed` (one line)."""
     settings = settings or GpuWorkerSettings()
     started = time.monotonic()
+    check_spec_form(spec)  # what `kiln worker` refuses before any rank, refused here alike
     try:
         prepare_pipeline(spec, settings)
         pipeline = load_pipeline(spec, torch.device(device), settings)
@@ -92,6 +95,8 @@ def check_pipeline(
     shapes, steps_reported = _run_once(pipeline, request)
     run_s = time.monotonic() - started
     _check_stop(pipeline, replace(request, request_id="check-stop", steps=2))
+    hook = replace(request, request_id="check-preview", steps=2)
+    _call("the preview hook", lambda: check_preview_hook(pipeline, hook))
     return PipelineReport(
         spec, name, device, frozenset(fields), limits, inputs, request, shapes, steps_reported,
         load_s, run_s,

@@ -21,7 +21,7 @@ from celery.exceptions import SecurityWarning
 from celery.signals import worker_ready, worker_shutting_down
 
 from kiln.gpu_worker.errors import RankStartupFailed
-from kiln.gpu_worker.pipeline_specs import PipelineRefused
+from kiln.gpu_worker.pipeline_specs import PipelineFailed, PipelineRefused
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.worker_logs import start_worker_logging
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # `kiln worker`'s options live in tasks/node/worker_options.py; these are imported from here too
 __all__ = [
+    "PipelineFailed",
     "PipelineRefused",
     "WorkerOptions",
     "group_settings",
@@ -63,7 +64,8 @@ def run_worker(options: WorkerOptions) -> None:
     """Start the node (if it serves pipelines), then the Celery worker; stop both at the end.
 
     A spec only loading shows to be wrong (a factory that returned no pipeline) ends the start
-    with `PipelineRefused`: its name and the reason, one line, for the CLI to print as it is.
+    with `PipelineRefused`: its name and the reason, one line, for the CLI to print as it is; a
+    pipeline whose loading or warm-up raised, with `PipelineFailed` (the same, another code).
     """
     settings, storage_settings = KilnSettings(), StorageSettings()
     if options.pipelines and options.node_id is None:
@@ -191,11 +193,12 @@ def _start_node(
 
 
 def _start_group(node: Node) -> None:
-    """Start the node's group; `PipelineRefused` (one line) if a rank refused a spec."""
+    """Start the node's group; `PipelineRefused` or `PipelineFailed` (one line) from a rank."""
     try:
         node.start()
     except RankStartupFailed as exc:
-        refused = PipelineRefused.found_in(str(exc))
+        text = str(exc)
+        refused = PipelineRefused.found_in(text) or PipelineFailed.found_in(text)
         if refused is None:
             raise
         node.metrics.stop()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants as hub_constants
 
 from kiln.gpu_worker.pipeline_specs import (
     NotAPipeline,
@@ -81,7 +82,9 @@ def test_spec_forms() -> None:
             parse_spec(bad)
 
 
-def test_a_diffusers_folder_must_exist_and_hold_a_pipeline(tmp_path: Path) -> None:
+def test_a_diffusers_folder_must_exist_and_hold_a_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(SpecError, match="no such folder /nonexistent"):
         check_spec_form("diffusers:/nonexistent")
     with pytest.raises(SpecError, match=r"no model_index\.json"):
@@ -90,7 +93,9 @@ def test_a_diffusers_folder_must_exist_and_hold_a_pipeline(tmp_path: Path) -> No
         check_spec_form("diffusers:a/b/c")
     (tmp_path / "model_index.json").write_text("{}")
     assert check_spec_form(f"diffusers:{tmp_path}").target == str(tmp_path)
-    assert check_spec_form("diffusers:org/model").kind == "diffusers"  # a hub id: left to the hub
+    # online, a hub id is left to the hub (offline, it must be cached: test_worker_start_failures)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    assert check_spec_form("diffusers:org/model").kind == "diffusers"
 
 
 def test_a_module_in_the_working_directory_is_found(module_in_cwd: Callable[[str], str]) -> None:
