@@ -4,7 +4,8 @@
 beyond the chunk it holds, and writes the valid lines to the batch's input object through a
 streamed writer (`storage.object_streams`), `WRITE_BYTES` at a time. A line must be a JSON
 object: a job request (the same rules as POST /v1/jobs: strict JSON, the schema, a known
-pipeline, its limits, the webhook rules) plus a `custom_id` unique in the file. Lines without
+pipeline, its limits, the webhook rules) plus a `custom_id` unique in the file, or the same in
+OpenAI's Batch form (`method` POST, `url` /v1/jobs, the request as `body`). Lines without
 `pipeline` or `priority` take the batch's defaults. Blank lines are skipped (they still count for
 line numbers).
 
@@ -41,7 +42,13 @@ from kiln.tasks.batches.checks import Error, LineChecks
 from kiln.tasks.batches.lines import item_number, request_item_line
 from kiln.tasks.batches.results import invalid_line
 from kiln.tasks.batches.unique_ids import CustomIds, Repeat
-from kiln.tasks.contract.batches import CUSTOM_ID_MAX, valid_custom_id
+from kiln.tasks.contract.batches import (
+    CUSTOM_ID_MAX,
+    LineShapeError,
+    in_openai_form,
+    openai_line_request,
+    valid_custom_id,
+)
 from kiln.tasks.contract.schemas import JobRequest
 
 # Strict-JSON errors of one line (the API's `json_guard.body_errors`): loc starts with "body".
@@ -249,15 +256,21 @@ class BatchIntake:
             return None, [{"type": "missing", "loc": ["custom_id"], "msg": "Field required"}]
         if not valid_custom_id(custom_id):
             return None, [{"type": "custom_id", "loc": ["custom_id"], "msg": CUSTOM_ID_MSG}]
+        within: tuple[str, ...] = ()  # where the request sits in the line
+        if in_openai_form(data):
+            try:
+                data, within = openai_line_request(data), ("body",)
+            except LineShapeError as exc:
+                return custom_id, [{"type": "line_shape", "loc": [exc.field], "msg": str(exc)}]
         self.defaults.apply(data)
         try:
             request = JobRequest.model_validate(data)
         except ValidationError as exc:
             errors = self.checks.restated(list(exc.errors()), data)
-            return custom_id, [plain_error(error) for error in errors]
+            return custom_id, [under(within, plain_error(error)) for error in errors]
         problems = self.checks.errors(request)
         if problems:
-            return custom_id, problems
+            return custom_id, [under(within, problem) for problem in problems]
         if request.seed is None:  # drawn once, stored: a line fed again makes the same job
             request = request.model_copy(update={"seed": random.randrange(DRAWN_SEED_LIMIT)})
         return custom_id, request
@@ -398,6 +411,11 @@ def repeat_error(repeat: Repeat) -> Error:
     """The error of a line whose custom_id an earlier line used."""
     msg = f"duplicate custom_id {repeat.custom_id!r}: first used on line {repeat.first_line}"
     return {"type": "duplicate_custom_id", "loc": ["custom_id"], "msg": msg}
+
+
+def under(within: tuple[str, ...], error: Error) -> Error:
+    """`error` of a line's request, its `loc` from the line (`body` first in OpenAI's form)."""
+    return {**error, "loc": [*within, *error["loc"]]} if within else error
 
 
 def located(number: int, error: Error) -> Error:

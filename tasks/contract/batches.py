@@ -34,6 +34,54 @@ _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 INVALID = "invalid"
 
 
+# A line in OpenAI's Batch form: the request is `body`, `method` and `url` name Kiln's one endpoint.
+OPENAI_LINE_KEYS = ("custom_id", "method", "url", "body")
+OPENAI_METHOD = "POST"
+OPENAI_URL = "/v1/jobs"
+OPENAI_LINE_SHAPE = (
+    f'{{"custom_id": "...", "method": "{OPENAI_METHOD}", "url": "{OPENAI_URL}", '
+    '"body": {<job request>}}'
+)
+_SHOWN_CHARS = 40  # of a wrong value, in the refusal
+
+
+class LineShapeError(ValueError):
+    """A line in OpenAI's Batch form that does not ask for `POST /v1/jobs` with a request body."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{message}; expected {OPENAI_LINE_SHAPE}")
+        self.field = field
+
+
+def in_openai_form(line: dict[str, Any]) -> bool:
+    """Whether a parsed batch line is in OpenAI's Batch form (`method`, `url`, `body`)."""
+    # a job request has none of these fields: any of them means the line is meant as that form
+    return any(key in line for key in OPENAI_LINE_KEYS[1:])
+
+
+def openai_line_request(line: dict[str, Any]) -> dict[str, Any]:
+    """The job request of a line in OpenAI's Batch form (its `body`); else LineShapeError.
+
+    `method` must be POST and `url` /v1/jobs: Kiln's batch runs jobs only, so a line meant for
+    another endpoint is refused rather than run as a job. `custom_id` is read as for any line.
+    """
+    extra = [key for key in line if key not in OPENAI_LINE_KEYS]
+    if extra:
+        raise LineShapeError(extra[0], f"{_shown(extra[0])} is not a key of a line in this form")
+    for key, expected in (("method", OPENAI_METHOD), ("url", OPENAI_URL)):
+        if line.get(key) != expected:
+            raise LineShapeError(key, f"{key} must be {expected!r}; got {_shown(line.get(key))}")
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise LineShapeError("body", f"body must be the job request object; got {_shown(body)}")
+    return dict(body)
+
+
+def _shown(value: object) -> str:
+    text = "nothing" if value is None else repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…"
+
+
 def valid_custom_id(value: object) -> bool:
     """Whether `value` may be a custom_id."""
     return isinstance(value, str) and bool(_CUSTOM_ID.fullmatch(value))
