@@ -112,9 +112,13 @@ RUN set -- /tmp/wheels/kiln_queue-*.whl \
 USER 10001:10001
 # Kiln's model cache and the Hugging Face hub cache both live under /models: mount a volume
 # there so a restart neither rebuilds nor downloads them again.
+# Inside a container the node's metrics listen on every interface (Prometheus scrapes them from
+# outside; the default, for a node run by hand, is loopback).
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     KILN_MODEL_CACHE=/models/kiln \
-    HF_HOME=/models/huggingface
+    HF_HOME=/models/huggingface \
+    KILN_METRICS_HOST=0.0.0.0
+EXPOSE 9400
 # No image-level check: the node's check needs its --node-id (docker-compose.yml has it per node).
 HEALTHCHECK NONE
 ENTRYPOINT ["kiln"]

