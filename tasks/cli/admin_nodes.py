@@ -48,6 +48,9 @@ def show_nodes(result: dict[str, Any]) -> None:
         table = fitting_table(*COLUMNS, whole=("node", "state", "heartbeat"))
         for column in (0, 2, 5):
             whole_width(table, column, [row[column] for row in rows])
+        # the list wraps between names, never inside one
+        names = [name for row in rows for name in row[1].split(", ")]
+        whole_width(table, 1, [name + "," for name in names])
         for row in rows:
             table.add_row(*row)
         stdout_console().print(table)

@@ -135,30 +135,44 @@ def cmd_jobs(args: argparse.Namespace, backend: JobsBackend) -> int:
     if not views:
         print("no jobs")
     else:
-        stdout_console().print(jobs_table(views))
+        console = stdout_console()
+        console.print(jobs_table(views, console.width))
     if cursor is not None:
         print(f"more: --cursor {cursor}")
     return 0
 
 
-def jobs_table(views: list[JobView]) -> Any:
-    """Jobs as rows: whole id, state and pipeline, progress or outputs, age, prompt (may be cut)."""
-    whole = ("job", "status", "pipeline", "progress", "age")
-    table = fitting_table(*whole, "prompt", whole=whole, cut=("prompt",))
+def jobs_table(views: list[JobView], width: int) -> Any:
+    """Jobs as rows, `width` columns wide: the prompt cut to what is left, a long pipeline wrapped.
+
+    Ids, states, progress and ages are never cut nor wrapped.
+    """
+    columns = ("job", "status", "pipeline", "progress", "age", "prompt")
+    whole = ("job", "status", "progress", "age")
+    table = fitting_table(*columns, whole=whole)
     now = time.time()
     rows = [
-        (
+        [
             view.id,
             str(view.status),
             view.parameters.pipeline,
             _done(view),
             age_text(now - view.created_at),
             view.parameters.prompt,
-        )
+        ]
         for view in views
     ]
-    for column in range(len(whole)):
-        whole_width(table, column, [row[column] for row in rows])
+    widths = [max(len(name), *(len(row[n]) for row in rows)) for n, name in enumerate(columns)]
+    # two spaces between columns; the prompt gets the rest of the line, at least its header's width
+    room = max(len("prompt"), width - sum(widths[:-1]) - 2 * (len(columns) - 1))
+    for row in rows:
+        if len(row[-1]) > room:
+            row[-1] = row[-1][: room - 1] + "…"
+    for column, name in enumerate(columns):
+        if name in whole:
+            whole_width(table, column, [row[column] for row in rows])
+        else:  # squeezed, but never to a letter a line
+            table.columns[column].min_width = min(widths[column], 8)
     for row in rows:
         table.add_row(*row)
     return table

@@ -305,3 +305,19 @@ def test_get_without_the_api_reads_the_store_the_record_names(
     )  # fmt: skip
     assert got.returncode == 0, got.stderr
     assert (tmp_path / f"{job_id}-0.png").read_bytes() == b"pixels in the bucket"
+
+
+def test_jobs_at_80_columns_cut_only_the_prompt(api: Api) -> None:
+    long_name = job_for(api, "diffusers-sd3-medium-custom", prompt="a lighthouse at dusk " * 4)
+    done = job_for(api, "tiny", prompt="a fox")
+    finish(api, done)
+    table = kiln(api, "jobs")
+    assert table.returncode == 0, table.stderr
+    rows = [row.rstrip() for row in table.stdout.splitlines()]
+    assert len(rows[0]) <= 80
+    (first,) = [row for row in rows if row.startswith(long_name)]
+    assert first.split()[1] == "queued"
+    assert first.endswith("…")  # the prompt, cut to the line
+    (second,) = [row for row in rows if row.startswith(done)]
+    assert second.split()[1:5] == ["succeeded", "tiny", "1", "output"]
+    assert second.split()[-2:] == ["a", "fox"]
