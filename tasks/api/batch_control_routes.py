@@ -23,7 +23,12 @@ from kiln.tasks.api.deps import Caller, api_router, field_error
 from kiln.tasks.batches.retry import NothingToRetry
 from kiln.tasks.batches.service import BatchService
 from kiln.tasks.batches.views import batch_view
-from kiln.tasks.contract.batches import BATCHES_PATH, BatchView, RetryInclude
+from kiln.tasks.contract.batches import (
+    BATCHES_PATH,
+    DEFAULT_RETRY_INCLUDE,
+    BatchView,
+    RetryInclude,
+)
 
 router = api_router()
 ONE_BATCH = BATCHES_PATH + "/{batch_id}"
@@ -86,14 +91,18 @@ async def retry_batch(
     service: Batches,
     batch_id: BatchId,
     include: Annotated[
-        str, Query(max_length=64, description="Lines to run again: failed, expired or both.")
-    ] = "failed,expired",
+        str,
+        Query(
+            max_length=64,
+            description="Lines to run again: any of failed, expired, canceled (default: all).",
+        ),
+    ] = DEFAULT_RETRY_INCLUDE,
     idempotency_key: Annotated[
         str | None,
         Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$"),
     ] = None,
 ) -> JSONResponse:
-    """A new batch of a finished batch's failed and/or expired lines (same custom_ids).
+    """A new batch of a finished batch's failed, expired and/or canceled lines (same custom_ids).
 
     Made once: a repeated `Idempotency-Key` answers the same retry (200); while a retry of the
     same lines has not ended, another is a 409 naming it.

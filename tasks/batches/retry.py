@@ -1,4 +1,4 @@
-"""A batch's retry: a new batch of the parent's failed and/or expired lines, linked to it.
+"""A batch's retry: a new batch of the parent's failed, expired and/or canceled lines, linked to it.
 
 The retry's input is written by streaming: first the parent's results (the custom_ids whose
 status was asked for), then the parent's stored input, whose items for those custom_ids are copied

@@ -2,8 +2,8 @@
 
 `submit FILE.jsonl [--wait]`, `status BATCH`, `wait BATCH`, `list`,
 `results BATCH [-o FILE] [--download DIR]`, `cancel|pause|resume BATCH`,
-`retry BATCH [--include failed,expired]`; `--json` on each; BATCH may be any unique prefix of the
-id (`cli.short_ids`). Without
+`retry BATCH [--include failed,expired,canceled]`; `--json` on each; BATCH may be any unique
+prefix of the id (`cli.short_ids`). Without
 `--api` they go straight to Redis and the object store (as `kiln submit` does; the file is
 validated here, line by line, with the API's rules); with `--api URL --api-key KEY` through the
 HTTP API. A refused file prints its first errors by line and exits 2.
@@ -97,12 +97,12 @@ def _add_results(actions: Any) -> None:
 
 
 def _add_retry(actions: Any) -> None:
-    r = actions.add_parser("retry", help="a new batch of a finished batch's failed lines")
+    r = actions.add_parser("retry", help="a new batch of a finished batch's unsucceeded lines")
     _batch_id(r)
     r.add_argument(
         "--include",
         default=",".join(RETRY_INCLUDE),
-        help="which ended lines to run again: failed, expired or both (default: both)",
+        help="which ended lines to run again: failed, expired, canceled (default: all three)",
     )
     _waiting(r)
     _common(r)
@@ -184,5 +184,6 @@ def _include(text: str) -> list[str]:
     states = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [s for s in states if s not in RETRY_INCLUDE]
     if not states or unknown:
-        raise UsageError(f"--include {text!r}: a comma-separated subset of failed,expired")
+        subset = ",".join(RETRY_INCLUDE)
+        raise UsageError(f"--include {text!r}: a comma-separated subset of {subset}")
     return states

@@ -133,10 +133,19 @@ def batch_event_of(status: str, outcome: str | None) -> BatchEvent:
 
 
 class RetryInclude(StrEnum):
-    """Which finished lines `POST /v1/batches/{id}/retry` runs again."""
+    """Which finished lines `POST /v1/batches/{id}/retry` runs again (all of them by default).
+
+    Every line that ended without succeeding; not `invalid` ones, which never ran and would be
+    refused again as they are.
+    """
 
     failed = "failed"
     expired = "expired"
+    canceled = "canceled"
+
+
+# what a retry runs again when it names no status: every line that ended without succeeding
+DEFAULT_RETRY_INCLUDE = ",".join(RetryInclude)
 
 
 class BatchCounts(BaseModel):
