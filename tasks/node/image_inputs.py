@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import re
 import time
 import warnings
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from kiln.common.media import IMAGE_CONTENT_TYPES
 from kiln.gpu_worker.images import InputImage
@@ -47,6 +48,12 @@ if TYPE_CHECKING:  # the node imports the group; this module is used without one
 
 # What PIL calls the formats an input may have, by content type.
 PIL_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+
+
+# what a refusal shows of bytes that are no image: enough to tell HTML or JSON from a picture
+_SHOWN_BYTES = 16
+# a Python object's repr with its address (`<_io.BytesIO object at 0x7f…>`): nothing for a user
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
 
 
 class ImageInputRejected(Exception):
@@ -157,8 +164,14 @@ class ImageFetcher:
                             f"{self.settings.input_max_pixels}"
                         )
                     image.load()  # a truncated or corrupt file fails here, not on a rank
+        except UnidentifiedImageError:  # PIL's message names its buffer object by address
+            raise ImageInputRejected(
+                f"not a decodable image (PNG, JPEG or WebP): its {len(data):,} bytes start "
+                f"{data[:_SHOWN_BYTES]!r}"
+            ) from None
         except (OSError, Image.DecompressionBombError, ValueError) as exc:
-            raise ImageInputRejected(f"the image cannot be decoded: {exc}") from exc
+            reason = _OBJECT_REPR.sub("the data", str(exc))
+            raise ImageInputRejected(f"the image cannot be decoded: {reason}") from exc
         digest = hashlib.sha256(data).hexdigest()
         return FetchedImage(InputImage(digest, data, width, height), kind, source)
 
