@@ -25,12 +25,11 @@ from kiln.common.request import MIN_SIDE, SIZE_MULTIPLE, InputSchema
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.inputs import declared_input_schema
 from kiln.gpu_worker.limits import declared_limits
-from kiln.gpu_worker.pipeline_specs import one_line
+from kiln.gpu_worker.pipeline_specs import check_spec_form, one_line
 from kiln.gpu_worker.pipelines import (
     Pipeline,
     SpecError,
     StopDenoising,
-    check_spec_form,
     load_pipeline,
     prepare_pipeline,
 )
