@@ -1,6 +1,7 @@
 """A group's rank processes as their owner holds them: spawned, handshaken, and how each ended.
 
-One process per device from the `spawn` context. Rank 0 gets the command and result pipes; every
+One process per device, forked by the rank server (`gpu_worker.rank_server`, the default) or
+spawned (`KILN_RANK_START=spawn`). Rank 0 gets the command and result pipes; every
 rank gets its own status pipe (ready / failed to start / fault) and the read end of a death pipe
 whose write end only the owner holds. Before any rank starts, what the pipelines load from is
 made ready on disk here, outside any process group.
@@ -9,7 +10,6 @@ made ready on disk here, outside any process group.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -25,7 +25,8 @@ from kiln.gpu_worker.errors import RankStartupFailed
 from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import RankFailed, RankReady
 from kiln.gpu_worker.quiet import quiet_known_warnings
-from kiln.gpu_worker.ranks.entry import RankPipes, rank_main
+from kiln.gpu_worker.rank_server import rank_launch
+from kiln.gpu_worker.ranks.entry import RankPipes
 from kiln.gpu_worker.ranks.start import RankArgs
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
@@ -85,7 +86,8 @@ class RankProcesses:
 
     def spawn(self) -> None:
         """Start one process per device; each is tracked as soon as it runs."""
-        ctx = mp.get_context("spawn")
+        launch = rank_launch((self.config.settings or GpuWorkerSettings()).rank_start)
+        ctx = launch.context
         world = self.config.world()
         timeout = datetime.timedelta(seconds=self.config.ready_timeout_s)
         # The store lives here, bound to a free port by the kernel: no port race between ranks.
@@ -100,12 +102,9 @@ class RankProcesses:
             pipes = RankPipes(status_w, death_r)
             if rank == 0:
                 pipes.commands, pipes.results = commands_r, results_w
-            process = ctx.Process(
-                target=rank_main,
-                args=(self._rank_args(rank, device), pipes),
-                name=f"kiln-rank{rank}",
-            )
+            process = launch.process(self._rank_args(rank, device), pipes, f"kiln-rank{rank}")
             process.start()
+            launch.started(process)
             status_w.close()  # the child holds its own copy; ours would hide the child's EOF
             self.processes.append(process)
             self.status.append(status_r)

@@ -12,6 +12,7 @@ from kiln.common.env_lists import comma_or_json_list
 
 TorchDtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 SleepMode = Literal["offload", "drop"]
+RankStart = Literal["forkserver", "spawn"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
@@ -38,6 +39,11 @@ class GpuWorkerSettings(BaseSettings):
     cpu_threads_per_rank: int | None = Field(
         default=None,
         description="torch threads per CPU rank; None = the cores shared among the ranks.",
+    )
+    rank_start: RankStart = Field(
+        default="forkserver",
+        description="How rank processes start: forkserver = forked from a server that has "
+        "already imported torch and Kiln's rank code; spawn = a fresh interpreter each.",
     )
 
     # Sleep and wake (gpu_worker/sleep.py, gpu_worker/ranks/sleep.py).

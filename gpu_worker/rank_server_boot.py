@@ -1,0 +1,27 @@
+"""The rank server's start (gpu_worker/rank_server.py): imported once, in the server, at its start.
+
+Nothing else imports this module: importing it is what makes a process the rank server. It
+leaves the node's process group and imports what every rank would import first, so forked
+ranks find it done. Importing these initialises neither CUDA nor torch's thread pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from kiln.gpu_worker.quiet import quiet_known_warnings
+
+# A SIGTERM sent to the node's process group is for the node, which then stops its ranks in
+# order; it must not kill the server, whose death would take the ranks down (their PDEATHSIG).
+with contextlib.suppress(OSError):
+    os.setpgid(0, 0)
+quiet_known_warnings()  # the imports below print what each rank would otherwise
+
+import torch  # noqa: E402  (the cost this server is for: seconds of a fresh interpreter)
+
+import kiln.gpu_worker.pipelines.diffusers_pipeline  # noqa: E402  (diffusers, transformers)
+import kiln.gpu_worker.pipelines.tiny  # noqa: E402
+import kiln.gpu_worker.rank_server  # noqa: E402, F401  (the served ranks' entry, rank_main's)
+
+__all__ = ["torch"]
