@@ -23,6 +23,7 @@ from kiln.tasks.api.deps import Caller, Ctx, JobId, api_router, json_error_docs,
 from kiln.tasks.contract.views import OUTPUT_STORAGE_URL
 
 router = api_router()
+OUTPUT_PATH = "/v1/jobs/{job_id}/outputs/{n}"
 OutputIndex = Annotated[
     int, Path(ge=0, description="0-based index into the job's `outputs` (GET /v1/jobs/{id}).")
 ]
@@ -119,9 +120,9 @@ def _filename(record: JobRecord, index: int, key: str) -> str:
     return f"{record.id}-{index}.{ext}"
 
 
-@router.api_route(
-    "/v1/jobs/{job_id}/outputs/{n}",
-    methods=["GET", "HEAD"],
+@router.head(OUTPUT_PATH, include_in_schema=False)  # what GET answers, without the bytes
+@router.get(
+    OUTPUT_PATH,
     response_class=Response,
     responses={
         200: {"description": "The output's bytes.", "content": {"application/octet-stream": {}}},
