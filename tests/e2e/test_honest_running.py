@@ -127,6 +127,7 @@ def test_a_held_job_canceled_ends_at_once_and_never_starts(node_cluster: Cluster
         return None
 
     held = wait_until(a_held_job, timeout_s=60, poll_s=0.01, what="a job waiting in the node")
+    assert held is not None
     assert str(cluster.store.cancel(held).state) == "canceled"  # at once, not at its start
     for job_id in ids:
         cluster.wait_for(job_id, timeout_s=120)
