@@ -191,11 +191,7 @@ def test_a_job_submitted_from_the_page_shows_its_previews_and_its_output(
     )
     assert api.keys["alice"] not in browser.current_url
     # the form is the pipeline's own schema, as its live node announces it
-    wait_for(
-        browser,
-        "the tiny pipeline's fields",
-        lambda d: d.find_elements(By.CSS_SELECTOR, "#fields [data-field=steps]"),
-    )
+    choose(browser, "tiny", "steps")
     node = cluster.workers[0].node_id
     wait_for(
         browser,
