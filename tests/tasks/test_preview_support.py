@@ -16,6 +16,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from kiln.gpu_worker.pipelines import Pipeline
 from kiln.gpu_worker.pipelines.announced import announced_schema
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.queue.submit import Submitter
@@ -31,7 +32,10 @@ PREVIEW = {"every_steps": 1, "max_side": 64}
 @pytest.fixture
 def served(api: Api) -> Api:
     """The API with one live node announcing `sleepy` and `painted` as a node does."""
-    pipelines = {"sleepy": SleepyPipeline(CPU), "painted": PaintedPipeline(CPU)}
+    pipelines: dict[str, Pipeline] = {
+        "sleepy": SleepyPipeline(CPU),
+        "painted": PaintedPipeline(CPU),
+    }
     info = {
         "pipelines": sorted(pipelines),
         "limits": {},
@@ -82,6 +86,6 @@ def test_a_request_for_previews_of_a_pipeline_that_cannot_emit_them_is_a_422(
 
 def test_the_submitter_refuses_it_too(served: Api) -> None:
     submitter = Submitter(served.store, served.settings, publish=lambda *_a, **_k: None)
-    request = JobRequest(**SMALL, pipeline="sleepy", preview=PREVIEW)
+    request = JobRequest.model_validate({**SMALL, "pipeline": "sleepy", "preview": PREVIEW})
     with pytest.raises(ValidationError, match="sleepy emits no previews"):
         submitter.submit(request)
