@@ -75,6 +75,8 @@ class RankProcesses:
         # Here, outside any process group: a pipeline built inside one is saved whole only on
         # rank 0 (transformers), and ranks racing to build the same cache is wasted work.
         settings = self.config.settings or GpuWorkerSettings()
+        # The rank server (if that is how ranks start) imports torch meanwhile, in its process.
+        rank_launch(settings.rank_start)
         quiet_known_warnings()  # building a pipeline here prints what each rank would
         for name, spec in self.config.pipelines.items():
             try:
