@@ -25,7 +25,7 @@ from kiln.gpu_worker.errors import RankStartupFailed
 from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import RankFailed, RankReady
 from kiln.gpu_worker.quiet import quiet_known_warnings
-from kiln.gpu_worker.rank_server import rank_launch
+from kiln.gpu_worker.rank_server import rank_launch, warm_rank_server
 from kiln.gpu_worker.ranks.entry import RankPipes
 from kiln.gpu_worker.ranks.start import RankArgs
 from kiln.gpu_worker.settings import GpuWorkerSettings
@@ -75,8 +75,7 @@ class RankProcesses:
         # Here, outside any process group: a pipeline built inside one is saved whole only on
         # rank 0 (transformers), and ranks racing to build the same cache is wasted work.
         settings = self.config.settings or GpuWorkerSettings()
-        # The rank server (if that is how ranks start) imports torch meanwhile, in its process.
-        rank_launch(settings.rank_start)
+        warm_rank_server(settings.rank_start)  # its imports overlap the preparing below
         quiet_known_warnings()  # building a pipeline here prints what each rank would
         for name, spec in self.config.pipelines.items():
             try:

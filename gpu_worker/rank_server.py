@@ -44,10 +44,11 @@ from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from kiln.gpu_worker.ranks.entry import RankPipes, rank_main
-from kiln.gpu_worker.ranks.start import RankArgs
+if TYPE_CHECKING:  # torch-free to import: a node may start the server before it imports torch
+    from kiln.gpu_worker.ranks.entry import RankPipes
+    from kiln.gpu_worker.ranks.start import RankArgs
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +114,23 @@ def _rebuild_node_side(environ: dict[str, str], out: Any, err: Any) -> NodeSide:
 
 def served_rank_main(node: NodeSide, args: RankArgs, pipes: RankPipes) -> None:
     """Entry point of a rank forked by the server: take the node's side, then run as a rank."""
+    from kiln.gpu_worker.ranks.entry import rank_main  # imported already, by the server's boot
+
+    _set_up_titles()
     node.apply()
     _reseed_numpy()
     # The OS parent is the server, which outlives the ranks; the node's death is the death pipe.
     rank_main(dataclasses.replace(args, parent_pid=os.getppid()), pipes)
+
+
+def _set_up_titles() -> None:
+    # setproctitle finds the argv area it rewrites (the title `ps` shows) through environ[0], on
+    # its first use: that must come before the node's environment replaces the server's.
+    try:
+        import setproctitle
+    except ImportError:  # titles are a convenience (gpu_worker/ranks/process.py)
+        return
+    setproctitle.getproctitle()
 
 
 def _reseed_numpy() -> None:
@@ -149,6 +163,8 @@ class RankLaunch:
 
     def process(self, args: RankArgs, pipes: RankPipes, name: str) -> BaseProcess:
         """An unstarted rank process running `rank_main(args, pipes)`."""
+        from kiln.gpu_worker.ranks.entry import rank_main
+
         if self.served:
             return self.context.Process(
                 target=served_rank_main, args=(NodeSide.now(), args, pipes), name=name
@@ -182,6 +198,12 @@ def rank_launch(method: StartMethod) -> RankLaunch:
         if pid != _server.pid:
             _server.pid, _server.env_key = pid, env_key
     return RankLaunch(context, served=True)
+
+
+def warm_rank_server(method: StartMethod) -> None:
+    """Start the rank server now when ranks start from one: its imports overlap the caller's."""
+    if method == "forkserver":
+        rank_launch(method)
 
 
 def server_pid() -> int | None:

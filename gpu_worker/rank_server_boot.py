@@ -22,6 +22,7 @@ import torch  # noqa: E402  (the cost this server is for: seconds of a fresh int
 
 import kiln.gpu_worker.pipelines.diffusers_pipeline  # noqa: E402  (diffusers, transformers)
 import kiln.gpu_worker.pipelines.tiny  # noqa: E402
-import kiln.gpu_worker.rank_server  # noqa: E402, F401  (the served ranks' entry, rank_main's)
+import kiln.gpu_worker.rank_server  # noqa: E402  (the served ranks' entry)
+import kiln.gpu_worker.ranks.entry  # noqa: E402, F401  (rank_main and all it imports)
 
 __all__ = ["torch"]
