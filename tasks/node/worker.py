@@ -156,6 +156,10 @@ def _start_node(
     """
     if not options.pipelines:
         return None, None
+    from kiln.gpu_worker.rank_server import warm_rank_server  # torch-free
+
+    gpu_settings = group_settings(options)
+    warm_rank_server(gpu_settings.rank_start)  # it imports torch while this process does too
     # Imported here: a webhooks-only worker never loads torch.
     from kiln.tasks.node.compile_store import fetch_compile_cache, publish_compile_cache
     from kiln.tasks.node.controls import CeleryConsumers, NodeControls
@@ -164,7 +168,6 @@ def _start_node(
     from kiln.tasks.node.maintenance import Maintenance
     from kiln.tasks.node.node import Node
 
-    gpu_settings = group_settings(options)
     group = _group_config(options, settings, gpu_settings)
     node = Node(
         group,
