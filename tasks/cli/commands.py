@@ -220,8 +220,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """`kiln jobs [--status S] [--pipeline P] [--batch B] [--since WHEN] [--limit N]`."""
+    from kiln.tasks.cli.batch_backends import backend_for as batches_for
     from kiln.tasks.cli.jobs import cmd_jobs as list_command
 
+    if args.batch is not None:  # any unique prefix, as every command takes a batch id
+        batches = batches_for(args.api, args.api_key)
+        try:
+            args.batch = batches.resolve(args.batch)
+        finally:
+            batches.close()
     return list_command(args, backend_for(args))
 
 

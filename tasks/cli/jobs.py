@@ -41,7 +41,9 @@ def add_parsers(sub: Any, job_args: Any) -> None:
         help="only jobs in this state (default: any)",
     )
     listed.add_argument("--pipeline", help="only jobs of this pipeline (default: any)")
-    listed.add_argument("--batch", metavar="BATCH", help="only the jobs of this batch (full id)")
+    listed.add_argument(
+        "--batch", metavar="BATCH", help="only the jobs of this batch (its id or a unique prefix)"
+    )
     listed.add_argument(
         "--since",
         metavar="WHEN",

@@ -25,6 +25,7 @@ from kiln.storage.job_store import JobStore
 from kiln.storage.object_base import output_key
 from kiln.storage.objects import open_object_store
 from kiln.storage.settings import StorageSettings
+from kiln.tasks.batches.lines import batch_job_id
 from kiln.tasks.cli.demo import results_table
 from kiln.tasks.cli.main import build_parser
 from kiln.tasks.client import KilnClient
@@ -32,7 +33,7 @@ from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.views import with_storage_url
 from tests.conftest import S3_KEY_ID, S3_REGION, S3_SECRET
 from tests.tasks.helpers import Api, queued_job, start_job
-from tests.tasks.test_cli_batch import finish
+from tests.tasks.test_cli_batch import LINE, finish, hand_feeder
 from tests.tasks.test_cli_habits import COMMAND_S, kiln
 
 SPEED = {
@@ -321,3 +322,16 @@ def test_jobs_at_80_columns_cut_only_the_prompt(api: Api) -> None:
     (second,) = [row for row in rows if row.startswith(done)]
     assert second.split()[1:5] == ["succeeded", "tiny", "1", "output"]
     assert second.split()[-2:] == ["a", "fox"]
+
+
+@pytest.mark.parametrize("remote", [None, "alice"])
+def test_jobs_of_a_batch_named_by_a_prefix(api: Api, tmp_path: Path, remote: str | None) -> None:
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps({**LINE, "custom_id": c}) + "\n" for c in ("a", "b")))
+    submitted = kiln(api, "batch", "submit", str(path), "--pipeline", "tiny", remote=remote)
+    assert submitted.returncode == 0, submitted.stderr
+    batch_id = submitted.stdout.strip()
+    hand_feeder(api).tick()  # its lines become queued jobs
+    job_for(api, "tiny")  # not of the batch
+    fed = {batch_job_id(batch_id, custom_id) for custom_id in ("a", "b")}
+    assert set(listed(api, "--batch", batch_id[:8], remote=remote)) == fed
