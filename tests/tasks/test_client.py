@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from kiln.tasks.client.client import (
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.views import JobView
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success
+from tests.waiting import wait_until
 
 REQUEST = JobRequest(prompt="a kiln", width=64, height=64, steps=2)
 
@@ -92,3 +94,24 @@ def test_clear_errors(make_api: ApiFactory) -> None:
             nowhere.get("x")
         with pytest.raises(KilnConnectionError):
             list(nowhere.events("x"))
+
+
+def test_outputs_nodes_and_pipelines(api: Api, tmp_path: Path) -> None:
+    from tests.tasks.test_cli_batch import finish
+
+    with client_for(api) as client:
+        job = client.submit(REQUEST)
+        finish(api, job.id)
+        report = client.download_outputs(job.id, tmp_path)
+        assert (report.downloaded, report.kept, report.failed) == (1, 0, [])
+        assert (tmp_path / f"{job.id}-0.png").read_bytes() == f"pixels of {job.id}".encode()
+        assert client.download_outputs(job.id, tmp_path).kept == 1  # present: kept, not fetched
+        assert client.output_url(job.id, 0) == f"{api.url}/v1/jobs/{job.id}/outputs/0"
+        api.store.publish_node("node-x", {"pipelines": ["grad"]}, 60)
+        wait_until(  # the API reads the heartbeats again after a moment
+            lambda: client.pipelines().pipelines,
+            lambda names: "grad" in names,
+            timeout_s=30,
+            what="the announced pipeline listed",
+        )
+        assert [node["node_id"] for node in client.nodes().nodes] == ["node-x"]
