@@ -105,7 +105,9 @@ class WorkerProcess:
     def rank_pids(self) -> dict[int, int]:
         """Rank → pid of the group's live rank processes (found by their process titles)."""
         ranks = {}
-        for pid in child_pids(self.process.pid):
+        # the node's children when spawned, its rank server's when forked (gpu_worker/rank_server)
+        children = child_pids(self.process.pid)
+        for pid in [*children, *(pid for child in children for pid in child_pids(child))]:
             try:
                 title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:

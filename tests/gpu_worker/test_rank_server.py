@@ -113,6 +113,10 @@ def test_served_ranks_get_the_nodes_environment_threads_and_stderr(
     assert f'"pid": {one.pids[0]}' in started_with.read_text()
     assert f'"pid": {two.pids[0]}' in later.read_text()
     assert f'"pid": {two.pids[0]}' not in started_with.read_text()
+    # The server holds neither stream of the node it started under (a node capturing its
+    # streams waits at exit for their end of file).
+    server_streams = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in (1, 2)}
+    assert str(started_with) not in server_streams
 
 
 def test_a_changed_environment_never_reaches_ranks_through_a_stale_server(
