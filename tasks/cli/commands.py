@@ -84,7 +84,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     try:
         view = _submit(args, backend, request, deadline)
-    except KeyboardInterrupt:
+    except NodeWaitInterrupted:
         print("kiln: stopped waiting for a node; nothing was submitted", file=sys.stderr)
         return EXIT_INTERRUPTED
     if args.preview is None and not args.wait:
@@ -104,6 +104,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 NODE_POLL_S = 0.5  # how often `--wait-for-node` asks whether the pipeline is served yet
 
 
+class NodeWaitInterrupted(Exception):
+    """Ctrl-C while `--wait-for-node` waited for the pipeline: nothing was submitted."""
+
+
 def _submit(
     args: argparse.Namespace, backend: JobsBackend, request: JobRequest, deadline: float | None
 ) -> JobView:
@@ -119,20 +123,31 @@ def _submit(
         except Exception as exc:
             if not (args.wait_for_node and _unknown_pipeline(exc)):
                 raise
-        if not told:
-            print(
-                f"kiln: no node serves pipeline {request.pipeline!r} yet; waiting for one "
-                "(--wait-for-node)",
-                file=sys.stderr,
-            )
-            told = True
-        while request.pipeline not in backend.pipelines():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise JobWaitTimeout(
-                    f"no node announced pipeline {request.pipeline!r} within {args.timeout:g} s; "
-                    "nothing was submitted"
+        try:
+            if not told:
+                print(
+                    f"kiln: no node serves pipeline {request.pipeline!r} yet; waiting for one "
+                    "(--wait-for-node)",
+                    file=sys.stderr,
+                    flush=True,
                 )
-            time.sleep(NODE_POLL_S if deadline is None else _left(deadline, NODE_POLL_S))
+                told = True
+            _wait_for_pipeline(args, backend, request.pipeline, deadline)
+        except KeyboardInterrupt:
+            raise NodeWaitInterrupted from None
+
+
+def _wait_for_pipeline(
+    args: argparse.Namespace, backend: JobsBackend, pipeline: str, deadline: float | None
+) -> None:
+    """Return once `pipeline` is one jobs may name; JobWaitTimeout at `deadline`."""
+    while pipeline not in backend.pipelines():
+        if deadline is not None and time.monotonic() >= deadline:
+            raise JobWaitTimeout(
+                f"no node announced pipeline {pipeline!r} within {args.timeout:g} s; "
+                "nothing was submitted"
+            )
+        time.sleep(NODE_POLL_S if deadline is None else _left(deadline, NODE_POLL_S))
 
 
 def _left(deadline: float, most: float) -> float:

@@ -44,6 +44,15 @@ def start_kiln(api: Api, *args: str, remote: str | None = None) -> subprocess.Po
     )
 
 
+def ended(process: subprocess.Popen[str]) -> None:
+    """Make sure the process is gone and its pipes closed (it may have ended already)."""
+    process.kill()
+    process.wait(timeout=COMMAND_S)
+    for stream in (process.stdout, process.stderr):
+        if stream is not None:
+            stream.close()
+
+
 def record_reads(api: Api, prefix: str) -> Iterator[str]:
     """Ids of the records under `prefix` read (HGETALL) in the API's namespace, as they are."""
     client = redis.Redis.from_url(api.storage_settings.redis_url, socket_timeout=COMMAND_S)
@@ -86,7 +95,7 @@ def test_ctrl_c_in_submit_wait_names_the_job_and_how_to_follow_it(
         job_id = polled_job(api)
         code, out, err = interrupted(process)
     finally:
-        process.kill()
+        ended(process)
     assert (code, out) == (EXIT_INTERRUPTED, "")
     remote_api = f" --api {api.url}" if remote else ""
     assert err == (
@@ -103,7 +112,7 @@ def test_ctrl_c_in_wait_names_every_job(api: Api) -> None:
         polled_job(api, second)
         code, _, err = interrupted(process)
     finally:
-        process.kill()
+        ended(process)
     assert code == EXIT_INTERRUPTED
     assert err == (
         f"kiln: stopped waiting; jobs {first} {second} go on — follow with: "
@@ -122,23 +131,36 @@ def test_ctrl_c_in_batch_wait_names_the_batch(api: Api, tmp_path: Path) -> None:
         polled(api, api.store.keys.batch(""), batch_id)
         code, _, err = interrupted(process)
     finally:
-        process.kill()
+        ended(process)
     assert code == EXIT_INTERRUPTED
     assert err.splitlines()[-1] == (
         f"kiln: stopped waiting; batch {batch_id} goes on — follow with: kiln batch wait {batch_id}"
     )
 
 
-def lines(stream: IO[str]) -> queue.Queue[str]:
-    """The lines of `stream` as they come, read in a thread."""
-    got: queue.Queue[str] = queue.Queue()
+class Lines:
+    """The lines of a stream as they come, read in a thread until it ends."""
 
-    def pump() -> None:
-        for line in stream:
-            got.put(line)
+    def __init__(self, stream: IO[str]) -> None:
+        self.got: queue.Queue[str] = queue.Queue()
+        self.thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self.thread.start()
 
-    threading.Thread(target=pump, daemon=True).start()
-    return got
+    def _pump(self, stream: IO[str]) -> None:
+        try:
+            for line in stream:
+                self.got.put(line)
+        except ValueError:  # closed by the test once the process is gone: nothing more comes
+            pass
+
+    def next(self) -> str:
+        """The next line (waits for it)."""
+        return self.got.get(timeout=COMMAND_S)
+
+    def rest(self) -> str:
+        """Every line still to come, once the stream has ended."""
+        self.thread.join(timeout=COMMAND_S)
+        return "".join(self.got.get_nowait() for _ in range(self.got.qsize()))
 
 
 @pytest.mark.parametrize("remote", [None, "alice"])
@@ -152,8 +174,7 @@ def test_wait_for_node_waits_for_the_pipeline_to_be_announced(api: Api, remote: 
         remote=remote,
     )  # fmt: skip
     try:
-        err = lines(process.stderr)  # type: ignore[arg-type]
-        said = err.get(timeout=COMMAND_S)
+        said = Lines(process.stderr).next()  # type: ignore[arg-type]
         assert (
             said == "kiln: no node serves pipeline 'grad' yet; waiting for one (--wait-for-node)\n"
         )
@@ -165,16 +186,31 @@ def test_wait_for_node_waits_for_the_pipeline_to_be_announced(api: Api, remote: 
             what="the job submitted once the node announced its pipeline",
         )[0]
         drive_to_success(api.store, job_id)
-        out, _ = process.communicate(timeout=COMMAND_S)
+        out = Lines(process.stdout).rest()  # type: ignore[arg-type]
+        code = process.wait(timeout=COMMAND_S)
     finally:
-        process.kill()
-    assert process.returncode == 0
+        ended(process)
+    assert code == 0
     view = json.loads(out)
     assert (view["id"], view["status"], view["parameters"]["pipeline"]) == (
         job_id,
         "succeeded",
         "grad",
     )
+
+
+def test_ctrl_c_while_waiting_for_a_node_submits_nothing(api: Api) -> None:
+    process = start_kiln(api, "submit", "a fox", "--pipeline", "grad", "--wait-for-node")
+    try:
+        err = Lines(process.stderr)  # type: ignore[arg-type]
+        assert err.next().startswith("kiln: no node serves pipeline 'grad' yet")
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=COMMAND_S)
+    finally:
+        ended(process)
+    assert code == EXIT_INTERRUPTED
+    assert err.rest() == "kiln: stopped waiting for a node; nothing was submitted\n"
+    assert api.store.list_jobs()[0] == []
 
 
 def test_wait_for_node_ends_at_the_timeout_with_nothing_submitted(api: Api) -> None:
