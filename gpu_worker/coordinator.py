@@ -10,8 +10,8 @@ Threads: callers `submit()` from any thread; one dispatcher thread forms batches
 deadlines, and is the only thread that starts, kills and rebuilds the group (a rank's
 PR_SET_PDEATHSIG is tied to the thread that spawned it, so that thread lives as long as the
 coordinator); the group's monitor thread delivers rank 0's messages and deaths. User callbacks
-(`on_progress`, `should_stop`) run on the monitor thread, `should_stop` and `on_start` also on the
-dispatcher thread as a batch takes a request; never under the coordinator's lock.
+(`on_progress`, `should_stop`) run on the monitor thread, `should_stop` and the `batch_start` hook
+also on the dispatcher thread as a batch leaves for the ranks; never under the coordinator's lock.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from kiln.gpu_worker.protocol import (
 )
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.gpu_worker.sleep import IdleSleep
-from kiln.gpu_worker.tickets import Ticket
+from kiln.gpu_worker.tickets import BatchStart, Ticket, start_batch
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class Coordinator:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self._batch_start: BatchStart | None = None
 
     def start(self) -> None:
         """Spawn the group, load and warm up every pipeline; raise `RankStartupFailed`."""
@@ -92,13 +93,10 @@ class Coordinator:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
-        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request; `max_run_seconds` counts from this call.
 
-        `on_start` runs on the dispatcher thread as a batch takes the request, before the ranks
-        get it; False (or an exception) and the request does not run: its future raises
-        JobStopped. The future raises JobFailed (and subclasses), JobStopped or WorkerGroupDied.
+        The future raises JobFailed (and subclasses), JobStopped or WorkerGroupDied.
         """
         future: Future[GenerationResult] = Future()
         if request.pipeline not in self.config.pipelines:
@@ -108,13 +106,7 @@ class Coordinator:
             )
             return future
         ticket = Ticket(
-            request,
-            future,
-            time.monotonic(),
-            on_progress,
-            should_stop,
-            max_run_seconds,
-            on_start=on_start,
+            request, future, time.monotonic(), on_progress, should_stop, max_run_seconds
         )
         with self._cond:
             if not self._started.is_set() or self._closing:
@@ -125,6 +117,14 @@ class Coordinator:
             self._waiting.add(ticket)
             self._cond.notify_all()
         return future
+
+    def set_batch_start(self, batch_start: BatchStart | None) -> None:
+        """Ask `batch_start` which requests of each batch start, as it leaves for the ranks.
+
+        It gets the batch's request ids (on the dispatcher thread, once per batch) and returns
+        those that start; the others do not run: their futures raise JobStopped.
+        """
+        self._batch_start = batch_start
 
     def pipelines(self) -> list[str]:
         """Names of the pipelines this coordinator serves."""
@@ -233,6 +233,7 @@ class Coordinator:
 
     def _dispatch(self, planned: list[Ticket]) -> None:
         batch = [ticket for ticket in planned if ticket.begin_running()]
+        batch = start_batch(batch, self._batch_start)  # the caller's word, one call per batch
         if not batch:
             return
         with self._cond:

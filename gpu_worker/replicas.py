@@ -26,6 +26,7 @@ from kiln.gpu_worker.counters import GroupCounters
 from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.tickets import BatchStart
 
 
 def split_group(config: GroupConfig, group_size: int) -> list[GroupConfig]:
@@ -105,7 +106,6 @@ class Replicas:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
-        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request on the least busy group; the future is that group's."""
         request_id = request.request_id
@@ -120,13 +120,18 @@ class Replicas:
             self._where[request_id] = index
         try:
             future = self.coordinators[index].submit(
-                request, on_progress, should_stop, max_run_seconds, on_start
+                request, on_progress, should_stop, max_run_seconds
             )
         except BaseException:
             self._finished(index, request_id)
             raise
         future.add_done_callback(lambda _: self._finished(index, request_id))
         return future
+
+    def set_batch_start(self, batch_start: BatchStart | None) -> None:
+        """Every group asks `batch_start` which requests of its batches start (Coordinator's)."""
+        for coordinator in self.coordinators:
+            coordinator.set_batch_start(batch_start)
 
     def group_of(self, request_id: str) -> int | None:
         """The group an outstanding request went to (None once it finished)."""

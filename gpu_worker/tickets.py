@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from enum import StrEnum
@@ -42,8 +42,6 @@ class Ticket:
     should_stop: Callable[[], bool] | None = None
     max_run_seconds: float | None = None
     stop_reason: StopReason | None = None
-    # the caller's word that the request starts now (False: it must not run after all)
-    on_start: Callable[[], bool] | None = None
 
     @property
     def deadline_at(self) -> float | None:
@@ -67,31 +65,14 @@ class Ticket:
     def begin_running(self) -> bool:
         """Mark the future running as the request leaves the queue for the group.
 
-        False when it must not run after all: its `should_stop` says stop or its `on_start`
-        refuses the start (the future then fails with JobStopped), or the caller cancelled the
-        future. `on_start` runs last, once nothing else stands in the way.
+        False when it must not run after all: its `should_stop` says stop (the future then fails
+        with JobStopped) or the caller cancelled the future.
         """
         if self.wants_stop():
             self.stop_reason = StopReason.STOPPED
             self.fail(JobStopped(f"request {self.request.request_id} stopped while queued"))
             return False
-        if not self.future.set_running_or_notify_cancel():
-            return False
-        if not self.starts():
-            self.stop_reason = StopReason.STOPPED
-            self.fail(JobStopped(f"request {self.request.request_id} was refused its start"))
-            return False
-        return True
-
-    def starts(self) -> bool:
-        """Call on_start; a failing callback refuses the start (and is logged)."""
-        if self.on_start is None:
-            return True
-        try:
-            return bool(self.on_start())
-        except Exception:
-            logger.exception("on_start of request %s failed", self.request.request_id)
-            return False
+        return self.future.set_running_or_notify_cancel()
 
     def report(self, progress: StepProgress) -> None:
         """Call on_progress; a failing callback is logged, never propagated."""
@@ -130,3 +111,27 @@ class Ticket:
                 f"request {request_id} ran past max_run_seconds={self.max_run_seconds}"
             )
         return JobStopped(f"request {request_id} was stopped by its should_stop callback")
+
+
+# The caller's word on which requests of a batch start now (by request id); the rest must not run.
+BatchStart = Callable[[Sequence[str]], Collection[str]]
+
+
+def start_batch(batch: list[Ticket], batch_start: BatchStart | None) -> list[Ticket]:
+    """The tickets of `batch` its caller lets start; the others fail with JobStopped.
+
+    One call for the whole batch (the caller records every start in one round trip); a failing
+    `batch_start` starts none of them (and is logged).
+    """
+    if batch_start is None or not batch:
+        return batch
+    try:
+        allowed = set(batch_start([ticket.request.request_id for ticket in batch]))
+    except Exception:
+        logger.exception("batch_start of %d request(s) failed", len(batch))
+        allowed = set()
+    for ticket in batch:
+        if ticket.request.request_id not in allowed:
+            ticket.stop_reason = StopReason.STOPPED
+            ticket.fail(JobStopped(f"request {ticket.request.request_id} was refused its start"))
+    return [ticket for ticket in batch if ticket.request.request_id in allowed]

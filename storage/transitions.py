@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import NoScriptError, RedisError
+
 from kiln.common.states import JobState, edge_sources
-from kiln.storage.base import StoreBase, dumps
-from kiln.storage.boundary import redis_boundary
+from kiln.storage.base import StoreBase, dumps, wait_command
+from kiln.storage.boundary import redis_boundary, translate
+from kiln.storage.errors import StorageError
 from kiln.storage.leases import WAITING_IN_NODE, lease_ttl_ms
 from kiln.storage.records import JobRecord
+from kiln.storage.scripts import ScriptCall, queue_by_sha
 
 Q, R = JobState.QUEUED, JobState.RUNNING
 # which sources each operation accepts; checked against TRANSITIONS at import
@@ -28,6 +34,16 @@ edge_sources((R,), JobState.CANCELED)
 # how far back a queue's completion window reaches (s): its runs finished in that time give the
 # queue's recent completion rate (storage.queues reads it)
 COMPLETION_WINDOW_S = 600
+
+
+@dataclass(frozen=True)
+class Start:
+    """One held job to start (`start_many`): its lease token, its node, its key's running cap."""
+
+    job_id: str
+    lease_token: int
+    node_id: str | None = None
+    running_cap: int | None = None
 
 
 class TransitionOps(StoreBase):
@@ -98,6 +114,22 @@ class TransitionOps(StoreBase):
         reply = self._run_acknowledged("transition", keys, every_arg, strict=False)
         return self._record(job_id, reply)
 
+    def _start_call(self, start: Start) -> ScriptCall:
+        """The transition script call of `start` (what `start` runs)."""
+        payload = {"node_id": start.node_id} if start.node_id else {}
+        args = [
+            start.job_id,
+            " " + " ".join(_START) + " ",
+            R.value,
+            "token",
+            str(start.lease_token),
+            dumps(payload),
+            "0",
+            "" if start.running_cap is None else str(start.running_cap),
+            *self._machine_settings(),
+        ]
+        return ("transition", self._machine_keys(start.job_id), args)
+
     @redis_boundary
     def start(
         self,
@@ -123,6 +155,37 @@ class TransitionOps(StoreBase):
             payload=payload,
             running_cap=running_cap,
         )
+
+    @redis_boundary
+    def start_many(self, starts: Sequence[Start]) -> list[JobRecord | StorageError]:
+        """Start several held jobs (a batch its group takes) in one round trip.
+
+        Each is what `start` does, on its own: its record, or the StorageError that refused it
+        (StaleLease, IllegalTransition, QuotaExceeded, JobNotFound), in the order given. Where
+        starts must reach replicas (`KILN_REDIS_MIN_REPLICAS_ACK`), each runs as `start` does.
+        """
+        for each in starts:
+            self._require_id(each.job_id)
+        if wait_command(self.settings) is not None or not starts:
+            return [self._start_alone(each) for each in starts]
+        pipe = self.redis.pipeline(transaction=False)
+        queue_by_sha(pipe, [self._start_call(each) for each in starts])
+        replies = pipe.execute(raise_on_error=False)
+        results: list[JobRecord | StorageError] = []
+        for each, reply in zip(starts, replies, strict=True):
+            if isinstance(reply, NoScriptError):  # Redis lost its scripts: this one alone again
+                results.append(self._start_alone(each))
+            elif isinstance(reply, RedisError):
+                results.append(translate(reply))
+            else:
+                results.append(self._record(each.job_id, reply))
+        return results
+
+    def _start_alone(self, start: Start) -> JobRecord | StorageError:
+        try:
+            return self.start(start.job_id, start.lease_token, start.node_id, start.running_cap)
+        except StorageError as exc:
+            return exc
 
     @redis_boundary
     def acquire_and_start(

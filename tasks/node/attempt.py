@@ -3,7 +3,8 @@
 The delivery holds the job still `queued` (waiting in the node: tasks/node/waiting.py). The
 attempt fetches the job's image inputs and hands the request to the node's group; the job starts
 (queued → running, fenced by the lease token, under its key's running cap and its start_by) only
-as the group's batch takes it (`_start`, on the coordinator's dispatcher thread). A job that never
+as the group's batch takes it (`start_request`/`started`, on the coordinator's dispatcher thread,
+the batch's starts in one round trip: `Node.start_batch`). A job that never
 started here ends as its record says (canceled, expired, taken over) or goes back to its queue,
 its attempts untouched (`_not_started`). A started attempt encodes and uploads the outputs, and
 ends the job: succeeded; canceled, handed back or left to the lease's new holder
@@ -30,6 +31,7 @@ from kiln.storage.base import AcknowledgementLost, ReplicasBehind
 from kiln.storage.errors import IllegalTransition, StaleLease, StorageError
 from kiln.storage.job_store import JobRecord
 from kiln.storage.objects import new_attempt_name
+from kiln.storage.transitions import Start
 from kiln.tasks.contract.views import output_url, with_storage_url
 from kiln.tasks.node.compute import generation_request, run_metrics
 from kiln.tasks.node.image_inputs import (
@@ -75,7 +77,7 @@ class LeasedAttempt:
         self.notify = notify  # the job's webhook events (a no-op without a webhook)
         self.progress_webhooks = progress_webhooks
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
-        self.expired_here = False  # its start_by passed as its start came: `_start` expired it
+        self.expired_here = False  # `start_request` found its start_by passed and expired it
         spec = record.request.get("preview") or {}
         preview_format = str(spec.get("format", DEFAULT_PREVIEW_FORMAT))
         self.previews = JobPreviews(node.objects, record.id, preview_format)
@@ -132,7 +134,7 @@ class LeasedAttempt:
         )
         self.node.metrics.observe_stage("encode", report.encode_s)
         self.node.metrics.observe_stage("upload", report.upload_s)
-        # the record as its start left it (`_start`): queue_s runs to the group's start
+        # the record as its start left it (`started`): queue_s runs to the group's start
         started = self.record
         metrics: dict[str, Any] = {**run_metrics(started, result, report.encode_s, report.upload_s)}
         metrics.update(input_facts(images))  # what each image input was: sha256, size, source
@@ -186,41 +188,48 @@ class LeasedAttempt:
 
         max_run = self.record.request.get("max_run_seconds")
         submitted = time.monotonic()
-        future = self.node.submit(
-            with_images(generation_request(self.record), images),
-            on_progress=on_progress,
-            should_stop=should_stop,
-            max_run_seconds=float(max_run) if max_run else None,
-            on_start=self._start,
-        )
-        result = future.result()
+        with self.node.starting(self.job_id, self):  # its batch starts it (`start_request`)
+            future = self.node.submit(
+                with_images(generation_request(self.record), images),
+                on_progress=on_progress,
+                should_stop=should_stop,
+                max_run_seconds=float(max_run) if max_run else None,
+            )
+            result = future.result()
         self._observe_compute(result, time.monotonic() - submitted, decoding_at)
         return result
 
-    def _start(self) -> bool:
-        """Queued → running as the group's batch takes the job: fenced by the lease, once.
+    def start_request(self) -> Start | None:
+        """This job's start as the group's batch takes it (the coordinator's dispatcher thread).
 
-        Runs on the coordinator's dispatcher thread (one round trip). False, and the job does not
-        run here: its start_by passed (it is expired now), its key is at its running cap, it was
-        canceled or ended meanwhile, its batch was stopped, or the lease is another's;
-        `_not_started` then reads what became of it.
+        None, and the job does not run: its start_by passed (it is expired now). Otherwise the
+        node starts it with the batch's others, in one round trip (`Node.start_batch`).
         """
         self.node.waiting.leave(self.job_id)
         start_by = self.record.request.get("start_by")
-        try:
-            if start_by is not None and time.time() > float(start_by):
+        if start_by is not None and time.time() > float(start_by):
+            try:
                 self.store.expire(self.job_id)
                 self.expired_here = True
                 log.info("job %s expired: not started by its start_by", self.job_id)
-                return False
-            cap = self.node.running_caps.cap(self.record.owner)
-            token, node_id = self.tracked.lease_token, self.node.node_id
-            self.record = self.store.start(self.job_id, token, node_id=node_id, running_cap=cap)
-        except (StorageError, ReplicasBehind) as exc:
-            log.info("job %s not started here: %s", self.job_id, exc)
+            except StorageError as exc:  # canceled or ended meanwhile: `_not_started` reads it
+                log.info("job %s not expired at its start: %s", self.job_id, exc)
+            return None
+        cap = self.node.running_caps.cap(self.record.owner)
+        return Start(self.job_id, self.tracked.lease_token, self.node.node_id, cap)
+
+    def started(self, result: JobRecord | StorageError) -> bool:
+        """Queued → running happened (the record), or was refused (fenced by the lease, once).
+
+        Refused, the job does not run here: its key is at its running cap, it was canceled or
+        ended meanwhile, its batch was stopped, or the lease is another's; `_not_started` then
+        reads what became of it.
+        """
+        if isinstance(result, StorageError):
+            log.info("job %s not started here: %s", self.job_id, result)
             return False
+        self.record = record = result
         self.tracked.started = True
-        record = self.record
         log.info(
             "job %s started: attempt %d on %s",
             self.job_id,

@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -27,11 +27,14 @@ from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.gpu_worker.replicas import node_coordinator
 from kiln.gpu_worker.sleep import node_asleep, node_warming
+from kiln.gpu_worker.tickets import BatchStart
 from kiln.storage.apikeys import ApiKeyStore
-from kiln.storage.job_store import JobStore
+from kiln.storage.errors import StorageError
+from kiln.storage.job_store import JobRecord, JobStore
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.queues import DrainRequest
 from kiln.storage.settings import StorageSettings
+from kiln.storage.transitions import Start
 from kiln.tasks.contract.inputs import InputViolation, first_input_violation
 from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, RequestShape
 from kiln.tasks.contract.settings import KilnSettings
@@ -74,13 +77,12 @@ class GroupCoordinator(Protocol):
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
-        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
-        """Queue a request; the future holds its result or the reason it failed or stopped.
-
-        `on_start` is asked as the group takes the request; False and it does not run.
-        """
+        """Queue a request; the future holds its result or the reason it failed or stopped."""
         ...
+
+    def set_batch_start(self, batch_start: BatchStart | None) -> None:
+        """Ask `batch_start` which requests of each batch start (the others do not run)."""
 
     def pipeline_limits(self) -> Mapping[str, DeclaredLimits]:
         """What each loaded pipeline declares it can take, by pipeline name."""
@@ -108,6 +110,18 @@ class TrackedJob:
     last_progress_at: float = field(default_factory=time.time)
     last_stage: str = ""
     started: bool = False  # its group has started it (queued → running); until then it waits
+
+
+class StartingJob(Protocol):
+    """A held job handed to the group: how it starts when a batch takes it (tasks/node/attempt)."""
+
+    def start_request(self) -> Start | None:
+        """Its start, or None when it must not start (its start_by passed: expired now)."""
+        ...
+
+    def started(self, result: JobRecord | StorageError) -> bool:
+        """What its start did: True when it runs (the record), False when it was refused."""
+        ...
 
 
 @dataclass
@@ -177,7 +191,9 @@ class Node:
             ApiKeyStore(self.store.redis, storage_settings), settings.max_running_per_key
         )
         self._jobs: dict[str, TrackedJob] = {}
+        self._starting: dict[str, StartingJob] = {}  # held jobs handed to the group, by id
         self._lock = threading.Lock()
+        self.coordinator.set_batch_start(self.start_batch)
         self.started_at = time.time()
         scraped = GroupCollector(
             self.node_id,
@@ -271,10 +287,43 @@ class Node:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
-        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
         """Hand a request to the node's group (with replica groups: the least busy one)."""
-        return self.coordinator.submit(request, on_progress, should_stop, max_run_seconds, on_start)
+        return self.coordinator.submit(request, on_progress, should_stop, max_run_seconds)
+
+    @contextlib.contextmanager
+    def starting(self, job_id: str, job: StartingJob) -> Iterator[None]:
+        """While inside, the group's batch that takes `job_id` starts it through `job`."""
+        with self._lock:
+            self._starting[job_id] = job
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting.pop(job_id, None)
+
+    def start_batch(self, job_ids: Sequence[str]) -> set[str]:
+        """The jobs of a batch the group takes that start now: one round trip for all of them.
+
+        Called by the coordinator (its dispatcher thread) as the batch leaves for the ranks. Each
+        held job is moved to running, fenced by its lease (`StartingJob`); a refused one does
+        not run. A request no job of this node waits for (none in tests) starts as it is.
+        """
+        with self._lock:
+            jobs = {job_id: self._starting.get(job_id) for job_id in job_ids}
+        allowed = {job_id for job_id, job in jobs.items() if job is None}
+        asked = [(job, start) for job in jobs.values() if job and (start := job.start_request())]
+        if not asked:
+            return allowed
+        try:
+            results = self.store.start_many([start for _, start in asked])
+        except StorageError as exc:  # none started: each goes back as its attempt decides
+            log.warning("starting %d job(s) failed: %s", len(asked), exc)
+            results = [exc] * len(asked)
+        for (job, start), result in zip(asked, results, strict=True):
+            if job.started(result):
+                allowed.add(start.job_id)
+        return allowed
 
     def adapters(self, stats: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
         """Per served pipeline, its LoRA adapters: available, loaded, fused (from `stats`)."""

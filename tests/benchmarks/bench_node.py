@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/benchmarks/bench_node.py [--jobs 200] [--overhead-jobs 100]
         [--only overhead,busy,throughput] [--busy-batches 4,1] [--busy-size PX] [--sleep 0.2]
-        [--threads 1]
+        [--threads 1] [--node-concurrency N]
 
 Needs the Redis at KILN_TEST_REDIS_URL (default redis://127.0.0.1:6379/0); every key goes under
 random `kiln-bench-*` namespaces, deleted at the end. Starts, from this process: a moto S3 server
@@ -113,6 +113,7 @@ class Services:
     endpoint: str
     sleep_s: float
     threads: int
+    concurrency: int = 0  # a Kiln node's --concurrency; 0: its default
     nodes: dict[int, Node] = field(default_factory=dict)
     baseline: BaselineProcess | None = None
     baseline_forwards: Path | None = None
@@ -164,7 +165,13 @@ class Services:
             f"tiny={TINY_SPEC}",
             f"busy={BUSY_SPEC}",
             devices="cpu:1",
-            extra_args=["--max-batch", str(max_batch), "--loglevel", "WARNING"],
+            extra_args=[
+                "--max-batch",
+                str(max_batch),
+                "--loglevel",
+                "WARNING",
+                *(["--concurrency", str(self.concurrency)] if self.concurrency else []),
+            ],
             wait=False,
         )
         self.nodes[max_batch] = Node(max_batch, cluster, worker, folder / "forwards.log")
@@ -209,7 +216,9 @@ def services(args: argparse.Namespace, tmp: Path) -> Iterator[Services]:
     moto.start()
     host, port = moto.get_host_and_port()
     redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-    found = Services(tmp, redis_url, f"http://{host}:{port}", args.sleep, args.threads)
+    found = Services(
+        tmp, redis_url, f"http://{host}:{port}", args.sleep, args.threads, args.node_concurrency
+    )
     try:
         batches: set[int] = set(args.busy_batches) if "busy" in args.only else set()
         if "overhead" in args.only:
@@ -671,6 +680,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sleep", type=float, default=0.2, help="busy pipeline: s per request")
     parser.add_argument("--overhead-jobs", type=int, default=100, help="sequential jobs in 1.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, every side")
+    parser.add_argument(
+        "--node-concurrency", type=int, default=0, help="Kiln nodes' --concurrency; 0: default"
+    )
     args = parser.parse_args()
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     if set(args.only) - set(BENCHES):

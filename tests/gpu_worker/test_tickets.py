@@ -1,62 +1,55 @@
-"""Ticket.begin_running: the caller's `on_start` is the last word before a request runs."""
+"""start_batch: the caller's one word on which requests of a batch start; the rest never run."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import pytest
 
 from kiln.gpu_worker.errors import JobStopped
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult
-from kiln.gpu_worker.tickets import StopReason, Ticket
+from kiln.gpu_worker.tickets import StopReason, Ticket, start_batch
 
 
-def recorder(seen: list[str], name: str) -> Callable[[], bool]:
-    """An on_start that notes it was asked and accepts."""
-
-    def on_start() -> bool:
-        seen.append(name)
-        return True
-
-    return on_start
-
-
-def ticket(**callbacks: object) -> Ticket:
+def ticket(request_id: str) -> Ticket:
     request = GenerationRequest(
-        "r1", "tiny", "a kiln", width=64, height=64, steps=2, seed=1, guidance_scale=0.0
+        request_id, "tiny", "a kiln", width=64, height=64, steps=2, seed=1, guidance_scale=0.0
     )
     future: Future[GenerationResult] = Future()
-    return Ticket(request, future, 0.0, **callbacks)  # type: ignore[arg-type]
+    future.set_running_or_notify_cancel()  # as `begin_running` leaves it
+    return Ticket(request, future, 0.0)
 
 
-def test_a_start_the_caller_accepts_runs() -> None:
-    started: list[str] = []
-    t = ticket(on_start=recorder(started, "now"))
-    assert t.begin_running()
-    assert started == ["now"]
-    assert t.future.running()
+def test_one_call_for_the_batch_and_the_refused_never_run() -> None:
+    asked: list[list[str]] = []
 
+    def batch_start(ids: Sequence[str]) -> set[str]:
+        asked.append(list(ids))
+        return {"a", "c"}
 
-@pytest.mark.parametrize("refusal", ["answers no", "raises"])
-def test_a_refused_start_never_runs(refusal: str) -> None:
-    def on_start() -> bool:
-        if refusal == "raises":
-            raise RuntimeError("Redis unreachable")
-        return False
-
-    t = ticket(on_start=on_start)
-    assert not t.begin_running()
-    assert t.stop_reason is StopReason.STOPPED
+    batch = [ticket("a"), ticket("b"), ticket("c")]
+    started = start_batch(batch, batch_start)
+    assert asked == [["a", "b", "c"]]  # one call, the batch's order
+    assert [t.request.request_id for t in started] == ["a", "c"]
+    refused = batch[1]
+    assert refused.stop_reason is StopReason.STOPPED
     with pytest.raises(JobStopped, match="refused its start"):
-        t.future.result(timeout=0)
+        refused.future.result(timeout=0)
+    assert not started[0].future.done()
 
 
-def test_a_stop_or_a_cancelled_future_is_never_started() -> None:
-    started: list[str] = []
-    stopped = ticket(should_stop=lambda: True, on_start=recorder(started, "x"))
-    assert not stopped.begin_running()
-    cancelled = ticket(on_start=recorder(started, "y"))
-    cancelled.future.cancel()
-    assert not cancelled.begin_running()
-    assert started == []  # neither was started (no record moved to running for them)
+def test_a_failing_batch_start_starts_none() -> None:
+    def batch_start(ids: Sequence[str]) -> set[str]:
+        raise RuntimeError(f"Redis unreachable: {len(ids)} starts lost")
+
+    batch = [ticket("a"), ticket("b")]
+    assert start_batch(batch, batch_start) == []
+    for each in batch:
+        with pytest.raises(JobStopped):
+            each.future.result(timeout=0)
+
+
+def test_without_a_batch_start_every_request_starts() -> None:
+    batch = [ticket("a")]
+    assert start_batch(batch, None) == batch

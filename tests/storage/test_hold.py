@@ -12,6 +12,8 @@ from kiln.common.states import JobState
 from kiln.storage.errors import IllegalTransition, QuotaExceeded, StaleLease
 from kiln.storage.job_store import JobStore
 from kiln.storage.leases import WAITING_IN_NODE, Renewal
+from kiln.storage.records import JobRecord
+from kiln.storage.transitions import Start
 from tests.storage.helpers import WORKER, event_types, job_in_state
 from tests.storage.test_acquire_start import lease_token
 from tests.tasks.node.conftest import wait_until_expired
@@ -112,3 +114,29 @@ def test_a_released_hold_waits_in_no_node(job_store: JobStore) -> None:
         None,
         None,
     )
+
+
+def test_a_batch_of_held_jobs_starts_in_one_call_each_as_start_would(
+    job_store: JobStore,
+) -> None:
+    ready, stale, canceled = (job_in_state(job_store, JobState.QUEUED)[0] for _ in range(3))
+    tokens = {job_id: job_store.hold(job_id, WORKER, "node-1", 0)[0] for job_id in (ready, stale)}
+    old = tokens[stale]
+    tokens[stale] = job_store.hold(stale, WORKER, "node-1", 0)[0]  # a newer token fences `old`
+    canceled_token, _ = job_store.hold(canceled, WORKER, "node-1", 0)
+    job_store.cancel(canceled)
+    results = job_store.start_many(
+        [
+            Start(ready, tokens[ready], "node-1"),
+            Start(stale, old, "node-1"),
+            Start(canceled, canceled_token, "node-1"),
+        ]
+    )
+    first, second, third = results
+    assert isinstance(first, JobRecord)
+    assert (first.state, first.attempts, first.progress) == (JobState.RUNNING, 1, None)
+    assert isinstance(second, StaleLease)
+    assert isinstance(third, (IllegalTransition, StaleLease))
+    assert job_store.get(stale).state == JobState.QUEUED  # refused: nothing written
+    assert job_store.get(canceled).state == JobState.CANCELED
+    assert job_store.start_many([]) == []

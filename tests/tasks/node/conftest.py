@@ -20,6 +20,7 @@ from kiln.common.limits import DeclaredLimits
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import JobStopped
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+from kiln.gpu_worker.tickets import BatchStart
 from kiln.storage.job_store import JobEvent, JobStore, NewJob
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.schemas import JobRequest
@@ -52,6 +53,10 @@ class FakeCoordinator:
         self.requests: list[GenerationRequest] = []
         self.on_step: Callable[[int], None] = lambda _step: None
         self.fail_with: BaseException | None = None
+        self.batch_start: BatchStart | None = None
+
+    def set_batch_start(self, batch_start: BatchStart | None) -> None:
+        self.batch_start = batch_start
 
     def submit(
         self,
@@ -59,15 +64,16 @@ class FakeCoordinator:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         max_run_seconds: float | None = None,
-        on_start: Callable[[], bool] | None = None,
     ) -> Future[GenerationResult]:
         del max_run_seconds  # the fake runs at once; no deadline can pass
         future: Future[GenerationResult] = Future()
-        # as the real one as a batch takes it: stopped, or refused its start, it never runs
+        # as the real one as a batch of one takes it: stopped, or refused its start, it never runs
         if should_stop is not None and should_stop():
             future.set_exception(JobStopped(f"request {request.request_id} stopped while queued"))
             return future
-        if on_start is not None and not on_start():
+        if self.batch_start is not None and request.request_id not in self.batch_start(
+            [request.request_id]
+        ):
             future.set_exception(JobStopped(f"request {request.request_id} was refused its start"))
             return future
         self.requests.append(request)
