@@ -206,3 +206,34 @@ def test_a_sigkilled_node_leaves_no_rank_and_no_server() -> None:
             )
         finally:
             node.kill()
+
+
+BOOT_WATCH = """
+import json, os, sys, threading
+import torch
+calls = []
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device"):
+    def watch(*args, _name=name, _original=getattr(torch.cuda, name), **kwargs):
+        calls.append(_name)
+        return _original(*args, **kwargs)
+    setattr(torch.cuda, name, watch)
+import kiln.gpu_worker.rank_server_boot  # what the server imports (it sends stdout to /dev/null)
+report = {"cuda_calls": calls, "cuda_initialized": torch.cuda.is_initialized(),
+          "python_threads": threading.active_count(), "pgid_is_own": os.getpgid(0) == os.getpid()}
+with open(sys.argv[1], "w") as out:
+    json.dump(report, out)
+"""
+
+
+def test_the_server_boot_touches_no_cuda_and_starts_no_python_thread(tmp_path: Path) -> None:
+    # A CUDA device count asked before the fork would poison every forked rank's CUDA; the
+    # imports run in a process of their own here, as in the server.
+    out = tmp_path / "boot.json"
+    subprocess.run([sys.executable, "-c", BOOT_WATCH, str(out)], cwd=ROOT, check=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report == {
+        "cuda_calls": [],
+        "cuda_initialized": False,
+        "python_threads": 1,
+        "pgid_is_own": True,
+    }
