@@ -22,7 +22,6 @@ from kiln.tasks.batches.intake import LineDefaults
 from kiln.tasks.batches.service import BatchOptions, BatchService
 from kiln.tasks.contract.batches import DEFAULT_COMPLETION_WINDOW, parse_completion_window
 from kiln.tasks.contract.schemas import JobRequest, WebhookEvent, WebhookSpec
-from kiln.tasks.webhooks.ssrf import UnsafeUrl, check_url
 
 
 @dataclass(frozen=True)
@@ -68,18 +67,13 @@ def _webhook(url: str | None, events: str | None, where: str) -> dict[str, Any] 
 
 
 def _check_webhook(service: BatchService, webhook: dict[str, Any] | None, where: str) -> None:
-    """The batch's webhook against the same rules as a job's (its lines inherit it)."""
+    """The batch's webhook against the intake's webhook rule (its lines inherit it)."""
     if webhook is None:
         return
-    loc, url = (where, "webhook_url"), str(webhook["url"])
-    secret = service.settings.webhook_secret
-    if secret is None or not secret.get_secret_value():
-        msg = "webhooks are not configured on this server (no KILN_WEBHOOK_SECRET)"
-        raise field_error(loc, msg, "webhooks_disabled", url)
-    try:
-        check_url(url, service.policy, service.resolve)
-    except UnsafeUrl as exc:
-        raise field_error(loc, f"refused: {exc}", "unsafe_url", url) from exc
+    url = str(webhook["url"])
+    refusal = service.intake.webhook_refusal(url, (where, "webhook_url"))
+    if refusal is not None:
+        raise field_error(refusal.loc, refusal.message, refusal.code, url)
 
 
 def batch_options(

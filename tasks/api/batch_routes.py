@@ -51,6 +51,7 @@ from kiln.tasks.contract.batches import (
     BatchView,
 )
 from kiln.tasks.contract.schemas import PipelineName
+from kiln.tasks.intake.refusal import Refused
 
 router = api_router()
 # chunks of the body handed to the intake thread at once: few thread hops, bounded memory
@@ -117,7 +118,10 @@ async def submit_batch(
     batch_id = new_batch_id()
     intake = await anyio.to_thread.run_sync(service.new_intake, batch_id, options)
     limit = service.settings.max_batch_bytes
-    report = await _take_body(request, intake, limit)
+    try:
+        report = await _take_body(request, intake, limit)
+    except Refused as exc:  # no line's fault: a lookup the intake needs failed (object store)
+        return JSONResponse({"detail": exc.refusal.message}, status_code=exc.refusal.status)
     if report is None:
         return JSONResponse({"detail": too_large_detail(limit)}, status_code=413)
     if report.refused:

@@ -17,6 +17,7 @@ from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.auth import Authenticator
 from kiln.tasks.api.sse import StreamSlots
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.backlog import BacklogCache
 from kiln.tasks.queue.messages import CeleryMessages
@@ -53,10 +54,19 @@ class ApiContext:
 
     # the backlogs admission control reads (tasks/queue/backlog.py), each kept for a moment
     backlogs: BacklogCache = field(init=False)
+    # the one way in (tasks/intake): POST /v1/jobs and batch lines run its checks
+    intake: Intake = field(init=False)
 
     def __post_init__(self) -> None:
         self.sse_limiter = anyio.CapacityLimiter(self.sse_slots.total)
         self.backlogs = BacklogCache(self.store, self.settings)
+        self.intake = Intake(
+            self.submitter,
+            self.objects,
+            resolve=self.resolve,
+            webhook_policy=self.policy,
+            backlogs=self.backlogs,
+        )
 
     def creation(self) -> AsyncCreation:
         """Job creation for the running event loop (a client's connections serve one loop)."""

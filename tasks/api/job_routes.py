@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import Header, HTTPException, Query, Response
@@ -11,9 +10,8 @@ from fastapi.concurrency import run_in_threadpool
 from kiln.common.states import JobState
 from kiln.storage.creation import QueueFull
 from kiln.storage.errors import QuotaExceeded
-from kiln.storage.job_store import JobRecord
+from kiln.storage.job_store import JobRecord, NewJob
 from kiln.storage.keys import valid_id
-from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.deps import (
     JOB_ERRORS,
@@ -27,9 +25,6 @@ from kiln.tasks.api.deps import (
     visible_job,
 )
 from kiln.tasks.api.short_ids import IdPrefix, jobs_with_prefix
-from kiln.tasks.api.upload_routes import refuse_bad_image_refs
-from kiln.tasks.contract.image_refs import ImageRef
-from kiln.tasks.contract.request_check import Violation, check_request, image_refs
 from kiln.tasks.contract.responses import (
     CancelResult,
     JobList,
@@ -38,42 +33,24 @@ from kiln.tasks.contract.responses import (
 )
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.views import JobView, QueueEstimate, job_view
-from kiln.tasks.queue.backlog import LateStart, late_start, needs_admission
+from kiln.tasks.intake.refusal import Caller as IntakeCaller
+from kiln.tasks.intake.refusal import Refusal
 from kiln.tasks.queue.positions import estimate_from, placement, queue_estimate
-from kiln.tasks.queue.quotas import effective_cap
 from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
-from kiln.tasks.webhooks.ssrf import UnsafeUrl, check_url
 
 router = api_router()
 JSON_TYPE = "application/json"
 
 
-def _refusal(violation: Violation) -> Exception:
-    """The 422 of a request the served pipelines refuse: FastAPI's shape, naming the field."""
-    loc, context = violation.loc(("body",)), violation.context()
-    return field_error(loc, violation.message, violation.kind, violation.value, **context)
-
-
-def _refuse_by_lookups(
-    ctx: ApiContext, caller: Principal, request: JobRequest, refs: Mapping[str, ImageRef]
-) -> None:
-    """The checks that need I/O, after the one pass: image inputs, then the webhook's URL."""
-    refuse_bad_image_refs(ctx, caller, refs)  # an upload's owner and size, a URL's host
-    if request.webhook is not None:
-        _refuse_unsafe_webhook(ctx, request.webhook.url)
-
-
-def _refuse_unsafe_webhook(ctx: ApiContext, url: str) -> None:
-    """422 when webhooks are not configured, or when `url` fails the SSRF rules (DNS)."""
-    url_loc = ("body", "webhook", "url")
-    secret = ctx.settings.webhook_secret
-    if secret is None or not secret.get_secret_value():
-        msg = "webhooks are not configured on this server (no KILN_WEBHOOK_SECRET)"
-        raise field_error(url_loc, msg, "webhooks_disabled", url)
-    try:
-        check_url(url, ctx.policy, ctx.resolve)
-    except UnsafeUrl as exc:
-        raise field_error(url_loc, f"refused: {exc}", "unsafe_url", url) from exc
+def _http(refusal: Refusal) -> Exception:
+    """The intake's refusal as the API answers it: a 422 naming the field, else its status."""
+    if refusal.status == 422:
+        loc = ("body", *refusal.loc)
+        return field_error(loc, refusal.message, refusal.code, refusal.value, **refusal.context)
+    headers = None
+    if refusal.retry_after_s is not None:
+        headers = {"Retry-After": str(refusal.retry_after_s)}
+    return HTTPException(refusal.status, refusal.message, headers=headers)
 
 
 @router.post(
@@ -96,33 +73,31 @@ async def submit_job(
     ] = None,
 ) -> Response:
     """Enqueue a job: 201 with its view; 200 with the same job for a repeated Idempotency-Key."""
-    # Answered on the event loop: a thread hop costs a plain submission more CPU than its own
-    # work. What can block goes to a worker thread: reading the nodes' heartbeats (every few
-    # seconds), a webhook URL's DNS, an image input's HEAD.
-    submitter = ctx.submitter
-    if submitter.served_is_fresh():
-        declared = submitter.declared(body.pipeline)
+    # The intake's steps (tasks/intake), answered on the event loop: a thread hop costs a plain
+    # submission more CPU than its own work. What can block goes to a worker thread: reading the
+    # nodes' heartbeats (every few seconds), an image input's HEAD or a URL's DNS, a backlog read.
+    intake, who = ctx.intake, IntakeCaller(caller.key_id, caller.max_queued)
+    if ctx.submitter.served_is_fresh():
+        declared = intake.declared(body.pipeline)
     else:
-        declared = await run_in_threadpool(submitter.declared, body.pipeline)
-    violation = check_request(body, declared)  # every static check, in one pass
-    if violation is not None:
-        raise _refusal(violation)
-    refs = image_refs(body, declared)
-    if refs or body.webhook is not None:
-        await run_in_threadpool(_refuse_by_lookups, ctx, caller, body, refs)
+        declared = await run_in_threadpool(intake.declared, body.pipeline)
+    refusal = intake.static_refusal(body, declared)  # every static check, in one pass
+    if refusal is None and intake.needs_lookups(body, declared):
+        refusal = await run_in_threadpool(intake.lookup_refusal, body, who, declared)
     # Keys are scoped to the API key so two callers never share one.
     scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
-    if needs_admission(body.priority, body.start_by, ctx.settings):
-        await _refuse_late_start(ctx, body, scoped_key)
-    max_queued = effective_cap(caller.max_queued, ctx.settings.max_queued_per_key)
-    retry_after = {"Retry-After": str(ctx.settings.queue_full_retry_after_s)}
+    if refusal is None and intake.needs_admission(body):
+        if scoped_key is None and ctx.backlogs.is_fresh(body.pipeline):
+            refusal = intake.admission_refusal(body, None)
+        else:
+            refusal = await run_in_threadpool(intake.admission_refusal, body, scoped_key)
+    if refusal is not None:
+        raise _http(refusal)
+    accepted = intake.accept(body, who, idempotency_key=scoped_key)
     try:
-        record, created, estimate = await _submit(ctx, body, caller, scoped_key, max_queued)
-    except QueueFull as exc:
-        raise HTTPException(429, "queue is full; retry later", headers=retry_after) from exc
-    except QuotaExceeded as exc:
-        detail = f"this API key has {max_queued} queued jobs, its maximum; retry later"
-        raise HTTPException(429, detail, headers=retry_after) from exc
+        record, created, estimate = await _write(ctx, accepted.new, intake.queued_cap(who))
+    except (QueueFull, QuotaExceeded) as exc:
+        raise _http(intake.write_refusal(exc, who)) from exc
     view = job_view(record, ctx.objects, ctx.submitter.live_pipelines(), estimate)
     # already a JobView: sent as it is, sparing FastAPI's validation of it all over again
     return Response(
@@ -130,44 +105,16 @@ async def submit_job(
     )
 
 
-async def _refuse_late_start(ctx: ApiContext, body: JobRequest, scoped_key: str | None) -> None:
-    """429 with Retry-After when the backlog cannot start the job in time (admission control).
-
-    The lane's expected wait comes from a backlog read kept for a moment (tasks/queue/backlog.py);
-    a replay of an Idempotency-Key that already names a job is let through to get that job.
-    """
-    backlogs = ctx.backlogs
-    if scoped_key is None and backlogs.is_fresh(body.pipeline):
-        refusal = _late_start(ctx, body, None)
-    else:
-        refusal = await run_in_threadpool(_late_start, ctx, body, scoped_key)
-    if refusal is not None:
-        headers = {"Retry-After": str(refusal.retry_after_s)}
-        raise HTTPException(429, refusal.message(), headers=headers)
-
-
-def _late_start(ctx: ApiContext, body: JobRequest, scoped_key: str | None) -> LateStart | None:
-    if scoped_key is not None and ctx.store.idempotency_bound(scoped_key):
-        return None
-    backlog, now = ctx.backlogs.now(body.pipeline)
-    return late_start(backlog, body.priority, body.start_by, ctx.settings, now)
-
-
-async def _submit(
-    ctx: ApiContext,
-    body: JobRequest,
-    caller: Principal,
-    scoped_key: str | None,
-    max_queued: int | None,
+async def _write(
+    ctx: ApiContext, new: NewJob, max_queued: int | None
 ) -> tuple[JobRecord, bool, QueueEstimate | None]:
-    """Write the job and its message and read its place in line: one Redis round trip.
+    """Write the accepted job and its message and read its place in line: one Redis round trip.
 
-    The same step checks the queue depth and the key's quota. Rarer steps that block run on a
-    worker thread: a queue's first message (Celery builds it with the broker), a publish (a job
-    written without its message), an idempotent replay's place in line (another job's).
+    The same step checks the queue depth and the key's quota (the intake's step 6). Rarer steps
+    that block run on a worker thread: a queue's first message (Celery builds it with the
+    broker), a publish (a job written without its message), an idempotent replay's place in line.
     """
     submitter, every = ctx.submitter, ctx.settings.bulk_share_every
-    new = submitter.new_job(body, owner=caller.key_id, idempotency_key=scoped_key)
     if submitter.message_is_ready(new):
         message = submitter.message_for(new)
     else:

@@ -1,37 +1,30 @@
 """`POST /v1/uploads` (a presigned PUT for an input), the local store's PUT, and image checks.
 
 A job's image input names an upload (`upload:<id>`) or a URL (`contract.image_refs`). At submit
-the API checks what it can before a node spends time on it: the upload is the caller's own and
-within the limits (`storage.uploaded_inputs.checked_upload`), the URL passes the SSRF guard with the
-input allow-list. The node checks both again when it reads or fetches the image.
+the intake (`tasks.intake`) checks what it can before a node spends time on it: the upload is the
+caller's own and within the limits, the URL passes the SSRF guard with the input allow-list. The
+node checks both again when it reads or fetches the image.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
 from kiln.common.media import UPLOAD_ID, UPLOAD_REF_PREFIX
-from kiln.storage.errors import ObjectStoreError
 from kiln.storage.object_base import ObjectStore
 from kiln.storage.object_streams import ObjectWriter, open_writer
 from kiln.storage.uploaded_inputs import (
     IssuedSlot,
-    UploadRefused,
     UploadSlots,
-    checked_upload,
     new_upload_id,
     presigned_slot,
-    resolve_upload,
     upload_key,
 )
-from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.deps import Caller, Ctx, api_router, error_docs, field_error
-from kiln.tasks.contract.image_refs import ImageRef
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.contract.upload_slots import (
     CONTENT_TYPES,
@@ -40,17 +33,11 @@ from kiln.tasks.contract.upload_slots import (
     UploadRequest,
     UploadSlotView,
 )
-from kiln.tasks.webhooks.ssrf import UnsafeUrl, UrlPolicy, check_url, policy_from
 
 router = api_router()
 # pieces of a PUT body handed to the writer's thread at once: few thread hops, bounded memory
 WRITE_BYTES = 1024 * 1024
 UploadId = Annotated[str, Query(min_length=32, max_length=32, pattern=f"^{UPLOAD_ID.pattern}$")]
-
-
-def input_policy(settings: KilnSettings) -> UrlPolicy:
-    """The SSRF policy for input image URLs (its own allow-list, not the webhooks')."""
-    return policy_from(settings.input_allow_http, settings.input_allow_hosts)
 
 
 def upload_limit(settings: KilnSettings, purpose: str) -> int:
@@ -183,27 +170,3 @@ async def _stream_into(request: Request, writer: ObjectWriter, max_bytes: int) -
         writer.abort()
         raise
     return size
-
-
-def refuse_bad_image_refs(ctx: ApiContext, caller: Principal, refs: Mapping[str, ImageRef]) -> None:
-    """422 naming an image input whose upload is not the caller's, or whose URL is unsafe.
-
-    An upload over the limits is refused too. `refs` passed `check_request` (their form).
-    """
-    for name, ref in refs.items():
-        loc = ("body", "inputs", name)
-        value = ref.text
-        try:
-            if ref.kind == "upload":
-                objects = _objects(ctx)
-                key = resolve_upload(objects, caller.key_id, ref.target)
-                limit = ctx.settings.upload_max_bytes
-                checked_upload(objects, key, limit, CONTENT_TYPES["image"])
-            else:
-                check_url(ref.target, input_policy(ctx.settings), ctx.resolve)
-        except UnsafeUrl as exc:
-            raise field_error(loc, f"refused: {exc}", "unsafe_url", value) from exc
-        except (UploadRefused, ValueError) as exc:
-            raise field_error(loc, f"{name}: {exc}", "image_input", value) from exc
-        except ObjectStoreError as exc:
-            raise HTTPException(503, "object store unavailable; retry later") from exc

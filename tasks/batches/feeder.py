@@ -67,7 +67,7 @@ from kiln.tasks.batches.reporting import FeederLostLease, Lease, ResultWriter
 from kiln.tasks.batches.results import summary_line, unfed_line
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.queue.lanes import queue_name
+from kiln.tasks.intake.intake import line_job
 from kiln.tasks.queue.policy import public_message
 from kiln.tasks.queue.quotas import QueuedCaps
 from kiln.tasks.queue.submit import Submitter
@@ -232,17 +232,9 @@ class BatchFeeder:
         return created
 
     def _new_job(self, batch: FedBatch, item: Item) -> NewJob:
-        request = item.request
-        lane = str(request.get("priority", batch.priority))
-        return NewJob(
-            id=batch_job_id(batch.id, item.custom_id),
-            request=request,
-            batch_id=batch.id,
-            metadata=dict(request.get("metadata") or {}),
-            owner=batch.owner,
-            lane=lane,
-            queue=queue_name(lane, str(request.get("pipeline", "default"))),
-        )
+        """The line's job, from the request the intake accepted at upload (its seed drawn)."""
+        job_id = batch_job_id(batch.id, item.custom_id)
+        return line_job(item.request, job_id, batch.id, batch.owner, batch.priority)
 
     def _publish_unconfirmed(self, job_ids: list[str]) -> None:
         for record in self.store.get_many(job_ids):

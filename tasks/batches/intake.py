@@ -5,7 +5,9 @@ beyond the chunk it holds, and writes the valid lines to the batch's input objec
 streamed writer (`storage.object_streams`), `WRITE_BYTES` at a time. A line must be a JSON
 object: a job request (the same rules as POST /v1/jobs: strict JSON, the schema, a known
 pipeline, its limits, the webhook rules) plus a `custom_id` unique in the file, or the same in
-OpenAI's Batch form (`method` POST, `url` /v1/jobs, the request as `body`). Lines without
+OpenAI's Batch form (`method` POST, `url` /v1/jobs, the request as `body`). Every check past
+the schema is the intake's (`tasks.intake`, `LineIntake`), the one POST /v1/jobs runs: image inputs
+and webhooks included, each distinct one looked up once per file. Lines without
 `pipeline` or `priority` take the batch's defaults. Blank lines are skipped (they still count for
 line numbers).
 
@@ -26,7 +28,6 @@ it, each invalid line becomes an `invalid` result line of its own.
 from __future__ import annotations
 
 import json
-import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,12 +36,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from kiln.common.defaults import BATCH_LANE
-from kiln.common.request import DRAWN_SEED_LIMIT
 from kiln.storage.object_base import ObjectStore, StoredObject
 from kiln.storage.object_streams import ObjectWriter, iter_lines, open_writer
-from kiln.tasks.batches.checks import Error, LineChecks
 from kiln.tasks.batches.lines import item_number, request_item_line
-from kiln.tasks.batches.results import invalid_line
+from kiln.tasks.batches.results import Error, invalid_line
 from kiln.tasks.batches.unique_ids import CustomIds, Repeat
 from kiln.tasks.contract.batches import (
     CUSTOM_ID_MAX,
@@ -50,6 +49,8 @@ from kiln.tasks.contract.batches import (
     valid_custom_id,
 )
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import LineIntake
+from kiln.tasks.intake.refusal import Refusal, Refused
 
 # Strict-JSON errors of one line (the API's `json_guard.body_errors`): loc starts with "body".
 JsonCheck = Callable[[bytes], list[dict[str, Any]]]
@@ -127,7 +128,7 @@ class BatchIntake:
     def __init__(
         self,
         *,
-        checks: LineChecks,
+        checks: LineIntake,
         json_errors: JsonCheck,
         objects: ObjectStore,
         items: ObjectWriter,
@@ -268,12 +269,12 @@ class BatchIntake:
         except ValidationError as exc:
             errors = self.checks.restated(list(exc.errors()), data)
             return custom_id, [under(within, plain_error(error)) for error in errors]
-        problems = self.checks.errors(request)
-        if problems:
-            return custom_id, [under(within, problem) for problem in problems]
-        if request.seed is None:  # drawn once, stored: a line fed again makes the same job
-            request = request.model_copy(update={"seed": random.randrange(DRAWN_SEED_LIMIT)})
-        return custom_id, request
+        checked = self.checks.check(request)  # the seed drawn there, stored with the line
+        if isinstance(checked, Refusal):
+            if checked.status != 422:  # not the line's fault (the object store is down)
+                raise Refused(checked)
+            return custom_id, [under(within, checked.error())]
+        return custom_id, checked
 
     def _refuse_repeats(self) -> set[int]:
         """Refuse the lines whose custom_id repeats an earlier one's; their numbers.

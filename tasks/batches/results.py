@@ -18,10 +18,11 @@ from kiln.storage.batch_store import BatchStore
 from kiln.storage.job_store import JobRecord
 from kiln.storage.object_streams import iter_lines
 from kiln.storage.objects import ObjectStore, StoresByUrl
-from kiln.tasks.batches.checks import Error
 from kiln.tasks.contract.batches import INVALID, BatchView
 from kiln.tasks.contract.views import output_view
 
+# one error of a line, in FastAPI's shape: type, loc (from the line), msg
+Error = dict[str, Any]
 RESULTS_CONTENT_TYPE = "application/x-ndjson"
 _UNFED_MESSAGES = {
     "canceled": "the batch was canceled before this line was fed",

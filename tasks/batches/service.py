@@ -12,14 +12,15 @@ from kiln.storage.batch_store import BatchStore, FedBatch, NewFedBatch
 from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import batch_object_key, iter_chunks, open_writer
 from kiln.storage.objects import ObjectStore, StoresByUrl
-from kiln.tasks.batches.checks import LineChecks
 from kiln.tasks.batches.intake import BatchIntake, IntakeReport, JsonCheck, LineDefaults
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, stream_results
 from kiln.tasks.batches.retry import retry_batch
 from kiln.tasks.contract.batches import DEFAULT_COMPLETION_WINDOW, parse_completion_window
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.intake.intake import Intake
+from kiln.tasks.intake.refusal import Caller
 from kiln.tasks.queue.submit import Submitter
-from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
+from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, system_resolver
 
 
 def new_batch_id() -> str:
@@ -59,9 +60,8 @@ class BatchService:
         self.submitter = submitter
         self.settings = settings
         self.json_errors = json_errors
-        allow = (settings.webhook_allow_http, settings.webhook_allow_hosts)
-        self.policy = policy or policy_from(*allow)
-        self.resolve = resolve
+        # the one way in: every line passes the checks of POST /v1/jobs (`tasks.intake`)
+        self.intake = Intake(submitter, objects, resolve=resolve, webhook_policy=policy)
 
     def new_intake(self, batch_id: str, options: BatchOptions) -> BatchIntake:
         """An intake writing the batch's input (and, with skip_invalid, its invalid results)."""
@@ -72,9 +72,8 @@ class BatchService:
         if options.skip_invalid:
             key = batch_object_key(prefix, batch_id, "results", "invalid.jsonl")
             invalid = open_writer(self.objects, key, RESULTS_CONTENT_TYPE)
-        checks = LineChecks(self.submitter, self.settings, self.policy, self.resolve)
         return BatchIntake(
-            checks=checks,
+            checks=self.intake.lines(Caller(options.owner)),
             json_errors=self.json_errors,
             objects=self.objects,
             items=items,

@@ -65,16 +65,18 @@ class DirectBackend:
         from kiln.storage.job_store import JobStore
         from kiln.storage.objects import open_object_store
         from kiln.storage.settings import StorageSettings
+        from kiln.tasks.intake.intake import Intake
         from kiln.tasks.queue.submit import Submitter
 
         storage_settings = StorageSettings()
         self.store = JobStore.from_settings(storage_settings)
         self.objects = open_object_store(storage_settings)
         self.submitter = Submitter(self.store, KilnSettings())
+        self.intake = Intake(self.submitter, self.objects)  # the checks of POST /v1/jobs
 
     def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
         """Accept a job; an idempotent repeat returns the existing one."""
-        record, _ = self.submitter.submit(request, idempotency_key=idempotency_key)
+        record, _ = self.intake.submit(request, idempotency_key=idempotency_key)
         return job_view(record, self.objects, self.submitter.live_pipelines())
 
     def get(self, job_id: str) -> JobView:

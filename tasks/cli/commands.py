@@ -157,10 +157,10 @@ def _left(deadline: float, most: float) -> float:
 def _unknown_pipeline(exc: Exception) -> bool:
     """Whether a refused submit names a pipeline nobody serves (directly, or through the API)."""
     from kiln.tasks.client.client import ValidationFailed
-    from kiln.tasks.queue.submit import UnknownPipeline
+    from kiln.tasks.intake.refusal import Refused
 
-    if isinstance(exc, UnknownPipeline):
-        return True
+    if isinstance(exc, Refused):
+        return exc.refusal.code == "unknown_pipeline"
     if isinstance(exc, ValidationFailed) and isinstance(exc.detail, list):
         return any(isinstance(e, dict) and e.get("type") == "unknown_pipeline" for e in exc.detail)
     return False

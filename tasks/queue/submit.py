@@ -1,34 +1,25 @@
-"""Submission: the only code that publishes `run_job`.
+"""Publishing: the only code that publishes `run_job` (`tasks.intake` checks and writes jobs).
 
 A job is accepted once its `queued` record is written; publishing comes second. If publishing
 fails the record stays `published=False` and a node's sweeper re-publishes it later, so an accepted
 job is never lost and the caller still gets its id. With `CeleryMessages` (the API, when the
 broker is Kiln's Redis) the two are one step: the creation script pushes the message Celery built
-along with the record, so `submit` costs one Redis round trip.
+along with the record, so a submission costs one Redis round trip.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import uuid
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from kiln.common.request import DRAWN_SEED_LIMIT
 from kiln.storage.errors import StorageError
-from kiln.storage.job_store import JobRecord, JobStore, NewJob, request_fingerprint
+from kiln.storage.job_store import JobRecord, JobStore, NewJob
 from kiln.tasks.contract.limits import declared_limits
-from kiln.tasks.contract.request_check import (
-    PipelineDecl,
-    PipelineUnknown,
-    Violation,
-    check_request,
-)
-from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.request_check import PipelineDecl
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from kiln.tasks.queue.lanes import queue_name
@@ -43,15 +34,6 @@ class Publish(Protocol):
 
     def __call__(self, job_id: str, queue: str, countdown: float = 0.0) -> None:
         """Publish `run_job(job_id)` on `queue`, `countdown` seconds from now."""
-
-
-class UnknownPipeline(ValueError):
-    """The request names a pipeline no configuration or live node serves."""
-
-    def __init__(self, name: str, known: Sequence[str]) -> None:
-        super().__init__(PipelineUnknown(name, tuple(known)).message)
-        self.name = name
-        self.known = list(known)
 
 
 def celery_publisher(app: Any) -> Publish:
@@ -74,7 +56,7 @@ def new_job_id() -> str:
 
 
 class Submitter:
-    """Checks requests against what nodes serve, writes `queued` records and publishes them."""
+    """What nodes serve (cached), and the publishing of jobs the intake (`tasks.intake`) wrote."""
 
     def __init__(
         self,
@@ -114,60 +96,8 @@ class Submitter:
             adapters=tuple(served.adapters.get(pipeline, [])),
         )
 
-    def violation(self, request: JobRequest) -> Violation | None:
-        """Why what nodes serve would refuse `request` (`check_request`); None when it passes."""
-        return check_request(request, self.declared(request.pipeline))
-
     def _served_now(self) -> Served:
         return self._served.now()
-
-    def submit(
-        self,
-        request: JobRequest,
-        *,
-        owner: str | None = None,
-        idempotency_key: str | None = None,
-        batch_id: str | None = None,
-        max_queued: int | None = None,
-        max_depth: int | None = None,
-    ) -> tuple[JobRecord, bool]:
-        """Accept one job; returns its record and whether it was created (vs an idempotent hit).
-
-        `max_queued`: QuotaExceeded (nothing written) while `owner` has that many queued jobs;
-        `max_depth`: QueueFull (nothing written) while that many jobs are queued in all.
-        """
-        self._refuse(request)
-        new = self.new_job(request, owner=owner, idempotency_key=idempotency_key, batch_id=batch_id)
-        record, created = self.store.create_job(
-            new, max_queued=max_queued, max_depth=max_depth, message=self.message_for(new)
-        )
-        self.accepted(record, created)
-        return record, created
-
-    def new_job(
-        self,
-        request: JobRequest,
-        *,
-        owner: str | None = None,
-        idempotency_key: str | None = None,
-        batch_id: str | None = None,
-    ) -> NewJob:
-        """The job `submit` writes for `request`, which its caller has checked (`violation`)."""
-        effective = request
-        if request.seed is None:
-            effective = request.model_copy(update={"seed": random.randrange(DRAWN_SEED_LIMIT)})
-        return NewJob(
-            id=new_job_id(),
-            request=effective.model_dump(mode="json"),
-            batch_id=batch_id,
-            metadata=dict(request.metadata or {}),
-            owner=owner,
-            idempotency_key=idempotency_key,
-            # of the request as sent (defaults filled, no drawn seed): a replay must match it
-            fingerprint=request_fingerprint(request.to_record()) if idempotency_key else None,
-            lane=str(request.priority),
-            queue=queue_name(str(request.priority), request.pipeline),
-        )
 
     def message_for(self, new: NewJob) -> tuple[str, str] | None:
         """The new job's broker message for its creation script to push; None: publish after."""
@@ -199,22 +129,6 @@ class Submitter:
         if not record.published:  # created without its message, or a replay of such a job
             self.publish(record)
 
-    def submit_many(
-        self,
-        requests: Sequence[JobRequest],
-        *,
-        owner: str | None = None,
-        batch_id: str | None = None,
-    ) -> list[str]:
-        """Accept many jobs with one pipelined write, then publish each; returns their ids."""
-        for index, request in enumerate(requests):
-            self._refuse(request, (index,))
-        news = [self.new_job(r, owner=owner, batch_id=batch_id) for r in requests]
-        self.store.create_jobs(news)
-        for new in news:
-            self._publish_and_mark(new.id, queue_name(new.lane, new.request["pipeline"]))
-        return [new.id for new in news]
-
     def publish(self, record: JobRecord, countdown: float = 0.0) -> None:
         """(Re-)publish a queued job; failures are logged and left to the sweeper."""
         self._publish_and_mark(record.id, job_queue(record), countdown)
@@ -228,15 +142,3 @@ class Submitter:
             # giving a start back while the primary fails over met it as a traceback)
             # The record is written: the sweeper re-publishes unconfirmed jobs, nothing is lost.
             log.warning("publishing job %s failed (%s); the sweeper will retry", job_id, exc)
-
-    def _refuse(self, request: JobRequest, loc: tuple[str | int, ...] = ()) -> None:
-        """Raise why what nodes serve refuses `request`, as JobRequest's callers already catch.
-
-        UnknownPipeline for its pipeline's name; else a pydantic ValidationError at `loc`
-        naming the limit, input or adapter the pipeline refuses.
-        """
-        violation = self.violation(request)
-        if isinstance(violation, PipelineUnknown):
-            raise UnknownPipeline(violation.pipeline, violation.known)
-        if violation is not None:
-            raise violation.error(loc)

@@ -241,18 +241,19 @@ def summary(apis: list[Api]) -> None:
 
 
 def submitter_rate(store: JobStore, jobs: int) -> None:
-    """In-process Submitter.submit: record + Celery publish + mark_published, no HTTP."""
+    """In-process Intake.submit: checks + record + Celery publish + mark_published, no HTTP."""
     from kiln.tasks.contract.settings import KilnSettings
+    from kiln.tasks.intake.intake import Intake
     from kiln.tasks.queue.submit import Submitter
 
-    submitter = Submitter(store, KilnSettings())
+    intake = Intake(Submitter(store, KilnSettings()), None)
     request = JobRequest.model_validate(BODY)
 
     def loop() -> None:
         for _ in range(jobs):
-            submitter.submit(request)
+            intake.submit(request)
 
-    rate("in-process: Submitter.submit loop (no HTTP)", jobs, loop)
+    rate("in-process: Intake.submit loop (no HTTP)", jobs, loop)
 
 
 def storage_ceiling(store: JobStore, jobs: int) -> None:

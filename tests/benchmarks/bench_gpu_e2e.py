@@ -372,7 +372,7 @@ def run_stream(side: Side, requests: list[JobRequest], into: Stream) -> None:
         peaks = [float(s["peak_mb"]) for s in statuses]
     else:
         assert side.cluster is not None
-        job_ids = side.cluster.submitter.submit_many(requests)
+        job_ids = side.cluster.submit_many(requests)
         records = wait_all(side.cluster.store, job_ids, timeout_for(requests))
         last = max(float(r.finished_at or 0.0) for r in records)
         peaks = [float(r.metrics["peak_memory_mb"]) for r in records]
@@ -391,7 +391,7 @@ def overhead_ms(side: Side, requests: list[JobRequest]) -> list[float]:
     overheads = []
     for request in requests:
         submitted = time.time()
-        record, _ = cluster.submitter.submit(request)
+        record, _ = cluster.intake.submit(request)
         state = wait_event(cluster.store, record.id, timeout_s=timeout_for([request]))
         latency = time.time() - submitted
         if state != "succeeded":

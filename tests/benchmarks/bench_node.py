@@ -396,7 +396,7 @@ def kiln_once(
 ) -> OverheadSample:
     """One Kiln job, submit to terminal event, with its event timeline."""
     submitted_at = time.time()
-    record, _ = cluster.submitter.submit(request)
+    record, _ = cluster.intake.submit(request)
     state = wait_event(cluster.store, record.id)
     seen_at = time.time()
     if state != "succeeded":
@@ -480,7 +480,7 @@ def run_kiln_stream(found: Services, max_batch: int, requests: list[JobRequest])
     node = found.nodes[max_batch]
     cluster = node.cluster
     started = time.time()
-    job_ids = cluster.submitter.submit_many(requests)
+    job_ids = cluster.submit_many(requests)
     records = wait_all(cluster.store, job_ids, timeout_s=120 + 5 * len(requests))
     last = max(float(r.finished_at or 0) for r in records)
     return StreamResult(

@@ -131,7 +131,7 @@ def sides(base: Path, tmp: Path) -> Iterator[list[Side]]:
 def run_one(side: Side, request: JobRequest) -> tuple[str, float]:
     """Submit one job and wait for its terminal event; (job id, latency in s)."""
     started = time.time()
-    record, _ = side.cluster.submitter.submit(request)
+    record, _ = side.cluster.intake.submit(request)
     state = wait_event(side.cluster.store, record.id)
     if state != "succeeded":
         raise RuntimeError(f"{side.label}: job {record.id} ended {state}")

@@ -100,7 +100,7 @@ def run_node(method: str, tmp: Path, endpoint: str, redis_url: str) -> float:
         cluster = found.nodes[1].cluster
         request = JobRequest(pipeline="tiny", prompt="cold", width=64, height=64, steps=4, seed=1)
         submitted_at = time.time()
-        record, _ = cluster.submitter.submit(request)
+        record, _ = cluster.intake.submit(request)
         deadline, seq = time.monotonic() + GENEROUS_S, 0
         while time.monotonic() < deadline:
             for event in cluster.store.events(record.id, after_seq=seq, block_ms=2000):

@@ -20,8 +20,10 @@ from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.submit import Submitter, celery_publisher
+from tests.tasks.helpers import write_many
 from tests.waiting import wait_for_changes, wait_until
 
 SLEEPY = "python:tests.e2e.pipelines:sleepy"
@@ -155,6 +157,8 @@ class Cluster:
         self.objects: ObjectStore = open_object_store(self.storage_settings)
         self.celery = make_celery_app(self.settings, self.storage_settings)
         self.submitter = Submitter(self.store, self.settings, celery_publisher(self.celery))
+        # the one way in (tasks/intake), as `kiln submit` without --api uses it
+        self.intake = Intake(self.submitter, self.objects)
         self.completions = Path(self.env["KILN_TEST_COMPLETIONS"])
 
     def start_worker(
@@ -195,9 +199,13 @@ class Cluster:
         return worker
 
     def submit(self, **fields: object) -> str:
-        """Submit a job through `tasks.queue.submit`; returns its id."""
-        record, _ = self.submitter.submit(JobRequest.model_validate(fields))
+        """Submit a job through the intake (`tasks.intake`); returns its id."""
+        record, _ = self.intake.submit(JobRequest.model_validate(fields))
         return record.id
+
+    def submit_many(self, requests: list[JobRequest]) -> list[str]:
+        """Jobs the intake accepted, written in one pipelined step (as a feeder writes a chunk)."""
+        return write_many(self.intake, requests)
 
     def run_cli(self, *args: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
         """Run `kiln ARGS...` as a user would, against this cluster; capture its output."""

@@ -51,7 +51,7 @@ def submit(cluster: Cluster, lane: Lane = Lane.interactive, steps: int = 2, **kw
         pipeline=kw.pop("pipeline", "sleepy"), prompt="x", width=64, height=64, steps=steps,
         priority=lane,
     )  # fmt: skip
-    record, _ = cluster.submitter.submit(request, **kw)
+    record, _ = cluster.intake.submit(request, **kw)
     return record.id
 
 

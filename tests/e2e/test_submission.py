@@ -46,7 +46,7 @@ def test_submit_many_writes_in_bulk_and_every_job_runs(
         )
         for i in range(6)
     ]
-    job_ids = cluster.submitter.submit_many(requests)
+    job_ids = cluster.submit_many(requests)
     records = cluster.store.get_many(job_ids)
     assert all(r is not None and r.published and r.lane == "bulk" for r in records)
     cluster.start_worker(f"sleepy={SLEEPY}", extra_env={"KILN_TEST_STEP_SECONDS": "0.01"})

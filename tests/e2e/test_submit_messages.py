@@ -8,6 +8,7 @@ import pytest
 
 from kiln.common.request import Lane
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.submit import Submitter, celery_publisher
 from tests.e2e.cluster import SLEEPY, Cluster
@@ -28,7 +29,7 @@ def test_jobs_whose_message_went_with_the_record_run_once_in_both_lanes(
         request = JobRequest(
             pipeline="sleepy", prompt=f"p{i}", width=64, height=64, steps=1, priority=lane
         )
-        record, created = submitter.submit(request)
+        record, created = Intake(submitter, None).submit(request)
         assert created
         assert record.published  # written with its message: nothing for the sweeper
         job_ids.append(record.id)

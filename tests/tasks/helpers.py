@@ -20,6 +20,8 @@ from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.http_guard import uvicorn_config
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.intake.intake import ANONYMOUS, Intake
+from kiln.tasks.intake.refusal import Refused
 from kiln.tasks.webhooks.message import new_webhook_secret
 from kiln.tasks.webhooks.ssrf import Resolver, system_resolver
 from tests.waiting import wait_until
@@ -224,3 +226,24 @@ class Receiver:
         """Stop serving."""
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def write_many(intake: Intake, requests: list[JobRequest]) -> list[str]:
+    """Jobs the intake accepts, written in one pipelined step and published (bulk set-up).
+
+    Each distinct request is checked once; Refused names the first one the intake refuses.
+    """
+    checked: set[str] = set()
+    for request in requests:
+        text = request.model_dump_json()
+        if text not in checked:
+            refusal = intake.refusal(request, ANONYMOUS, None)
+            if refusal is not None:
+                raise Refused(refusal)
+            checked.add(text)
+    news = [intake.accept(request, ANONYMOUS).new for request in requests]
+    intake.store.create_jobs(news)
+    for record in intake.store.get_many([new.id for new in news]):
+        if record is not None:
+            intake.submitter.publish(record)
+    return [new.id for new in news]

@@ -26,8 +26,10 @@ from kiln.tasks.client.client import KilnClient, ValidationFailed
 from kiln.tasks.contract.input_values import value_violation
 from kiln.tasks.contract.inputs import input_violation
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
+from kiln.tasks.intake.refusal import Refused
 from kiln.tasks.queue.submit import Submitter
-from tests.tasks.helpers import Api, api_settings
+from tests.tasks.helpers import Api, api_settings, write_many
 
 SMALL: dict[str, Any] = {
     "pipeline": "tiny",
@@ -291,13 +293,14 @@ def test_the_submitter_refuses_for_python_callers(job_store: JobStore) -> None:
     announce_info = {"pipelines": ["tiny"], "inputs": {"tiny": TINY_SCHEMA}}
     job_store.publish_node("node-a", announce_info, ttl_s=30)
     submitter = Submitter(job_store, api_settings(), lambda *_args, **_kw: None)
-    with pytest.raises(ValidationError) as refused:
-        submitter.submit(JobRequest(**SMALL, inputs={"eta": -1}))
-    (error,) = refused.value.errors()
-    assert (error["type"], error["loc"]) == ("pipeline_input", ("inputs", "eta"))
-    with pytest.raises(ValidationError) as in_bulk:
-        submitter.submit_many([JobRequest(**SMALL), JobRequest(**SMALL, inputs={"x": 1})])
-    assert in_bulk.value.errors()[0]["loc"] == (1, "inputs", "x")
+    intake = Intake(submitter, None)
+    with pytest.raises(Refused) as refused:
+        intake.submit(JobRequest(**SMALL, inputs={"eta": -1}))
+    error = refused.value.refusal
+    assert (error.status, error.code, error.loc) == (422, "pipeline_input", ("inputs", "eta"))
+    with pytest.raises(Refused) as in_bulk:
+        write_many(intake, [JobRequest(**SMALL), JobRequest(**SMALL, inputs={"x": 1})])
+    assert in_bulk.value.refusal.loc == ("inputs", "x")
 
 
 # --- the CLI ------------------------------------------------------------------------------------

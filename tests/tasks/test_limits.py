@@ -10,15 +10,16 @@ from typing import Any
 
 import httpx
 import pytest
-from pydantic import ValidationError
 
 from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.main import EXIT_USAGE, main
 from kiln.tasks.contract.limits import PipelineLimits
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
+from kiln.tasks.intake.refusal import Refused
 from kiln.tasks.queue.submit import Submitter
-from tests.tasks.helpers import Api, api_settings
+from tests.tasks.helpers import Api, api_settings, write_many
 
 SMALL = {"prompt": "waves", "width": 64, "height": 64, "steps": 2}
 FRAME_RULE = "tiny-video takes num_frames = 4k+1 (1, 5, 9, …, 81); got 16"
@@ -127,17 +128,18 @@ def test_a_request_any_live_node_takes_is_accepted(api: Api) -> None:
 def test_submitter_refuses_for_python_callers(job_store: JobStore) -> None:
     published: list[str] = []
     submitter = Submitter(job_store, api_settings(), lambda job_id, *_: published.append(job_id))
-    with pytest.raises(ValidationError) as refused:
-        submitter.submit(JobRequest(pipeline="tiny-video", prompt="waves", num_frames=16))
-    (error,) = refused.value.errors()
-    assert (error["type"], error["loc"]) == ("pipeline_limit", ("num_frames",))
-    assert error["msg"] == FRAME_RULE
-    assert error["ctx"]["limit"] == "frame_step"
+    intake = Intake(submitter, None)
+    with pytest.raises(Refused) as refused:
+        intake.submit(JobRequest(pipeline="tiny-video", prompt="waves", num_frames=16))
+    error = refused.value.refusal
+    assert (error.code, error.loc) == ("pipeline_limit", ("num_frames",))
+    assert error.message == FRAME_RULE
+    assert error.context["limit"] == "frame_step"
     good = JobRequest(pipeline="tiny-video", prompt="waves", width=64, height=64, num_frames=17)
     bad = good.model_copy(update={"steps": 201})
-    with pytest.raises(ValidationError) as in_bulk:
-        submitter.submit_many([good, bad])
-    assert in_bulk.value.errors()[0]["loc"] == (1, "steps")  # which request of the batch
+    with pytest.raises(Refused) as in_bulk:
+        write_many(intake, [good, bad])
+    assert in_bulk.value.refusal.loc == ("steps",)
     assert published == []
     assert job_store.queue_depth() == 0
 

@@ -20,6 +20,7 @@ from kiln.storage.records import NewJob
 from kiln.tasks.cli.main import build_parser
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.views import JobView
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.lanes import LANES
 from kiln.tasks.queue.submit import Submitter
 from tests.tasks.helpers import api_settings
@@ -98,7 +99,7 @@ def test_any_seed_up_to_the_generators_largest_is_accepted() -> None:
 def test_a_drawn_seed_stays_below_the_drawn_limit(job_store: JobStore) -> None:
     submitter = Submitter(job_store, api_settings(), lambda *_args, **_kw: None)
     for _ in range(20):
-        record, _ = submitter.submit(JobRequest(prompt="p", width=64, height=64))
+        record, _ = Intake(submitter, None).submit(JobRequest(prompt="p", width=64, height=64))
         assert 0 <= record.request["seed"] < DRAWN_SEED_LIMIT
 
 
@@ -107,9 +108,9 @@ def test_a_drawn_seed_stays_below_the_drawn_limit(job_store: JobStore) -> None:
 
 def test_idempotency_binds_the_request_as_sent_not_the_drawn_seed(job_store: JobStore) -> None:
     submitter = Submitter(job_store, api_settings(), lambda *_args, **_kw: None)
-    first, created = submitter.submit(JobRequest(prompt="p"), idempotency_key="k")
+    first, created = Intake(submitter, None).submit(JobRequest(prompt="p"), idempotency_key="k")
     spelled_out = JobRequest.model_validate({"prompt": "p", "width": 512, "steps": 25})
-    again, created_again = submitter.submit(spelled_out, idempotency_key="k")
+    again, created_again = Intake(submitter, None).submit(spelled_out, idempotency_key="k")
     assert created
     assert not created_again
     assert again.id == first.id

@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from pydantic import ValidationError
 
 from kiln.common.limits import LIMIT_KEYS, TINY_LIMITS, DeclaredLimits
 from kiln.common.previews import MAX_PREVIEW_SIDE
@@ -24,6 +23,8 @@ from kiln.gpu_worker.protocol import GenerationRequest, PreviewSpec
 from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.limits import PipelineLimits
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
+from kiln.tasks.intake.refusal import Refused
 from kiln.tasks.queue.submit import Submitter
 from tests.tasks.helpers import Api, api_settings
 
@@ -145,11 +146,11 @@ def test_the_submitter_refuses_for_python_callers(job_store: JobStore) -> None:
     request = JobRequest.model_validate(
         {**SMALL, "pipeline": "tiny", "preview": {"max_side": TINY_PREVIEW_SIDE * 2}}
     )
-    with pytest.raises(ValidationError) as refused:
-        submitter.submit(request)
-    (error,) = refused.value.errors()
-    assert (error["type"], error["loc"]) == ("pipeline_limit", ("preview", "max_side"))
-    assert error["ctx"]["limit"] == "max_preview_side"
+    with pytest.raises(Refused) as refused:
+        Intake(submitter, None).submit(request)
+    error = refused.value.refusal
+    assert (error.code, error.loc) == ("pipeline_limit", ("preview", "max_side"))
+    assert error.context["limit"] == "max_preview_side"
     assert published == []
 
 

@@ -14,11 +14,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from pydantic import ValidationError
 
 from kiln.gpu_worker.pipelines import Pipeline
 from kiln.gpu_worker.pipelines.announced import announced_schema
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
+from kiln.tasks.intake.refusal import Refused
 from kiln.tasks.queue.submit import Submitter
 from tests.e2e.painted_pipelines import PaintedPipeline
 from tests.e2e.pipelines import SleepyPipeline
@@ -87,5 +88,5 @@ def test_a_request_for_previews_of_a_pipeline_that_cannot_emit_them_is_a_422(
 def test_the_submitter_refuses_it_too(served: Api) -> None:
     submitter = Submitter(served.store, served.settings, publish=lambda *_a, **_k: None)
     request = JobRequest.model_validate({**SMALL, "pipeline": "sleepy", "preview": PREVIEW})
-    with pytest.raises(ValidationError, match="sleepy emits no previews"):
-        submitter.submit(request)
+    with pytest.raises(Refused, match="sleepy emits no previews"):
+        Intake(submitter, None).submit(request)

@@ -24,6 +24,7 @@ from kiln.tasks.api.app import create_app
 from kiln.tasks.api.context import build_context
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.lanes import queue_name
 from kiln.tasks.queue.messages import CeleryMessages
@@ -158,12 +159,12 @@ def test_submit_with_messages_keeps_submits_answers(
     submitter = Submitter(
         job_store, api_settings(), lambda job_id, *_: published.append(job_id), messages=messages
     )
-    record, created = submitter.submit(JobRequest(pipeline="tiny", prompt="x"), max_depth=5)
+    record, created = Intake(submitter, None).submit(JobRequest(pipeline="tiny", prompt="x"))
     assert created
     assert record.published
     assert published == []
     plain = Submitter(job_store, api_settings(), lambda job_id, *_: published.append(job_id))
-    other, _ = plain.submit(JobRequest(pipeline="tiny", prompt="y"))
+    other, _ = Intake(plain, None).submit(JobRequest(pipeline="tiny", prompt="y"))
     assert published == [other.id]
 
 
@@ -244,7 +245,7 @@ def test_a_publish_to_a_lost_broker_is_left_to_the_sweeper(
     # start back while the primary failed over met it as a traceback, its job's message unsent
     lost_broker_app.conf.task_publish_retry = False  # the first refusal is enough to show
     submitter = Submitter(job_store, api_settings(), celery_publisher(lost_broker_app))
-    record, created = submitter.submit(JobRequest(pipeline="tiny", prompt="x"))
+    record, created = Intake(submitter, None).submit(JobRequest(pipeline="tiny", prompt="x"))
     assert created
     assert not job_store.get(record.id).published
     assert job_store.unpublished_jobs(0) == [record.id]  # what the sweeper publishes again

@@ -14,10 +14,12 @@ from celery import Celery
 from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.node.audit import lost_jobs
 from kiln.tasks.queue.app import RUN_JOB_TASK
 from kiln.tasks.queue.kombu_redis import listed_run_job_id, queue_list_keys, unacked_keys
 from kiln.tasks.queue.submit import Submitter, job_queue
+from tests.tasks.helpers import write_many
 
 REQUEST = JobRequest(pipeline="tiny", prompt="x", width=64, height=64)
 QUEUE = "interactive.tiny"
@@ -26,7 +28,7 @@ YOUNG = 3600.0  # no job is
 
 
 def submit(submitter: Submitter) -> str:
-    record, _ = submitter.submit(REQUEST)
+    record, _ = Intake(submitter, None).submit(REQUEST)
     assert job_queue(record) == QUEUE
     return record.id
 
@@ -99,7 +101,7 @@ def test_a_message_in_a_priority_list_is_seen(job_store: JobStore, app: Celery) 
 def test_lists_indexes_and_unacked_are_read_past_one_page(
     job_store: JobStore, app: Celery, submitter: Submitter
 ) -> None:
-    ids = submitter.submit_many([REQUEST] * 2500)
+    ids = write_many(Intake(submitter, None), [REQUEST] * 2500)
     lost = ids[1700]
     lose_message(job_store, app, lost)
     assert lost_jobs(job_store, app, [QUEUE], OLD) == [lost]

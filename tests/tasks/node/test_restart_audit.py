@@ -15,6 +15,7 @@ from celery import Celery
 
 from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.node.maintenance import audit_after_restart
 from kiln.tasks.queue.kombu_redis import listed_run_job_id, queue_list_keys
 from kiln.tasks.queue.submit import Submitter, job_queue
@@ -54,7 +55,7 @@ def test_a_restart_audits_the_queue_at_once(
 ) -> None:
     harness = make_node()  # the deployment's audit age (300 s): no job here is that old
     request = JobRequest(pipeline="tiny", prompt="x", width=64, height=64)
-    lost, waiting = (submitter.submit(request)[0] for _ in range(2))
+    lost, waiting = (Intake(submitter, None).submit(request)[0] for _ in range(2))
     assert job_queue(lost) == QUEUE
     assert audit_after_restart(harness.node, [QUEUE]) == 0  # first sight of this server
     lose_message(job_store, app, lost.id)

@@ -15,6 +15,7 @@ from kombu import Queue
 from kiln.storage.job_store import JobStore
 from kiln.storage.nodes import LapsedHolder
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.node.unacked import CLOCK_SLACK_S, lapse_windows, orphaned_jobs
 from kiln.tasks.queue.kombu_redis import run_job_id, unacked_keys
 from kiln.tasks.queue.submit import Submitter, job_queue
@@ -23,7 +24,9 @@ LAPSE_TTL_S = 0.05
 
 
 def submit(submitter: Submitter) -> str:
-    record, _ = submitter.submit(JobRequest(pipeline="tiny", prompt="x", width=64, height=64))
+    record, _ = Intake(submitter, None).submit(
+        JobRequest(pipeline="tiny", prompt="x", width=64, height=64)
+    )
     return record.id
 
 
