@@ -244,12 +244,3 @@ class BatchSummary(BaseModel):
 
     type: Literal["summary"] = "summary"
     batch: BatchView
-
-
-class BatchLineError(BaseModel):
-    """Why one line of a batch file was refused (in a 422's `detail`, or an invalid result)."""
-
-    type: str
-    loc: list[str | int]
-    msg: str
-    line: int
