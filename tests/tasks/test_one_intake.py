@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from kiln.tasks.intake.intake import Intake
 from kiln.tasks.intake.refusal import Caller, Refused
 from kiln.tasks.queue.submit import Submitter
 from tests.e2e.image_server import CAT
-from tests.tasks.helpers import Api, ApiFactory, fake_dns
+from tests.tasks.helpers import Api, ApiFactory, drive_to_success, fake_dns
 from tests.tasks.test_batches import feeder, get_batch, jsonl, post_batch, results
 from tests.tasks.test_batches_control import control
 
@@ -437,3 +438,57 @@ def test_the_batch_file_and_the_job_share_the_webhook_rule(make_api: ApiFactory)
     )
     (error,) = as_option.json()["detail"]
     assert (error["type"], error["loc"]) == ("webhooks_disabled", ["query", "webhook_url"])
+
+
+def written_at_once(
+    api: Api, body: dict[str, Any], intake: Intake, caller: Caller
+) -> list[tuple[int, str, str | None]]:
+    """A 429 at the API and at the direct entrance: (status, message, Retry-After) of each."""
+    answer = httpx.post(f"{api.url}/v1/jobs", json=body, headers=api.auth("alice"))
+    with pytest.raises(Refused) as direct:
+        intake.submit(JobRequest.model_validate(body), caller)
+    refusal = direct.value.refusal
+    after = None if refusal.retry_after_s is None else str(refusal.retry_after_s)
+    return [
+        (answer.status_code, answer.json()["detail"], answer.headers.get("Retry-After")),
+        (refusal.status, refusal.message, after),
+    ]
+
+
+def test_quota_and_admission_refuse_alike_and_a_batch_line_waits_instead(
+    make_api: ApiFactory,
+) -> None:
+    capped = make_api(resolve=fake_dns(DNS), max_queued_per_key=1, **SETTINGS)
+    announce(capped)
+    submitter = Submitter(capped.store, capped.settings, publish=lambda *_a, **_k: None)
+    intake, alice = Intake(submitter, capped.ctx.objects), Caller(capped.key_ids["alice"])
+    assert through_api(capped, TINY)[0] == ACCEPTED  # alice's one queued job
+    api_answer, direct_answer = written_at_once(capped, TINY, intake, alice)
+    assert api_answer == direct_answer
+    assert api_answer[:2] == (429, "this API key has 1 queued jobs, its maximum; retry later")
+    # a line is not refused for the cap: the feeder feeds it once the key has room
+    line = post_batch(capped, jsonl([{**TINY, "custom_id": "later"}]))
+    assert (line.status_code, line.json()["counts"]["total"]) == (201, 1)
+
+    busy = make_api(resolve=fake_dns(DNS), **SETTINGS)
+    announce(busy)
+    submitter = Submitter(busy.store, busy.settings, publish=lambda *_a, **_k: None)
+    intake, alice = Intake(submitter, busy.ctx.objects), Caller(busy.key_ids["alice"])
+    for _ in range(2):  # two runs just ended
+        assert through_api(busy, TINY)[0] == ACCEPTED
+    for record in busy.store.list_jobs(owner=alice.key_id, limit=10)[0]:
+        drive_to_success(busy.store, record.id)
+    for _ in range(40):  # 40 jobs ahead at the rate two runs just ended: a wait past 5 s
+        assert through_api(busy, TINY)[0] == ACCEPTED
+    late = {**TINY, "start_by": time.time() + 5}
+    api_answer, direct_answer = written_at_once(busy, late, intake, alice)
+    assert (api_answer[0], direct_answer[0]) == (429, 429)
+    for _, message, retry_after in (api_answer, direct_answer):
+        assert "start_by" in message
+        assert "'tiny'" in message
+        assert retry_after is not None
+        assert int(retry_after) >= 1
+    assert through_api(busy, {**late, "start_by": time.time() + 3600})[0] == ACCEPTED
+    # a batch line is never refused for latency (its lane may wait)
+    line = post_batch(busy, jsonl([{**late, "custom_id": "late"}]), priority="interactive")
+    assert line.status_code == 201, line.text
