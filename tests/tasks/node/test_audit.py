@@ -80,16 +80,15 @@ def test_a_young_job_and_an_unconfirmed_publish_are_left_alone(
     assert lost_jobs(job_store, app, [QUEUE], YOUNG) == []
     # its publish failed, so it is not marked published: the sweeper's, not the audit's
     failing = Submitter(job_store, KilnSettings(pipelines=["tiny"]), broker_down)
-    unconfirmed, _ = failing.submit(REQUEST)
+    unconfirmed, _ = Intake(failing, None).submit(REQUEST)
     assert not job_store.get(unconfirmed.id).published
     assert lost_jobs(job_store, app, [QUEUE], OLD) == [young]
 
 
 def test_a_message_in_a_priority_list_is_seen(job_store: JobStore, app: Celery) -> None:
     # created without a message (a publish that does nothing) and marked published
-    record, _ = Submitter(job_store, KilnSettings(pipelines=["tiny"]), lambda *_: None).submit(
-        REQUEST
-    )
+    quiet = Submitter(job_store, KilnSettings(pipelines=["tiny"]), lambda *_: None)
+    record, _ = Intake(quiet, None).submit(REQUEST)
     assert job_store.get(record.id).published
     app.send_task(RUN_JOB_TASK, args=[record.id], queue=QUEUE, priority=9)
     lengths = [job_store.redis.llen(key) for key in queue_list_keys(app, QUEUE)]
