@@ -23,27 +23,39 @@ class JobParameters(JobRequest):
 
 
 class Progress(BaseModel):
-    """Where a job is: a running one's stage, or where a queued one a node holds waits."""
+    """Where a running job is: its stage (and step of total)."""
 
     model_config = ConfigDict(extra="ignore")
 
     stage: str = Field(
-        description="waiting_in_node (queued: held by a node, not started yet)|loading|denoising|"
-        "decoding|encoding|uploading"
+        description="loading|denoising|decoding|encoding|uploading; waiting_in_node for a queued "
+        "job a node holds (WaitingProgress)"
     )
     step: int | None = None
     total: int | None = None
-    node: str | None = Field(default=None, description="waiting_in_node: the node holding it")
-    position: int | None = Field(
-        default=None, description="waiting_in_node: the jobs that node starts before it"
-    )
 
     def describe(self) -> str:
-        """One line: `waiting in node N (2 ahead there)` or `denoising 3/20`."""
-        if self.node is not None:
-            return f"waiting in node {self.node} ({self.position or 0} ahead there)"
+        """One line: `denoising 3/20`."""
         steps = f" {self.step}/{self.total}" if self.total else ""
         return f"{self.stage}{steps}"
+
+
+class WaitingProgress(Progress):
+    """Where a queued job a node holds waits: the node, and the jobs it starts before it."""
+
+    node: str = Field(description="the node holding the job")
+    position: int = Field(description="the jobs that node starts before it (0: next)")
+
+    def describe(self) -> str:
+        """One line: `waiting in node N (2 ahead there)`."""
+        return f"waiting in node {self.node} ({self.position} ahead there)"
+
+
+def progress_view(progress: dict[str, Any]) -> Progress:
+    """A job's progress as stored or in its event: a held job's wait, or a running job's stage."""
+    if "node" in progress and "position" in progress:
+        return WaitingProgress.model_validate(progress)
+    return Progress.model_validate(progress)
 
 
 class OutputView(BaseModel):
@@ -91,7 +103,7 @@ class JobView(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     attempts: int
-    progress: Progress | None = None
+    progress: WaitingProgress | Progress | None = None
     outputs: list[OutputView] = Field(default_factory=list)
     error: ErrorView | None = None
     metrics: Metrics = Field(default_factory=Metrics)
@@ -189,7 +201,7 @@ def job_view(
         attempts=record.attempts,
         # a finished job is past every stage: its last one (`uploading 1/1`) would be stale
         progress=(
-            Progress.model_validate(record.progress)
+            progress_view(record.progress)
             if record.progress and not is_terminal(record.state)
             else None
         ),

@@ -19,7 +19,7 @@ from kiln.common.states import TERMINAL_STATES, JobState, is_terminal
 from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import ObjectStore
 from kiln.tasks.contract.schemas import WebhookEvent
-from kiln.tasks.contract.views import JobView, Metrics, Progress, job_view
+from kiln.tasks.contract.views import JobView, Metrics, Progress, job_view, progress_view
 
 USER_AGENT = "Kiln-Webhooks/1"
 # the job event types each webhook event reports
@@ -68,7 +68,7 @@ def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) ->
         step, total = source.payload.get("step"), source.payload.get("total")
         update["progress"] = Progress(stage="denoising", step=step, total=total)
     else:
-        update["progress"] = Progress.model_validate(source.payload)
+        update["progress"] = progress_view(source.payload)
     return view.model_copy(update=update)
 
 
