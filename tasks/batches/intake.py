@@ -97,6 +97,19 @@ class LineDefaults:
             data["metadata"] = {**self.metadata, **(own or {})}
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A line read up to its schema: number, custom_id, request or errors, where the request sits.
+
+    `within` is `("body",)` for a line in OpenAI's form (its errors point into the body).
+    """
+
+    number: int
+    custom_id: str | None
+    outcome: JobRequest | list[Error]
+    within: tuple[str, ...] = ()
+
+
 @dataclass
 class IntakeReport:
     """What an intake found: line counts, the first errors, the objects written."""
@@ -162,8 +175,13 @@ class BatchIntake:
         data = self._rest + chunk
         parts = data.split(b"\n")
         self._rest = parts.pop()
-        for raw, text in zip(parts, plain_texts(data, parts, self.max_json_depth), strict=True):
-            self._line(raw, text)
+        texts = plain_texts(data, parts, self.max_json_depth)
+        staged = [self._stage(raw, text) for raw, text in zip(parts, texts, strict=True)]
+        # the chunk's image inputs and webhook URLs looked up together, before any line is settled
+        self.checks.prefetch([line.outcome for line in staged if line is not None])
+        for line in staged:
+            if line is not None:
+                self._settle(line)
         if len(self._rest) > self.max_line_bytes:
             if not self._overlong:
                 self._refuse(self._number + 1, None, [too_long(self.max_line_bytes)])
@@ -175,7 +193,9 @@ class BatchIntake:
         A refused file's objects are left to the caller to abort (nothing is committed).
         """
         if self._rest or self._overlong:
-            self._line(self._rest, plain_text(self._rest, self.max_json_depth))
+            last = self._stage(self._rest, plain_text(self._rest, self.max_json_depth))
+            if last is not None:
+                self._settle(last)
             self._rest = b""
         repeated = self._refuse_repeats()
         report = self.report
@@ -206,28 +226,42 @@ class BatchIntake:
         if self.invalid is not None:
             self.invalid.abort()
 
-    def _line(self, raw: bytes, text: str | None) -> None:
-        """One line; `text` is the line if the screen proved it plain, else None."""
+    def _stage(self, raw: bytes, text: str | None) -> Staged | None:
+        """One line up to its schema; None for a blank line or a too-long one's end.
+
+        `text` is the line if the screen proved it plain, else None.
+        """
         self._number += 1
         if self._overlong:  # the end of a line already refused as too long
             self._overlong = False
-            return
+            return None
         if len(raw) > self.max_line_bytes:
-            self._refuse(self._number, None, [too_long(self.max_line_bytes)])
-            return
+            return Staged(self._number, None, [too_long(self.max_line_bytes)])
         if not raw.strip():
-            return
-        custom_id, outcome = self._validate(raw, text)
+            return None
+        return Staged(self._number, *self._validate(raw, text))
+
+    def _settle(self, line: Staged) -> None:
+        """The intake's checks of a staged line, then its item (or its refusal)."""
+        custom_id, outcome = line.custom_id, line.outcome
+        if isinstance(outcome, JobRequest):
+            checked = self.checks.check(outcome)  # the seed drawn there, stored with the line
+            if isinstance(checked, Refusal):
+                if checked.status != 422:  # not the line's fault (the object store is down)
+                    raise Refused(checked)
+                outcome = [under(line.within, checked.error())]
+            else:
+                outcome = checked
         valid = not isinstance(outcome, list)
         if custom_id is not None:
-            self._ids.add(self._number, custom_id, valid)
+            self._ids.add(line.number, custom_id, valid)
         if isinstance(outcome, list):
-            self._refuse(self._number, custom_id, outcome)
+            self._refuse(line.number, custom_id, outcome)
             return
         assert custom_id is not None
         self.report.items += 1
         if not self.report.errors:  # a refused file writes nothing more
-            self._pending += request_item_line(self._number, custom_id, outcome)
+            self._pending += request_item_line(line.number, custom_id, outcome)
             if len(self._pending) >= WRITE_BYTES:
                 self.items.write(bytes(self._pending))
                 self._pending.clear()
@@ -246,35 +280,34 @@ class BatchIntake:
 
     def _validate(
         self, raw: bytes, text: str | None
-    ) -> tuple[str | None, JobRequest | list[Error]]:
+    ) -> tuple[str | None, JobRequest | list[Error], tuple[str, ...]]:
+        """The line's custom_id, and its request as the schema reads it or its errors."""
         data, problems = self._parse(raw, text)
         if problems:
-            return None, problems
+            return None, problems, ()
         if not isinstance(data, dict):
-            return None, [{"type": "dict_type", "loc": [], "msg": "a line must be a JSON object"}]
+            not_object = {"type": "dict_type", "loc": [], "msg": "a line must be a JSON object"}
+            return None, [not_object], ()
         custom_id = data.pop("custom_id", None)
         if custom_id is None:
-            return None, [{"type": "missing", "loc": ["custom_id"], "msg": "Field required"}]
+            return None, [{"type": "missing", "loc": ["custom_id"], "msg": "Field required"}], ()
         if not valid_custom_id(custom_id):
-            return None, [{"type": "custom_id", "loc": ["custom_id"], "msg": CUSTOM_ID_MSG}]
+            bad_id = {"type": "custom_id", "loc": ["custom_id"], "msg": CUSTOM_ID_MSG}
+            return None, [bad_id], ()
         within: tuple[str, ...] = ()  # where the request sits in the line
         if in_openai_form(data):
             try:
                 data, within = openai_line_request(data), ("body",)
             except LineShapeError as exc:
-                return custom_id, [{"type": "line_shape", "loc": [exc.field], "msg": str(exc)}]
+                shape = {"type": "line_shape", "loc": [exc.field], "msg": str(exc)}
+                return custom_id, [shape], ()
         self.defaults.apply(data)
         try:
             request = JobRequest.model_validate(data)
         except ValidationError as exc:
             errors = self.checks.restated(list(exc.errors()), data)
-            return custom_id, [under(within, plain_error(error)) for error in errors]
-        checked = self.checks.check(request)  # the seed drawn there, stored with the line
-        if isinstance(checked, Refusal):
-            if checked.status != 422:  # not the line's fault (the object store is down)
-                raise Refused(checked)
-            return custom_id, [under(within, checked.error())]
-        return custom_id, checked
+            return custom_id, [under(within, plain_error(error)) for error in errors], within
+        return custom_id, request, within
 
     def _refuse_repeats(self) -> set[int]:
         """Refuse the lines whose custom_id repeats an earlier one's; their numbers.

@@ -22,8 +22,10 @@ and the feeder waits for room under the owner's cap instead). The seed is drawn 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kiln.common.request import DRAWN_SEED_LIMIT, Lane
@@ -62,6 +64,8 @@ WEBHOOK_LOC: Loc = ("webhook", "url")
 # distinct image inputs and webhook URLs whose verdict one batch file keeps (each costs a HEAD or
 # a DNS lookup; the lines of a file mostly repeat a few)
 _VERDICTS_MAX = 1024
+# lookups of one chunk of a batch file made at once (a HEAD or a DNS lookup each)
+_LOOKUP_THREADS = 8
 
 
 def new_job(
@@ -153,7 +157,9 @@ class Intake:
     # --- 3-4. the checks that need I/O ------------------------------------------------------
     def needs_lookups(self, request: JobRequest, declared: PipelineDecl) -> bool:
         """Whether steps 3-4 have anything to look up (an image input or a webhook)."""
-        return request.webhook is not None or bool(image_refs(request, declared))
+        if request.webhook is not None:
+            return True
+        return bool(request.inputs) and bool(image_refs(request, declared))
 
     def lookup_refusal(
         self,
@@ -169,7 +175,7 @@ class Intake:
         """
         for name, ref in image_refs(request, declared).items():
             refusal = self._remembered(
-                verdicts, (caller.key_id, ref.text), self._image, caller, ref
+                verdicts, (caller.key_id, ref.text), self.image_refusal, caller, ref
             )
             if refusal is not None:
                 named = f"{name}: {refusal.message}" if refusal.code == "image_input" else None
@@ -196,7 +202,7 @@ class Intake:
             verdicts[key] = look(*args)
         return verdicts[key]
 
-    def _image(self, caller: Caller, ref: ImageRef) -> Refusal | None:
+    def image_refusal(self, caller: Caller, ref: ImageRef) -> Refusal | None:
         """One image input: an upload the caller's own and within limits, or an allowed URL."""
         loc: Loc = ("inputs",)
         try:
@@ -356,6 +362,36 @@ class LineIntake:
         if declared is None:
             declared = self._declared[pipeline] = self.intake.declared(pipeline)
         return declared
+
+    def prefetch(self, requests: Sequence[JobRequest | object]) -> None:
+        """Look up at once (threads) the distinct image inputs and webhook URLs of a chunk's lines.
+
+        Only lines that pass step 2 are looked at; `check` then finds each verdict kept. A chunk
+        of lines naming their own uploads costs one round trip's wait, not one per line.
+        """
+        intake, caller = self.intake, self.caller
+        todo: dict[tuple[str | None, str], Callable[[], Refusal | None]] = {}
+        for request in requests:
+            if not isinstance(request, JobRequest) or (not request.inputs and not request.webhook):
+                continue
+            declared = self.declared(request.pipeline)
+            if intake.static_refusal(request, declared) is not None:
+                continue
+            for ref in image_refs(request, declared).values():
+                key = (caller.key_id, ref.text)
+                if key not in self._verdicts:
+                    todo[key] = functools.partial(intake.image_refusal, caller, ref)
+            if request.webhook is not None and (None, request.webhook.url) not in self._verdicts:
+                todo[(None, request.webhook.url)] = functools.partial(
+                    intake.webhook_refusal, request.webhook.url
+                )
+        if len(todo) < 2:
+            return  # one lookup is as quick where `check` makes it
+        if len(self._verdicts) + len(todo) > _VERDICTS_MAX:
+            self._verdicts.clear()
+        with ThreadPoolExecutor(min(_LOOKUP_THREADS, len(todo))) as pool:
+            found = list(pool.map(lambda look: look(), todo.values()))
+        self._verdicts.update(zip(todo, found, strict=True))
 
     def restated(self, errors: list[Any], data: dict[str, Any]) -> list[Any]:
         """Step 1's `errors` of a line, a bound its pipeline declares lower named as its own."""
