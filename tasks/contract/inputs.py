@@ -81,10 +81,6 @@ class InputViolation:
             ctx["fields"] = list(self.fields)
         return ctx
 
-    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
-        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
-        return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
-
 
 def input_error(
     loc: tuple[str | int, ...], kind: str, message: str, value: Any, ctx: Mapping[str, Any]

@@ -1,4 +1,4 @@
-"""Pipeline limits: what the API, the Submitter and the node refuse before any rank runs a job.
+"""Pipeline limits: what the intake and the node refuse before any rank runs a job.
 
 Each pipeline declares its limits on its ranks (`kiln.common.limits.DeclaredLimits`); nodes
 announce them in their heartbeat under `limits`, keyed by pipeline name. A pipeline that no live
@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Protocol
-
-from pydantic_core import PydanticCustomError, ValidationError
 
 from kiln.common.limits import TINY_LIMITS
 from kiln.common.previews import MAX_PREVIEW_SIDE
@@ -92,15 +90,6 @@ class LimitViolation:
     def context(self) -> dict[str, str]:
         """The error's `ctx`: which limit of which pipeline."""
         return {"limit": self.limit, "pipeline": self.pipeline}
-
-    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
-        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
-        # The message goes in as context: a literal template would treat braces as placeholders.
-        kind = PydanticCustomError(
-            ERROR_TYPE, "{message}", {"message": self.message, **self.context()}
-        )
-        line = {"type": kind, "loc": self.loc(prefix), "input": self.value}
-        return ValidationError.from_exception_data("JobRequest", [line])  # type: ignore[list-item]
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
-
-from kiln.tasks.contract.inputs import input_error
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 MAX_LORAS = 4
 MAX_LORA_SCALE = 8.0
@@ -108,10 +106,6 @@ class AdapterViolation:
     def context(self) -> dict[str, Any]:
         """The error's `ctx`: the pipeline, and the adapters its live nodes offer."""
         return {"pipeline": self.pipeline, "known": list(self.known)}
-
-    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
-        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
-        return input_error(self.loc(prefix), self.kind, self.message, self.name, self.context())
 
 
 def first_adapter_violation(

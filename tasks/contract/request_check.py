@@ -4,9 +4,9 @@
 one a request may name, its limits take the request, its declared inputs take `inputs` (each
 value, image references' form, steps × strength), and some live node offers each LoRA adapter.
 What the pipelines declare comes in as data (`PipelineDecl`), so this module reads nothing: the
-API and the Submitter build the declaration from the nodes' heartbeats and call the same
-function, the API maps the violation to its 422, the Submitter to an exception. What needs I/O
-(an upload's owner, an image URL's or a webhook's host) is checked after it, by its caller.
+intake (`tasks.intake`) builds the declaration from the nodes' heartbeats and calls it at every
+door, and makes the violation its typed refusal. What needs I/O (an upload's owner, an image
+URL's or a webhook's host) is checked after it, by the intake.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from kiln.tasks.contract.inputs import (
     InputViolation,
     first_input_violation,
     image_input_names,
-    input_error,
 )
 from kiln.tasks.contract.limits import (
     LimitViolation,
@@ -79,10 +78,6 @@ class PipelineUnknown:
         """The error's `ctx`: the pipelines a request may name."""
         return {"known": list(self.known)}
 
-    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
-        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
-        return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
-
 
 @dataclass(frozen=True)
 class SpeedUnsupported:
@@ -114,10 +109,6 @@ class SpeedUnsupported:
         """The error's `ctx`: the pipeline and the modes it serves."""
         return {"pipeline": self.pipeline, "supported": list(self.modes)}
 
-    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
-        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
-        return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
-
 
 @dataclass(frozen=True)
 class PreviewsUnsupported:
@@ -148,12 +139,8 @@ class PreviewsUnsupported:
         """The error's `ctx`: the pipeline."""
         return {"pipeline": self.pipeline}
 
-    def error(self, prefix: tuple[str | int, ...] = ()) -> ValidationError:
-        """The refusal as a pydantic ValidationError (what callers of JobRequest already catch)."""
-        return input_error(self.loc(prefix), self.kind, self.message, self.value, self.context())
 
-
-# Each has `kind`, `message`, `value`, `loc(prefix)`, `context()` and `error(prefix)`.
+# Each has `kind`, `message`, `value`, `loc(prefix)`, `context()`: the intake makes it a Refusal.
 Violation = (
     PipelineUnknown
     | PreviewsUnsupported
