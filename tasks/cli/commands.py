@@ -157,12 +157,14 @@ def _left(deadline: float, most: float) -> float:
 def _unknown_pipeline(exc: Exception) -> bool:
     """Whether a refused submit names a pipeline nobody serves (directly, or through the API)."""
     from kiln.tasks.client.client import ValidationFailed
+    from kiln.tasks.contract.request_check import PipelineUnknown
     from kiln.tasks.intake.refusal import Refused
 
     if isinstance(exc, Refused):
-        return exc.refusal.code == "unknown_pipeline"
+        return exc.refusal.code == PipelineUnknown.kind
     if isinstance(exc, ValidationFailed) and isinstance(exc.detail, list):
-        return any(isinstance(e, dict) and e.get("type") == "unknown_pipeline" for e in exc.detail)
+        kinds = {e.get("type") for e in exc.detail if isinstance(e, dict)}
+        return PipelineUnknown.kind in kinds
     return False
 
 
