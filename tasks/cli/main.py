@@ -387,12 +387,13 @@ def _known_error(exc: Exception) -> tuple[str, int] | None:
     from kiln.tasks.cli.embedded import DemoFailed
     from kiln.tasks.cli.progress import JobWaitTimeout
     from kiln.tasks.client.client import KilnError
+    from kiln.tasks.contract.request_check import PipelineUnknown
     from kiln.tasks.intake.refusal import Refused
 
     if isinstance(exc, ValidationError):
         return _validation_line(exc), EXIT_USAGE
     if isinstance(exc, Refused):  # the intake's: a field it names (usage), else the queue's
-        if exc.refusal.status == 422 and exc.refusal.code != "unknown_pipeline":
+        if exc.refusal.status == 422 and exc.refusal.code != PipelineUnknown.kind:
             return f"invalid job: {exc}", EXIT_USAGE
         return str(exc), EXIT_JOB_FAILED
     if isinstance(exc, JobNotFound):
