@@ -31,7 +31,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -57,6 +57,9 @@ JsonCheck = Callable[[bytes], list[dict[str, Any]]]
 MAX_ERRORS_SHOWN = 20
 # item lines gathered before they go to the writer at once (one digest update and write each)
 WRITE_BYTES = 256 * 1024
+# lines read to their schema before their lookups are made at once: a few round trips' worth,
+# few enough that the requests held meanwhile stay young for the garbage collector
+STAGE_LINES = 64
 # far above any valid request (4000-char prompts, 16 metadata entries, a 2 KiB webhook URL)
 DEFAULT_MAX_LINE_BYTES = 256 * 1024
 # what `plain_text` leaves to `body_errors`: bytes that might not be plain
@@ -97,8 +100,7 @@ class LineDefaults:
             data["metadata"] = {**self.metadata, **(own or {})}
 
 
-@dataclass(frozen=True)
-class Staged:
+class Staged(NamedTuple):
     """A line read up to its schema: number, custom_id, request or errors, where the request sits.
 
     `within` is `("body",)` for a line in OpenAI's form (its errors point into the body).
@@ -176,12 +178,14 @@ class BatchIntake:
         parts = data.split(b"\n")
         self._rest = parts.pop()
         texts = plain_texts(data, parts, self.max_json_depth)
-        staged = [self._stage(raw, text) for raw, text in zip(parts, texts, strict=True)]
-        # the chunk's image inputs and webhook URLs looked up together, before any line is settled
-        self.checks.prefetch([line.outcome for line in staged if line is not None])
-        for line in staged:
-            if line is not None:
-                self._settle(line)
+        lines = list(zip(parts, texts, strict=True))
+        for start in range(0, len(lines), STAGE_LINES):
+            staged = [self._stage(raw, text) for raw, text in lines[start : start + STAGE_LINES]]
+            # their image inputs and webhook URLs looked up together, before any line is settled
+            self.checks.prefetch([line.outcome for line in staged if line is not None])
+            for line in staged:
+                if line is not None:
+                    self._settle(line)
         if len(self._rest) > self.max_line_bytes:
             if not self._overlong:
                 self._refuse(self._number + 1, None, [too_long(self.max_line_bytes)])
