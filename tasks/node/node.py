@@ -312,7 +312,17 @@ class Node:
         with self._lock:
             jobs = {job_id: self._starting.get(job_id) for job_id in job_ids}
         allowed = {job_id for job_id, job in jobs.items() if job is None}
-        asked = [(job, start) for job in jobs.values() if job and (start := job.start_request())]
+        asked: list[tuple[StartingJob, Start]] = []
+        for job in jobs.values():
+            if job is None:
+                continue
+            try:
+                start = job.start_request()
+            except StorageError as exc:  # its cap unread: this one is refused, not the batch
+                job.started(exc)
+                continue
+            if start is not None:
+                asked.append((job, start))
         if not asked:
             return allowed
         try:
