@@ -402,12 +402,14 @@ class LineIntake:
 
     def check(self, request: JobRequest) -> JobRequest | Refusal:
         """Steps 2-4 for a line that passed the schema: its effective request (seed drawn)."""
-        intake = self.intake
+        # Intake.static_refusal and needs_lookups inlined: this runs once per line of a file
         declared = self.declared(request.pipeline)
-        refusal = intake.static_refusal(request, declared)
-        if refusal is None and intake.needs_lookups(request, declared):
-            refusal = intake.lookup_refusal(request, self.caller, declared, self._verdicts)
-        if refusal is not None:
-            return refusal
+        violation = check_request(request, declared)
+        if violation is not None:
+            return violation_refusal(violation)
+        if request.webhook is not None or request.inputs:
+            refusal = self.intake.lookup_refusal(request, self.caller, declared, self._verdicts)
+            if refusal is not None:
+                return refusal
         # drawn once, stored with the line: a line fed again (or retried) makes the same job
-        return effective_request(request)
+        return request if request.seed is not None else effective_request(request)
