@@ -6,7 +6,8 @@ The public names below are imported lazily (PEP 562), so `import gpu_worker.erro
 Where things live. The caller's side, in the process that owns the group: `coordinator`
 (`Coordinator`: submit, batch, recover) with its collaborators `batching` (the waiting requests),
 `inflight` (the batch on the group), `group_slot` (the current group), `tickets` and `failures`;
-`group` (`WorkerGroup`, the owner of the rank processes) with `group_spawn` and `group_monitor`.
+`group` (`WorkerGroup`, the owner of the rank processes) with `group_spawn` and `group_monitor`,
+and `rank_server` (the forkserver the ranks are forked from; `rank_server_boot` is its start).
 The ranks' side: `ranks/` (start, leader, follower, one forward), `parallel/` (how a forward is
 divided), `pipelines/`. Shared: `protocol` (every message), `config`, `errors`, `limits`, `shm`,
 `memory`, `oom_kills`, `settings`; `outputs` encodes frames for the node.
