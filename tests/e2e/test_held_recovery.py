@@ -19,6 +19,7 @@ from collections.abc import Callable
 import pytest
 
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import transport_options
 from kiln.tasks.queue.submit import Submitter, job_queue
 from tests.e2e.cluster import REPO_ROOT, SLEEPY, Cluster, WorkerProcess
@@ -94,7 +95,7 @@ def test_node_restarted_under_its_id_gets_back_what_it_held(
     node_id = f"node-{uuid.uuid4().hex[:8]}"
     holder = start_node(cluster, node_id, env={"KILN_LEASE_BUSY_DELAY_S": "600"})
     unpublished = Submitter(cluster.store, cluster.settings, lambda *_: None)
-    record, _ = unpublished.submit(
+    record, _ = Intake(unpublished, None).submit(
         JobRequest(pipeline="sleepy", prompt="x", width=64, height=64, steps=2)
     )
     ghost = cluster.store.acquire_lease(record.id, "ghost/1")

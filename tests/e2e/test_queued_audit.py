@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import transport_options
 from kiln.tasks.queue.submit import Submitter, job_queue
 from tests.e2e.cluster import SLEEPY, Cluster
@@ -36,7 +37,7 @@ def test_a_job_whose_message_was_lost_runs_once_after_the_audit_age(
 ) -> None:
     cluster = cluster_factory()
     sends_nothing = Submitter(cluster.store, cluster.settings, lambda *_: None)
-    lost, _ = sends_nothing.submit(REQUEST)
+    lost, _ = Intake(sends_nothing, None).submit(REQUEST)
     record = cluster.store.get(lost.id)
     assert record.published
     options = transport_options(cluster.settings, cluster.storage_settings.redis_namespace)
@@ -44,7 +45,7 @@ def test_a_job_whose_message_was_lost_runs_once_after_the_audit_age(
     assert cluster.store.redis.llen(queue_key) == 0  # the message is nowhere
 
     # a job published twice: the second message must not run it again (acquire_start's fence)
-    twice, _ = sends_nothing.submit(REQUEST)
+    twice, _ = Intake(sends_nothing, None).submit(REQUEST)
     cluster.submitter.publish(twice)
     cluster.submitter.publish(twice)
 
@@ -76,7 +77,8 @@ def test_a_message_lost_as_a_node_died_runs_soon_after_its_lapse_not_the_audit_a
     cluster = cluster_factory(KILN_TEST_STEP_SECONDS="0.01")
     worker = cluster.start_worker(f"sleepy={SLEEPY}")
     sends_nothing = Submitter(cluster.store, cluster.settings, lambda *_: None)
-    lost, _ = sends_nothing.submit(REQUEST)  # its message popped by a node, then killed...
+    # its message popped by a node, then killed...
+    lost, _ = Intake(sends_nothing, None).submit(REQUEST)
     # ...before kombu recorded the delivery or the node listed it: its held list lapses empty
     cluster.store.record_held("node-killed", [], ttl_s=0.5)
     started = time.monotonic()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import transport_options
 from kiln.tasks.queue.submit import Submitter
 from tests.e2e.cluster import SLEEPY, Cluster
@@ -220,7 +221,7 @@ def test_node_killed_holding_a_message_does_not_stall_its_job(
         extra_env={"KILN_TEST_STEP_SECONDS": "0.01", "KILN_LEASE_BUSY_DELAY_S": "600"},
     )
     unpublished = Submitter(cluster.store, cluster.settings, lambda *_: None)
-    record, _ = unpublished.submit(
+    record, _ = Intake(unpublished, None).submit(
         JobRequest(pipeline="sleepy", prompt="x", width=64, height=64, steps=2)
     )
     ghost = cluster.store.acquire_lease(record.id, "ghost/1")

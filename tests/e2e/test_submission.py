@@ -9,6 +9,7 @@ import pytest
 from kiln.common.request import Lane
 from kiln.tasks.cli.main import EXIT_WAIT_TIMEOUT
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.submit import Submitter
 from tests.e2e.cluster import SLEEPY, Cluster
 
@@ -26,7 +27,7 @@ def test_job_whose_publish_failed_is_accepted_and_swept_later(
     cluster: Cluster = cluster_factory(KILN_SWEEPER_AGE_S="1")
     broken = Submitter(cluster.store, cluster.settings, failing_publish)
     request = JobRequest(pipeline="sleepy", prompt="x", width=64, height=64, steps=2)
-    record, created = broken.submit(request)
+    record, created = Intake(broken, None).submit(request)
     assert created  # accepted; the failure is the sweeper's to fix
     assert not record.published
     assert cluster.store.unpublished_jobs(0) == [record.id]
