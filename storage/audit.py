@@ -1,4 +1,4 @@
-"""The reads of the queued-jobs audit (tasks/node/audit.py), each one bounded page of its key.
+"""The reads of the queued-jobs audit (tasks/control/audit.py), each one bounded page of its key.
 
 The audit finds queued jobs whose Celery message is gone: in no queue list, not unacknowledged,
 held by no node. It reads each place a message can be in pages (`AUDIT_PAGE` entries a call, never
@@ -25,7 +25,7 @@ class AuditClaim:
 
     A node that lapsed may have died holding a message kombu had popped but not yet recorded:
     a job that entered its queue before that deadline is a suspect at once, not only after the
-    audit age (tasks/node/audit.py `lost_jobs`). `lapse_deadline_s` is 0 when no node lapsed.
+    audit age (tasks/control/audit.py `lost_jobs`). `lapse_deadline_s` is 0 when no node lapsed.
     """
 
     queues: list[str]

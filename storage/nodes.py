@@ -6,7 +6,7 @@ killed then leaves those messages unacknowledged, and the broker gives them back
 visibility timeout (an hour by default). `claim_lapsed_holders` hands them to a live node's
 sweeper as soon as the dead node's heartbeat deadline passes, with the window in which it died;
 the sweeper publishes the still-queued ones again, and those of the broker's unacknowledged
-deliveries from that window that no live node holds (`unacked_deliveries`, tasks/node/unacked.py).
+deliveries from that window that no live node holds (`unacked_deliveries`, tasks/control/unacked.py).
 A duplicate message is harmless: the lease and the state machine run a job once.
 """
 
@@ -26,7 +26,7 @@ class LapsedHolder:
     """A node whose heartbeat lapsed, with the jobs whose messages it had listed as held.
 
     It died between its last write, `written_ms`, and `deadline_ms` (Redis clock, ms), perhaps
-    holding a message it never got to list (tasks/node/unacked.py looks for those).
+    holding a message it never got to list (tasks/control/unacked.py looks for those).
     """
 
     node_id: str

@@ -1,7 +1,7 @@
 """The batch feeder: jobs created and published only as capacity frees up, results as they finish.
 
-Every node runs one (`node.maintenance`), and the feeder lease makes one the feeder of each batch
-at a time.
+Every node runs one (tasks/control/room.py), or `kiln control` does, and the feeder lease makes
+one the feeder of each batch at a time.
 
 One pass (`tick`) plans its visits (`fairness`: API keys round-robin, each key's window shared
 between its batches, the window sized from the live nodes and from how fast the batches' jobs

@@ -1,4 +1,4 @@
-"""The `kiln` command line: worker, submit, status, wait, cancel, jobs, get, api, keys, demo.
+"""The `kiln` command line: worker, control, submit, status, wait, cancel, jobs, get, api, keys...
 
 User mistakes print one clear line and exit 2; a job that ends badly exits 1; no tracebacks.
 Every option's help shows its default; a mistake in a subcommand's arguments prints that
@@ -296,6 +296,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from kiln.tasks.cli import admin as admin_cli
     from kiln.tasks.cli import batch as batch_cli
     from kiln.tasks.cli import config as config_cli
+    from kiln.tasks.cli import control as control_cli
     from kiln.tasks.cli import pipeline as pipeline_cli
 
     _add_submit(sub)
@@ -305,6 +306,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     batch_cli.add_parser(sub)
     pipeline_cli.add_parser(sub)
     config_cli.add_parser(sub)
+    control_cli.add_parser(sub)
     return parser
 
 
@@ -415,6 +417,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
     from kiln.tasks.cli import batch as batch_cli
     from kiln.tasks.cli import commands as c
     from kiln.tasks.cli import config as config_cli
+    from kiln.tasks.cli import control as control_cli
     from kiln.tasks.cli import pipeline as pipeline_cli
 
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -431,6 +434,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
         "pipeline": pipeline_cli.run,
         "demo": c.cmd_demo,
         "config": config_cli.run,
+        "control": control_cli.run,
     }
     return handlers[command]
 

@@ -46,6 +46,11 @@ class KilnSettings(BaseSettings):
     reaper_interval_s: float = Field(
         default=5.0, description="How often each node looks for expired leases."
     )
+    node_control_loops: bool = Field(
+        default=True,
+        description="A node also runs the cluster's loops (reaper, sweeper, audits, pruner, batch "
+        "feeder); false when `kiln control` runs them (docs/operations.md §5).",
+    )
     sweeper_age_s: float = Field(
         default=30.0,
         description="A queued record never confirmed published for this long is re-published.",

@@ -6,9 +6,9 @@ node is killed then, the broker gives the message back only after its visibility
 by default), and the job would sit `queued` that long. So the node records the ids of the jobs
 whose messages it holds as each arrives and at each heartbeat (storage/nodes.py `record_held`),
 and a live node's sweeper publishes again the still-queued jobs of a node whose heartbeat lapsed
-(tasks/node/maintenance.py `sweep_unpublished`). kombu has recorded a delivery a moment before
+(tasks/control/sweeper.py `sweep_unpublished`). kombu has recorded a delivery a moment before
 the strategy below lists it (tasks/queue/kombu_redis.py, item 4); a node killed in that moment
-is covered by tasks/node/unacked.py.
+is covered by tasks/control/unacked.py.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def held_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     The `run_job` task names this as its `Strategy`: the message is listed the moment the worker
     has it, before Celery logs and signals its receipt (a node killed in between would otherwise
     leave the message to the visibility timeout; killed before this runs, it is found in kombu's
-    unacked deliveries: tasks/node/unacked.py). `task.kiln_held` is the node's list.
+    unacked deliveries: tasks/control/unacked.py). `task.kiln_held` is the node's list.
     """
     from celery.worker.strategy import default
 

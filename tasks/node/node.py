@@ -2,7 +2,7 @@
 
 `kiln worker` builds one `Node` in its main process before Celery consumes anything and registers
 `run_job` bound to it (`tasks.node.jobs.register_run_job`); nothing process-wide names the node.
-Its background loops (one thread each) live in `tasks.node.maintenance`, which lists them.
+Its own loops live in `tasks.node.maintenance`; the cluster's, in `tasks.control`.
 """
 
 from __future__ import annotations

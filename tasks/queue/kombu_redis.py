@@ -18,8 +18,8 @@ tests/tasks/test_kombu_contract.py fails when an installed kombu changes any of 
    `_deliver` runs the consumer's wrapper, which calls `QoS.append` before the consumer's own
    callback (Celery's task strategy, tasks/node/held.py). Two consequences Kiln's recovery is
    built on: a message the strategy sees is already in `unacked` (a node killed before it lists
-   the message is found there: tasks/node/unacked.py), and a message between the pop and the
-   record is in neither place (a node killed there loses it: tasks/node/audit.py).
+   the message is found there: tasks/control/unacked.py), and a message between the pop and the
+   record is in neither place (a node killed there loses it: tasks/control/audit.py).
 
 The envelope's fields Kiln reads (`properties.body_encoding` base64, `properties.delivery_tag`,
 `headers.task`, `content-type`, `content-encoding`) are kombu's virtual transport's and Celery's

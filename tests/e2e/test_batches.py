@@ -169,7 +169,7 @@ def test_feeder_node_killed_mid_batch_another_takes_over_no_line_skipped_or_fed_
     retention = {"KILN_BATCH_ITEM_RETENTION_S": "3600"}
     # The queued audit and the broker's visibility timeout keep their deployment defaults (300 s,
     # an hour): a message the killed node had popped but not recorded comes back because its
-    # lapse makes the audit due at once (tasks/node/audit.py), well within the watch.
+    # lapse makes the audit due at once (tasks/control/audit.py), well within the watch.
     cluster = cluster_factory(KILN_BATCH_WINDOW="8", **FAST_FEEDING, **retention)
     first = cluster.start_worker(SLEEPY_PIPELINE)
     second = cluster.start_worker(SLEEPY_PIPELINE)

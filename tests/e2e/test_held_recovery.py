@@ -3,7 +3,7 @@
 tests/e2e/test_recovery.py kills a node holding a message it listed. Here: a node killed after
 kombu took a message and before the node listed it (kombu records a delivery as unacknowledged
 before the consumer callback runs; a live node's sweeper finds it in kombu's unacked index
-around the dead node's lapse: tasks/node/unacked.py), and a node restarted under the same
+around the dead node's lapse: tasks/control/unacked.py), and a node restarted under the same
 --node-id, whose first write must not erase what its previous life held
 (storage/lua/held_record.lua).
 """

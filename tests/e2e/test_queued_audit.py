@@ -2,7 +2,7 @@
 
 kombu pops a message with BRPOP and records it as unacknowledged one pipeline later: a node
 killed between the two, or a connection lost with the reply in flight, loses the message while
-its job stays `queued` and published (tasks/node/audit.py). The test makes that state directly:
+its job stays `queued` and published (tasks/control/audit.py). The test makes that state directly:
 the job is created with a publish that sends nothing, so its record is marked published with no
 message anywhere. No sweeper, held list or visibility timeout would bring it back; the audit does.
 """

@@ -94,7 +94,7 @@ def failover_cluster(
             KILN_LEASE_TTL_S="20",
             # a delivery popped from the old primary but not yet recorded in kombu's `unacked`
             # there is in neither place on the new one: the queued-jobs audit publishes its job
-            # again once it is this old (tasks/node/audit.py; default 300 s, checked every 120 s)
+            # again once it is this old (tasks/control/audit.py; default 300 s, checked every 120 s)
             KILN_QUEUED_AUDIT_AGE_S="5",
             KILN_QUEUED_AUDIT_INTERVAL_S="2",
         )

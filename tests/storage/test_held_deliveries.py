@@ -33,7 +33,7 @@ def test_each_heartbeat_replaces_the_list(job_store: JobStore) -> None:
 
 
 def test_an_empty_list_keeps_the_node_so_its_lapse_is_seen(job_store: JobStore) -> None:
-    # A node killed before it lists a message must still lapse visibly (tasks/node/unacked.py).
+    # A node killed before it lists a message must still lapse visibly (tasks/control/unacked.py).
     job_store.record_held("node-a", ["job-1"], ttl_s=0.05)
     job_store.record_held("node-a", [], ttl_s=0.05)
     time.sleep(0.1)

@@ -349,7 +349,7 @@ def broker_messages(world: WebhookWorld, job_id: str) -> list[str]:
     keyprefix = str(options["global_keyprefix"])
     redis = world.store.redis
     queued = redis.lrange(keyprefix + WEBHOOKS_QUEUE, 0, -1)
-    taken = redis.hvals(keyprefix + "unacked")  # kombu's ack emulation (tasks/node/unacked.py)
+    taken = redis.hvals(keyprefix + "unacked")  # kombu's ack emulation (tasks/control/unacked.py)
     return [message for message in [*queued, *taken] if job_id in message]
 
 

@@ -31,12 +31,16 @@ plus O(entries of `unacked`) once when suspects remain; nothing for a queue whos
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kiln.common.states import JobState
 from kiln.storage.audit import AUDIT_PAGE
-from kiln.tasks.node.unacked import CLOCK_SLACK_S, WINDOW_LIMIT
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.control.context import ControlContext
+from kiln.tasks.control.sweeper import publish_queued
+from kiln.tasks.control.unacked import CLOCK_SLACK_S, WINDOW_LIMIT
 from kiln.tasks.queue.kombu_redis import (
     listed_run_job_id,
     queue_list_keys,
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from kiln.storage.job_store import JobStore
+
+log = logging.getLogger(__name__)
 
 # the re-read of kombu's deliveries since a pass began reaches this far past its start (s)
 RECHECK_HORIZON_S = 3600.0
@@ -154,3 +160,59 @@ def lost_jobs(
     if not suspects:
         return []
     return still_lost(store, app, suspects, began_s)
+
+
+def audit_queued(ctx: ControlContext, queues: Sequence[str]) -> int:
+    """Publish again the queued jobs of `queues` whose message is lost; returns how many.
+
+    Audits those of `queues` no process audited within the interval, or since the latest node
+    lapse (storage/lua/audit_claim.lua). The loop runs every `audit_tick_s`, the claim says which
+    are due; its interval is a little shorter than the setting, so a lone process's pass is never
+    skipped for a few ms of clock difference.
+    """
+    settings = ctx.settings
+    claim = ctx.store.claim_audits(list(queues), 0.9 * settings.queued_audit_interval_s)
+    lost = lost_jobs(
+        ctx.store, ctx.celery_app, claim.queues, settings.queued_audit_age_s, claim.lapse_deadline_s
+    )
+    return publish_lost(ctx, lost)
+
+
+def audit_after_restart(ctx: ControlContext, queues: Sequence[str]) -> int:
+    """After a Redis restart, audit `queues` at once; returns how many jobs were published again.
+
+    The messages consumers were taking as Redis went down are lost (popped, never recorded as
+    unacknowledged: tasks/queue/kombu_redis.py, item 4) while their jobs stay `queued`: the
+    queued-jobs audit's loss. As after a node lapse, every job queued before now is a suspect at
+    once, not only those older than the audit age; of several processes watching a queue, one
+    sees each restart (storage/queues.py `server_changed`).
+    """
+    run_id = ctx.store.server_run_id()
+    restarted = [queue for queue in queues if ctx.store.server_changed(queue, run_id)]
+    if not restarted:
+        return 0
+    log.warning("Redis restarted: auditing %s at once", ", ".join(restarted))
+    lost = lost_jobs(
+        ctx.store, ctx.celery_app, restarted, ctx.settings.queued_audit_age_s, ctx.store.redis_now()
+    )
+    return publish_lost(ctx, lost)
+
+
+def publish_lost(ctx: ControlContext, lost: list[str]) -> int:
+    """Publish again the audit's `lost` jobs still queued; returns how many."""
+    for job_id in lost:
+        log.warning(
+            "job %s: queued, its message in no queue, unacked or held list and no lease (lost "
+            "in a consumer's fetch): published again",
+            job_id,
+        )
+    return publish_queued(ctx, lost)
+
+
+def audit_tick_s(settings: KilnSettings) -> float:
+    """How often the audit loop asks which queues are due (one small script call).
+
+    Each heartbeat interval: a message lost at a node's death is then published again within
+    the heartbeat TTL, a sweeper pass and one tick (6 + 5 + 2 s by default), under a lease TTL.
+    """
+    return min(settings.heartbeat_interval_s, settings.queued_audit_interval_s)

@@ -1,4 +1,4 @@
-"""The audit of queued jobs whose message is lost (tasks/node/audit.py, storage/audit.py).
+"""The audit of queued jobs whose message is lost (tasks/control/audit.py, storage/audit.py).
 
 Real Redis and kombu's real Redis transport. A lost message is made as kombu loses one: popped
 off its queue list (what BRPOP does) and never recorded as unacknowledged. The age is 0 s (every
@@ -14,8 +14,8 @@ from celery import Celery
 from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.control.audit import lost_jobs
 from kiln.tasks.intake.intake import Intake
-from kiln.tasks.node.audit import lost_jobs
 from kiln.tasks.queue.app import RUN_JOB_TASK
 from kiln.tasks.queue.kombu_redis import listed_run_job_id, queue_list_keys, unacked_keys
 from kiln.tasks.queue.submit import Submitter, job_queue

@@ -1,4 +1,4 @@
-"""The messages a dead node held but never listed (tasks/node/unacked.py).
+"""The messages a dead node held but never listed (tasks/control/unacked.py).
 
 Real Redis and kombu's real Redis transport: a message is taken from its queue by a kombu
 consumer and left unacknowledged, as a worker killed before its strategy ran leaves it.
@@ -15,8 +15,8 @@ from kombu import Queue
 from kiln.storage.job_store import JobStore
 from kiln.storage.nodes import LapsedHolder
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.control.unacked import CLOCK_SLACK_S, lapse_windows, orphaned_jobs
 from kiln.tasks.intake.intake import Intake
-from kiln.tasks.node.unacked import CLOCK_SLACK_S, lapse_windows, orphaned_jobs
 from kiln.tasks.queue.kombu_redis import run_job_id, unacked_keys
 from kiln.tasks.queue.submit import Submitter, job_queue
 

@@ -18,7 +18,7 @@ tasks/node/jobs.py.
 Not closed from here: kombu pops a message with BRPOP and records it in `unacked` with one
 pipeline after the reply is read (tasks/queue/kombu_redis.py, item 4). A node
 killed between the two, or a connection lost with the BRPOP reply in flight, loses the message:
-it is in neither the queue nor `unacked`: the queued-jobs audit (tasks/node/audit.py) publishes
+it is in neither the queue nor `unacked`: the queued-jobs audit (tasks/control/audit.py) publishes
 its job again; a claimed lapse makes that audit due at once, for every job queued before the dead
 node's deadline (a connection lost without a death waits for `queued_audit_age_s`).
 """

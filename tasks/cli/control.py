@@ -1,0 +1,30 @@
+"""`kiln control`: the cluster's loops alone, a CPU-only process (tasks/control/process.py)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """`kiln control [--loglevel LEVEL]`."""
+    c = sub.add_parser(
+        "control",
+        help="run the cluster's loops (reaper, sweeper, audits, pruner, batch feeder) alone, "
+        "beside nodes started with KILN_NODE_CONTROL_LOOPS=false",
+    )
+    c.add_argument("--loglevel", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kiln control` until SIGTERM or SIGINT; 0 then."""
+    # Deferred: Redis, Celery and boto3 load only for this command.
+    from kiln.storage.base import require_supported_redis
+    from kiln.storage.settings import StorageSettings
+    from kiln.tasks.contract.settings import KilnSettings
+    from kiln.tasks.control.process import run_control
+
+    storage_settings = StorageSettings()
+    require_supported_redis(storage_settings)  # one line, before anything starts
+    run_control(KilnSettings(), storage_settings, args.loglevel)
+    return 0
