@@ -29,6 +29,7 @@ from kiln.tasks.batches.service import BatchService, refusal_body
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import BatchFromUpload
 from kiln.tasks.contract.upload_slots import CONTENT_TYPES
+from kiln.tasks.intake.refusal import Refused
 
 # a JSON body names an upload and options: small, so read whole, and refused past this
 UPLOAD_BODY_MAX = 64 * 1024
@@ -103,7 +104,10 @@ async def submit_upload(request: Request, caller: Principal, service: BatchServi
     body = _parse(raw, service.settings.max_json_depth)
     options = await anyio.to_thread.run_sync(batch_options, service, caller, _params(body), "body")
     key = await anyio.to_thread.run_sync(_upload_key, service, caller, body.input_upload)
-    batch, report = await anyio.to_thread.run_sync(service.submit_stored, key, options)
+    try:
+        batch, report = await anyio.to_thread.run_sync(service.submit_stored, key, options)
+    except Refused as exc:  # no line's fault: a lookup the intake needs failed (object store)
+        return JSONResponse({"detail": exc.refusal.message}, status_code=exc.refusal.status)
     if batch is None:
         return safe_json_response(refusal_body(report), 422, BATCH_REFUSED_422)
     view: dict[str, Any] = batch_view(batch).model_dump(mode="json")
