@@ -492,3 +492,13 @@ def test_quota_and_admission_refuse_alike_and_a_batch_line_waits_instead(
     # a batch line is never refused for latency (its lane may wait)
     line = post_batch(busy, jsonl([{**late, "custom_id": "late"}]), priority="interactive")
     assert line.status_code == 201, line.text
+
+
+def test_an_upload_without_an_object_store_is_a_503_not_a_field_error(api: Api) -> None:
+    submitter = Submitter(api.store, api.settings, publish=lambda *_a, **_k: None)
+    no_store = Intake(submitter, None)
+    with KilnClient(api.url, api.keys["alice"]) as alice:
+        ref = alice.upload(CAT).ref
+    outcome = through_direct(no_store, Caller(api.key_ids["alice"]), img(ref))[0]
+    assert outcome == refused(503, "object_store_unavailable", "inputs", "image")
+    assert through_direct(no_store, Caller(), TINY)[0] == ACCEPTED  # nothing to look up
