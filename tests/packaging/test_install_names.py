@@ -52,6 +52,9 @@ NO_TORCH_ENTRY_POINTS = {
     "the client": "from kiln.tasks.client import KilnClient",
     "the CLI entry point": "from kiln.tasks.cli.main import main, build_parser; build_parser()",
     "the webhook delivery": "from kiln.tasks.webhooks.delivery import deliver_once",
+    # `kiln control`: what its process imports before its loops start
+    "the control process": "from kiln.tasks.cli.control import run; "
+    "from kiln.tasks.control.process import run_control",
 }
 HEAVY = ("torch", "diffusers", "transformers")
 # the settings check knows every package's settings class; the GPU worker's is torch-free
