@@ -32,10 +32,6 @@ class QueueBacklog:
     running: int  # running jobs of this queue
     holders: frozenset[str]  # node ids (not lease owners) holding those running jobs' leases
 
-    def mean_run_s(self) -> float | None:
-        """Mean run time of the runs that ended lately; None before any did."""
-        return self.run_s / self.timed if self.timed else None
-
 
 @dataclass(frozen=True)
 class BacklogReading:

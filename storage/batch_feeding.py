@@ -1,6 +1,7 @@
 """The feeder's side of a fed batch: its lease, the cursor, the open set and the result parts.
 
-One feeder at a time holds a batch's feeder lease (fenced by a growing token, like job leases).
+One feeder at a time holds a batch's feeder lease (storage/leases.py `FeederLeaseOps`: a growing
+token, like job leases).
 The open set holds the fed jobs whose result is not written yet: it is bounded by the feeding
 window. Every write presents the lease token; a feeder that lost its lease changes nothing.
 """
@@ -10,9 +11,9 @@ from __future__ import annotations
 from enum import StrEnum
 
 from kiln.common.states import is_final_batch
-from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.keys import valid_id
+from kiln.storage.leases import FeederLeaseOps
 
 
 class FedWrite(StrEnum):
@@ -26,25 +27,12 @@ class FedWrite(StrEnum):
 _FED_REPLIES = {1: FedWrite.applied, 0: FedWrite.stale, 2: FedWrite.stopping}
 
 
-class BatchFeeding(StoreBase):
-    """Fenced writes of the one feeder of each batch."""
+class BatchFeeding(FeederLeaseOps):
+    """Fenced writes of the one feeder of each batch (its lease: storage/leases.py)."""
 
     def _feeder_keys(self, batch_id: str) -> list[str]:
         k = self.keys
         return [k.batch(batch_id), k.batch_feeder(batch_id), k.batch_open(batch_id)]
-
-    @redis_boundary
-    def take_feeder(self, batch_id: str, owner: str) -> int:
-        """Take or keep the batch's feeder lease: its token; 0 if held elsewhere, -1 if ended."""
-        ttl_ms = max(1, int(self.settings.lease_ttl_s * 1000))
-        keys = [self.keys.batch(batch_id), self.keys.batch_feeder(batch_id)]
-        return int(self._run("batch_lease", keys, [owner, ttl_ms]))
-
-    @redis_boundary
-    def feeder_of(self, batch_id: str) -> str | None:
-        """Owner of the batch's live feeder lease, or None."""
-        held: str | None = self.redis.get(self.keys.batch_feeder(batch_id))
-        return held.split("|", 1)[1] if held else None
 
     @redis_boundary
     def open_items(self, batch_id: str) -> list[tuple[str, int]]:

@@ -1,4 +1,17 @@
-"""Leases on jobs: a fencing token that grows on every acquire, a TTL, renewal, the reaper query."""
+"""Every lease: a fencing token that grows on every acquire, a TTL, renewal, what a lapse means.
+
+Two kinds, one shape (`<token>|<owner>` under a TTL of `lease_ttl_s`, storage/keys.py):
+
+- a job's lease (`LeaseOps`): taken by the delivery that holds the job on a node
+  (storage/lua/acquire.lua, acquire_start.lua, hold.lua), renewed by the node's heartbeat
+  (renew.lua; tasks/node/maintenance.py `renew_leases`: a lost lease stops the job), released at
+  the end (release.lua). Once it lapses, the reaper (tasks/control/reaper.py) finds the job
+  (lease_deadlines_passed.lua, `expired_leases`) and moves it back to queued (reap.lua,
+  storage/transitions.py `reap`); every later write of the old attempt is fenced off by its token;
+- a batch's feeder lease (`FeederLeaseOps`): taken and renewed by each feeder pass
+  (batch_lease.lua); once it lapses, the next feeder pass anywhere takes the batch over, and the
+  old feeder's fenced writes (batch_fed.lua, batch_reported.lua) are refused.
+"""
 
 from __future__ import annotations
 
@@ -120,3 +133,13 @@ class LeaseOps(StoreBase):
             pipe.exists(self.keys.cancel(job_id))
         flags = pipe.execute()
         return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
+
+
+class FeederLeaseOps(StoreBase):
+    """Take and renew a batch's feeder lease (one feeder per batch at a time)."""
+
+    @redis_boundary
+    def take_feeder(self, batch_id: str, owner: str) -> int:
+        """Take or keep the batch's feeder lease: its token; 0 if held elsewhere, -1 if ended."""
+        keys = [self.keys.batch(batch_id), self.keys.batch_feeder(batch_id)]
+        return int(self._run("batch_lease", keys, [owner, lease_ttl_ms(self.settings)]))

@@ -6,7 +6,8 @@ killed then leaves those messages unacknowledged, and the broker gives them back
 visibility timeout (an hour by default). `claim_lapsed_holders` hands them to a live node's
 sweeper as soon as the dead node's heartbeat deadline passes, with the window in which it died;
 the sweeper publishes the still-queued ones again, and those of the broker's unacknowledged
-deliveries from that window that no live node holds (`unacked_deliveries`, tasks/control/unacked.py).
+deliveries from that window that no live node holds (`unacked_deliveries`,
+tasks/control/unacked.py).
 A duplicate message is harmless: the lease and the state machine run a job once.
 """
 
@@ -97,10 +98,6 @@ class NodeOps(StoreBase):
             for node_id, written_ms, deadline_ms, *jobs in lapsed
         ]
         return LapsedHolds(holders, {str(job_id) for job_id in live})
-
-    def claim_lapsed_held(self) -> list[str]:
-        """Job ids held by nodes whose heartbeat lapsed; each list is handed out once."""
-        return sorted({j for holder in self.claim_lapsed_holders().holders for j in holder.job_ids})
 
     @redis_boundary
     def unacked_deliveries(

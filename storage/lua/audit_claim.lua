@@ -1,4 +1,4 @@
--- audit_claim: claim the queues due for an audit of their queued jobs (tasks/node/audit.py):
+-- audit_claim: claim the queues due for an audit of their queued jobs (tasks/control/audit.py):
 -- those no node claimed within the interval, and those no node claimed since the latest node
 -- lapse was claimed (held_claim records it: the dead node may have lost a message it had popped).
 -- A claimed queue's time is set to now, so of the nodes serving a queue one audits it per

@@ -9,7 +9,7 @@
 -- (an unreadable entry is dropped as lapsed, with 0 for both times).
 -- A claimed lapse is recorded in the last-lapse hash (when it was claimed, and the latest deadline
 -- of a lapsed node): audit_claim makes every queue's audit due after it, since a node killed
--- with a message popped but not yet recorded by kombu lost it (tasks/node/audit.py).
+-- with a message popped but not yet recorded by kombu lost it (tasks/control/audit.py).
 -- include: _held
 -- KEYS[1] = held deliveries (hash: node id -> "deadline_ms/written_ms/incarnation job_id ...")
 -- KEYS[2] = last lapse (hash: claimed_ms, deadline_ms)

@@ -170,13 +170,6 @@ class AdapterSources:
         return announced
 
 
-def heartbeat_adapters(
-    pipelines: Iterable[str], lora_dir: Path | None, stats: Mapping[str, Any]
-) -> dict[str, dict[str, list[str]]]:
-    """Per pipeline: the adapters of `lora_dir` available, loaded and fused (no store)."""
-    return AdapterSources(lora_dir).heartbeat(pipelines, stats)
-
-
 def _held_by_pipeline(stats: Mapping[str, Any]) -> dict[str, tuple[set[str], set[str]]]:
     """Loaded and fused adapter names per pipeline, over every group in `stats`."""
     groups = stats.get("groups") or [stats]  # replica groups report one stats dict each

@@ -7,9 +7,7 @@ only `webhook-timestamp`, and so the signature, is new per attempt (Standard Web
 
 from __future__ import annotations
 
-import base64
 import json
-import secrets
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,11 +30,6 @@ EVENT_TYPES: dict[str, frozenset[str]] = {
 # events looked through for the one a webhook reports: it is the newest of its kind when the
 # webhook is queued right after the write, so a short look back is plenty
 EVENT_LOOKBACK = 32
-
-
-def new_webhook_secret() -> str:
-    """A fresh Standard Webhooks secret (`whsec_` + base64 of 32 random bytes)."""
-    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
 
 
 def find_event(store: JobStore, job_id: str, event: str) -> JobEvent | None:

@@ -20,6 +20,7 @@ from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_store import BatchStore, FedBatch
 from kiln.tasks.batches.lines import batch_job_id
 from tests.e2e.cluster import REPO_ROOT, SLEEPY, Cluster
+from tests.storage.helpers import feeder_of
 from tests.waiting import wait_until
 
 SLEEPY_PIPELINE = f"sleepy={SLEEPY}"
@@ -182,7 +183,7 @@ def test_feeder_node_killed_mid_batch_another_takes_over_no_line_skipped_or_fed_
     batches = BatchStore(cluster.store.redis, cluster.store.settings)
     feeding = BatchFeeding(cluster.store.redis, cluster.store.settings)
     wait_until(lambda: batches.get_fed(batch_id).fed, lambda fed: fed >= 40, timeout_s=120)
-    feeder = feeding.feeder_of(batch_id)
+    feeder = feeder_of(feeding, batch_id)
     victim = first if feeder == first.node_id else second
     survivor = second if victim is first else first
     assert feeder == victim.node_id
@@ -192,7 +193,7 @@ def test_feeder_node_killed_mid_batch_another_takes_over_no_line_skipped_or_fed_
     except AssertionError as exc:
         raise AssertionError(f"{exc}; stuck: {stuck_lines(cluster, batch_id, custom_ids)}") from exc
     assert batch.status == "completed"
-    assert feeding.feeder_of(batch_id) is None  # released at the end
+    assert feeder_of(feeding, batch_id) is None  # released at the end
     assert most_live <= 8
     check_results(cluster, batch_id, custom_ids, tmp_path / "results.jsonl")
     for custom_id in custom_ids:  # every line's job was created exactly once

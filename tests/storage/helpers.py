@@ -6,6 +6,7 @@ import secrets
 from typing import Any
 
 from kiln.common.states import JobState
+from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.job_store import JobRecord, JobStore, NewJob
 
 WORKER = "worker-a"
@@ -60,3 +61,9 @@ def event_types(store: JobStore, job_id: str) -> list[str]:
     events = store.events(job_id, count=10_000)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     return [e.type for e in events]
+
+
+def feeder_of(feeding: BatchFeeding, batch_id: str) -> str | None:
+    """Owner of the batch's live feeder lease (`<token>|<owner>`, storage/keys.py), or None."""
+    held: str | None = feeding.redis.get(feeding.keys.batch_feeder(batch_id))
+    return held.split("|", 1)[1] if held else None

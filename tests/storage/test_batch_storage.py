@@ -21,6 +21,7 @@ from kiln.storage.object_streams import (
 )
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
+from tests.storage.helpers import feeder_of
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -92,7 +93,7 @@ def test_one_feeder_at_a_time_and_a_stale_one_writes_nothing(job_store: JobStore
     assert token == 1
     assert feeding.take_feeder("batch1", "node-a") == token  # renewal keeps the token
     assert feeding.take_feeder("batch1", "node-b") == 0
-    assert feeding.feeder_of("batch1") == "node-a"
+    assert feeder_of(feeding, "batch1") == "node-a"
     opened = [("batch1-x", 1)]
     assert feeding.record_fed("batch1", (token, "node-b"), 0, (1, 10), opened) is FedWrite.stale
     stale = feeding.record_fed("batch1", (token, "node-a"), 5, (1, 10), opened)  # cursor moved

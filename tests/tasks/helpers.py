@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import http.server
+import secrets
 import socket
 import threading
 from collections.abc import Callable
@@ -22,11 +24,11 @@ from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.intake.intake import ANONYMOUS, Intake
 from kiln.tasks.intake.refusal import Refused
-from kiln.tasks.webhooks.message import new_webhook_secret
 from kiln.tasks.webhooks.ssrf import Resolver, system_resolver
 from tests.waiting import wait_until
 
-WEBHOOK_SECRET = new_webhook_secret()
+# a fresh Standard Webhooks secret: `whsec_` + base64 of 32 random bytes
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
 
 
 def fake_dns(table: dict[str, list[str]]) -> Resolver:

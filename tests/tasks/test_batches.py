@@ -23,6 +23,7 @@ from kiln.tasks.cli.main import main
 from kiln.tasks.client import KilnClient, ValidationFailed
 from kiln.tasks.contract.batches import BatchResult, BatchSummary
 from kiln.tasks.queue.submit import Submitter
+from tests.storage.helpers import feeder_of
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success, finish_with_success, start_job
 from tests.tasks.test_inputs import announce
 from tests.waiting import wait_until
@@ -262,9 +263,9 @@ def test_a_feeder_that_dies_before_moving_its_cursor_is_redone_as_a_no_op(
     second.tick()
     assert second_published.calls == []  # the lease is still node-a's
     feeding = BatchFeeding(api.store.redis, api.store.settings)
-    wait_until(lambda: feeding.feeder_of(batch_id), lambda holder: holder is None)  # it lapses
+    wait_until(lambda: feeder_of(feeding, batch_id), lambda holder: holder is None)  # it lapses
     second.tick()
-    assert feeding.feeder_of(batch_id) == "node-b"
+    assert feeder_of(feeding, batch_id) == "node-b"
     # the four jobs node-a made fill the window; the sweeper publishes them (as a node's does)
     assert batches.get_fed(batch_id).fed == 0
     for job_id in api.store.unpublished_jobs(0.0):

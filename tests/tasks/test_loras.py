@@ -21,7 +21,7 @@ from kiln.tasks.cli.exits import UsageError
 from kiln.tasks.cli.main import EXIT_JOB_FAILED, EXIT_USAGE
 from kiln.tasks.contract.loras import MAX_LORA_SCALE, MAX_LORAS, LoraSpec
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.node.adapters import heartbeat_adapters
+from kiln.tasks.node.adapters import AdapterSources
 from tests.tasks.helpers import Api
 
 SMALL: dict[str, Any] = {"pipeline": "tiny", "prompt": "a fox", "width": 64, "height": 64}
@@ -106,7 +106,7 @@ def test_the_heartbeat_merges_replica_groups_and_lists_every_pipeline() -> None:
             {"adapters": {"tiny": {"loaded": ["frost"], "fused": []}}},
         ]
     }
-    announced = heartbeat_adapters(["tiny", "tiny-video"], None, stats)
+    announced = AdapterSources(None).heartbeat(["tiny", "tiny-video"], stats)
     assert announced == {
         "tiny": {"available": [], "loaded": ["ember", "frost"], "fused": ["ember"]},
         "tiny-video": {"available": [], "loaded": [], "fused": []},
