@@ -38,6 +38,7 @@ S3_KEYS = {"KILN_S3_ACCESS_KEY_ID", "KILN_S3_SECRET_ACCESS_KEY"}
 SECRETS_READ = {
     "kiln-api": {"KILN_REDIS_URL", *S3_KEYS, "KILN_API_KEY_PEPPER", "KILN_WEBHOOK_SECRET"},
     "kiln-webhooks": {"KILN_REDIS_URL", *S3_KEYS, "KILN_WEBHOOK_SECRET"},
+    "kiln-control": {"KILN_REDIS_URL", *S3_KEYS},
     "kiln-node-default": {"KILN_REDIS_URL", *S3_KEYS, "HF_TOKEN"},
     "kiln-redis": {"KILN_REDIS_URL"},
     "kiln-minio": S3_KEYS,
@@ -258,3 +259,20 @@ def test_the_scrape_config_keeps_annotated_kiln_pods() -> None:
         ("__meta_kubernetes_pod_annotation_prometheus_io_scrape",),
         ("__meta_kubernetes_pod_label_app_kubernetes_io_name",),
     }
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_the_cluster_loops_run_in_the_control_pods_not_the_nodes(overlay: str) -> None:
+    """The nodes leave their loops to kiln-control, which runs `kiln control` in two replicas."""
+    deployments = by_kind(render(OVERLAYS[overlay]), "Deployment")
+    control = deployments["kiln-control"]
+    assert control["spec"]["replicas"] >= 2  # one pod's restart stops no loop
+    (container,) = control["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["control"]
+    assert container["image"].endswith("kiln:slim")  # CPU-only: no torch in the image
+    nodes = [d for name, d in deployments.items() if name.startswith("kiln-node-")]
+    assert nodes
+    for node in nodes:
+        for node_container in node["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in node_container.get("env", [])}
+            assert env["KILN_NODE_CONTROL_LOOPS"] == "false"

@@ -193,6 +193,10 @@ def test_every_kiln_service_runs_from_the_compose_file(compose_stack: ComposeSta
     assert node.env["KILN_MODEL_CACHE"] == str(compose.folder / "models" / "kiln")
     assert "cpu" in node.argv
     assert "cuda:0" not in node.argv
+    # The cluster's loops run in `control` alone (`kiln control`), none in the GPU nodes.
+    assert node.env["KILN_NODE_CONTROL_LOOPS"] == "false"
+    assert compose_stack.running["control"].argv[-1] == "control"
+    assert "KILN_NODE_CONTROL_LOOPS" not in compose_stack.running["control"].env
     # The node left out runs the same command line but for its own id.
     other = compose.services["worker-gpu1"]
     assert other["command"] == [

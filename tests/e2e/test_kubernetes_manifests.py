@@ -132,7 +132,7 @@ def stack(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         folder,
         host_environment(),
     )
-    for workload in ("kiln-redis", "kiln-api", "kiln-webhooks", NODE):
+    for workload in ("kiln-redis", "kiln-api", "kiln-webhooks", "kiln-control", NODE):
         localizer.volumes.update(cluster.volumes_of(workload))
     local_redis = ["--port", str(redis_port), "--bind", "127.0.0.1"]
     pods = {"kiln-redis": cluster.launch("kiln-redis", "kiln-redis-0", local_redis)}
@@ -140,6 +140,7 @@ def stack(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         wait_for_port(redis_port, 10)
         pods["kiln-api"] = cluster.launch("kiln-api", "kiln-api-6b7d9f8c5-q4w2e")
         pods["kiln-webhooks"] = cluster.launch("kiln-webhooks", "kiln-webhooks-7f6c5d4b3-p9r8s")
+        pods["kiln-control"] = cluster.launch("kiln-control", "kiln-control-5d8f7c6b9-x2k4m")
         pods[NODE] = cluster.launch(NODE, NODE_POD)
         api_key = create_bucket_and_key(cluster)
         kiln_pods = [pod for name, pod in pods.items() if name != "kiln-redis"]
