@@ -58,69 +58,57 @@ class NotAPipeline(SpecError, TypeError):
     """A `python:` factory made something that is not a `Pipeline`."""
 
 
-class PipelineFailed(RuntimeError):
+class _RankReported(Exception):
+    """A pipeline fault a rank sends its owner as one marked line instead of a traceback.
+
+    The rank sends `rank_message()`; its owner's start-up error carries that text, where
+    `found_in` reads it back, so the worker says it in one line. Each subclass has its MARK.
+    """
+
+    MARK = ""  # starts the line a rank sends; JSON [name, reason] follows
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"pipeline {name}: {reason}")
+        self.name = name
+        self.reason = reason
+
+    def rank_message(self) -> str:
+        """The one line a rank sends its owner in place of a traceback."""
+        return self.MARK + json.dumps([self.name, self.reason])
+
+    @classmethod
+    def found_in(cls, text: str) -> typing.Self | None:
+        """The fault a rank's `rank_message()` carries within `text` (an error's), or None."""
+        for line in text.splitlines():
+            if line.startswith(cls.MARK):
+                try:
+                    name, reason = json.loads(line.removeprefix(cls.MARK))
+                except (ValueError, TypeError):  # not a rank's line after all
+                    return None
+                return cls(str(name), str(reason))
+        return None
+
+
+class PipelineFailed(_RankReported, RuntimeError):
     """A rank could not load or warm up pipeline `name` (`reason`: the error, in one line).
 
     Not the spec's form (that is `PipelineRefused`): the model's files did not load (network,
-    cache, memory) or the factory or the first run raised. The rank reports it as
-    `rank_message()`, its owner reads it back with `found_in`, and the worker ends in one line
-    with exit 1, as `kiln pipeline check` does for the same fault.
+    cache, memory) or the factory or the first run raised. The worker ends in one line with
+    exit 1, as `kiln pipeline check` does for the same fault.
     """
 
-    MARK = "pipeline failed: "  # starts the line a rank sends; JSON [name, reason] follows
-
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"pipeline {name}: {reason}")
-        self.name = name
-        self.reason = reason
-
-    def rank_message(self) -> str:
-        """The one line a rank sends its owner in place of a traceback."""
-        return self.MARK + json.dumps([self.name, self.reason])
-
-    @classmethod
-    def found_in(cls, text: str) -> PipelineFailed | None:
-        """The failure a rank's `rank_message()` carries within `text` (an error's), or None."""
-        found = _marked(text, cls.MARK)
-        return None if found is None else cls(*found)
+    MARK = "pipeline failed: "
 
 
-def _marked(text: str, mark: str) -> tuple[str, str] | None:
-    for line in text.splitlines():
-        if line.startswith(mark):
-            try:
-                name, reason = json.loads(line.removeprefix(mark))
-            except (ValueError, TypeError):  # not a rank's line after all
-                return None
-            return str(name), str(reason)
-    return None
-
-
-class PipelineRefused(SpecError):
+class PipelineRefused(_RankReported, SpecError):
     """A rank could not load pipeline `name` for a fault of its spec (`reason`, one line).
 
     What only loading shows: a factory declared to return a `Pipeline` that returns something
-    else, or a module the rank cannot import. The rank reports it as `rank_message()` instead
-    of a traceback; its owner's start-up error carries that text, where `found_in` reads it back,
-    so the worker says it in one line and exits as for a spec refused before any rank started.
+    else, or a module the rank cannot import. The worker says it in one line and exits as for a
+    spec refused before any rank started.
     """
 
-    MARK = "pipeline refused: "  # starts the line a rank sends; JSON [name, reason] follows
-
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"pipeline {name}: {reason}")
-        self.name = name
-        self.reason = reason
-
-    def rank_message(self) -> str:
-        """The one line a rank sends its owner in place of a traceback."""
-        return self.MARK + json.dumps([self.name, self.reason])
-
-    @classmethod
-    def found_in(cls, text: str) -> PipelineRefused | None:
-        """The refusal a rank's `rank_message()` carries within `text` (an error's), or None."""
-        found = _marked(text, cls.MARK)
-        return None if found is None else cls(*found)
+    MARK = "pipeline refused: "
 
 
 @dataclass(frozen=True)
