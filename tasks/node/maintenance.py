@@ -127,6 +127,8 @@ class Maintenance:
         )
         heartbeat(node)
         self.loops.start()
+        left = "" if node.settings.node_control_loops else " (the cluster's: kiln control's)"
+        log.info("node %s loops: %s%s", node.node_id, ", ".join(self.loops.names), left)
 
     def stop(self) -> None:
         """Stop the loops and wait for them."""
