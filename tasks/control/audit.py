@@ -170,6 +170,8 @@ def audit_queued(ctx: ControlContext, queues: Sequence[str]) -> int:
     are due; its interval is a little shorter than the setting, so a lone process's pass is never
     skipped for a few ms of clock difference.
     """
+    if not queues:  # a node serving no pipeline (tests): nothing to claim
+        return 0
     settings = ctx.settings
     claim = ctx.store.claim_audits(list(queues), 0.9 * settings.queued_audit_interval_s)
     lost = lost_jobs(
@@ -187,6 +189,8 @@ def audit_after_restart(ctx: ControlContext, queues: Sequence[str]) -> int:
     once, not only those older than the audit age; of several processes watching a queue, one
     sees each restart (storage/queues.py `server_changed`).
     """
+    if not queues:
+        return 0
     run_id = ctx.store.server_run_id()
     restarted = [queue for queue in queues if ctx.store.server_changed(queue, run_id)]
     if not restarted:
