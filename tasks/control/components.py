@@ -1,7 +1,8 @@
 """A declared loop and the runner that starts and stops a process's loops, one thread each.
 
-In the manner of Celery's worker bootsteps: each `Component` says its name, its interval and its
-step (and what it needs, bound when it is declared); `Loops` starts them all and stops them all.
+In the manner of Celery's worker bootsteps: each `Component` says its name, its interval, its
+step, and what it does once at start and at stop (what it needs is bound when it is declared);
+`Loops` starts them all in order and stops them all.
 A step that raises is logged and tried again at the next interval: a background loop outlives
 any one bad iteration, and on its own thread a long compute step never starves another loop.
 """
@@ -23,14 +24,20 @@ def never_paused() -> bool:
     return False
 
 
+def nothing() -> None:
+    """The default `start` and `stop`: a component with nothing to set up or tear down."""
+
+
 @dataclass(frozen=True)
 class Component:
-    """One loop: `step` every `interval_s`, skipped while `paused()` says so."""
+    """One loop: `start` once, `step` every `interval_s` (skipped while `paused()`), `stop` once."""
 
     name: str
     interval_s: float
     step: Callable[[], object]
     paused: Callable[[], bool] = never_paused
+    start: Callable[[], object] = nothing  # on the starting thread, before the loop's own
+    stop: Callable[[], object] = nothing  # once the loop's thread has ended
 
     def run_once(self) -> None:
         """One iteration; a failure is logged, never raised (the next interval tries again)."""
@@ -58,8 +65,13 @@ class Loops:
         return [component.name for component in self.components]
 
     def start(self) -> None:
-        """Start one thread per component; each waits its interval before its first step."""
+        """Per component in order: its `start`, then its thread (which waits one interval first).
+
+        A `start` that raises stops the start there (the caller sees it): what it sets up is
+        what the loop needs.
+        """
         for component in self.components:
+            component.start()
             thread = threading.Thread(
                 target=self._run, args=(component,), name=f"kiln-{component.name}", daemon=True
             )
@@ -79,7 +91,13 @@ class Loops:
         self._stop.set()
 
     def stop(self) -> None:
-        """Stop every loop and wait for each (a step under way finishes first, 5 s at most)."""
+        """Stop every loop, join each (5 s at most: its step under way ends), then its `stop`."""
         self._stop.set()
-        for thread in self._threads:
+        started = self.components[: len(self._threads)]
+        for thread, component in zip(self._threads, started, strict=True):
             thread.join(timeout=5)
+            try:
+                component.stop()
+            except Exception:  # one component's teardown must not skip the others'
+                log.exception("%s: stop failed", component.name)
+        self._threads.clear()

@@ -13,8 +13,8 @@ With `KILN_NODE_CONTROL_LOOPS` (the default) the node also runs the cluster's lo
 queues (tasks/control/room.py: reaper, sweeper, pruner, restart audit, queued-jobs audit, batch
 feeder; the feeder rests while the node drains); without it `kiln control` runs them.
 
-On their own threads, a long compute step never starves lease renewal. One heartbeat also runs
-in `Maintenance.start`, so the node is announced before its first interval passes.
+On their own threads, a long compute step never starves lease renewal. The heartbeat's start
+(`announce`) sends one at once, so the node is announced before its first interval passes.
 """
 
 from __future__ import annotations
@@ -68,6 +68,19 @@ def heartbeat(node: Node) -> None:
     node.held.write()
 
 
+def announce(node: Node) -> None:
+    """The heartbeat's start: held messages are listed from now on, and one heartbeat goes now.
+
+    So the node is announced before its first interval passes.
+    """
+    node.held.publish_with(
+        lambda job_ids: node.store.record_held(
+            node.node_id, job_ids, heartbeat_ttl(node), node.held.incarnation
+        )
+    )
+    heartbeat(node)
+
+
 def watch_cancels(node: Node) -> None:
     """Tell running jobs whose cancel was requested to stop (one pipelined read for all)."""
     running = {t.job_id: t for t in node.tracked_jobs() if t.stop_reason is None}
@@ -92,7 +105,12 @@ def node_components(node: Node, controls: NodeControls | None) -> list[Component
     """The loops of this node alone: heartbeat and cancels; controls and surplus with `controls`."""
     settings = node.settings
     components = [
-        Component("heartbeat", settings.heartbeat_interval_s, lambda: heartbeat(node)),
+        Component(
+            "heartbeat",
+            settings.heartbeat_interval_s,
+            lambda: heartbeat(node),
+            start=lambda: announce(node),
+        ),
         Component("cancels", CANCEL_POLL_S, lambda: watch_cancels(node)),
     ]
     if controls is not None:
@@ -118,14 +136,8 @@ class Maintenance:
         self.loops = Loops(components)
 
     def start(self) -> None:
-        """Send one heartbeat now, then start the loops (daemon threads; `stop` joins them)."""
+        """Start the loops (daemon threads; `stop` joins them): the heartbeat's start announces."""
         node = self.node
-        node.held.publish_with(
-            lambda job_ids: node.store.record_held(
-                node.node_id, job_ids, heartbeat_ttl(node), node.held.incarnation
-            )
-        )
-        heartbeat(node)
         self.loops.start()
         left = "" if node.settings.node_control_loops else " (the cluster's: kiln control's)"
         log.info("node %s loops: %s%s", node.node_id, ", ".join(self.loops.names), left)

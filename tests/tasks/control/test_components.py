@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kiln.storage.errors import StorageError
 from kiln.tasks.control.components import Component, Loops
 from kiln.tasks.control.room import cluster_components, served_queues
@@ -76,3 +78,47 @@ def test_control_audits_every_lane_of_every_pipeline_configured_or_announced(
         "interactive.sdxl",
         "interactive.tiny",
     ]
+
+
+def test_each_start_runs_before_its_loop_and_each_stop_after_it_ended() -> None:
+    seen: list[str] = []
+    steps = threading.Event()
+
+    def step() -> None:
+        seen.append("step")
+        steps.set()
+
+    loops = Loops(
+        [
+            Component("first", 1.0, lambda: None, start=lambda: seen.append("start first")),
+            Component(
+                "second",
+                0.001,
+                step,
+                start=lambda: seen.append("start second"),
+                stop=lambda: seen.append("stop second"),
+            ),
+        ]
+    )
+    loops.start()
+    assert seen[:2] == ["start first", "start second"]
+    wait_until(steps.is_set, what="a step")
+    loops.stop()
+    assert seen[-1] == "stop second"
+    assert "step" not in seen[seen.index("stop second") :]
+
+
+def test_a_failing_start_stops_the_start_there() -> None:
+    def refuse() -> None:
+        raise StorageError("redis is away")
+
+    loops = Loops(
+        [
+            Component("heartbeat", 1.0, lambda: None, start=refuse),
+            Component("reaper", 1.0, lambda: None),
+        ]
+    )
+    with pytest.raises(StorageError):
+        loops.start()
+    assert not [t for t in threading.enumerate() if t.name in {"kiln-heartbeat", "kiln-reaper"}]
+    loops.stop()  # nothing started: nothing to join or stop
