@@ -128,6 +128,14 @@ def join_group(args: RankArgs) -> RankRuntime:
     )
     runtime = RankRuntime(args, device)
     if args.world_size > 1:
-        runtime.idle_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        runtime.control_group = dist.new_group(backend="gloo", timeout=timeout)
+        runtime.idle_group = _gloo_group(IDLE_TIMEOUT)
+        runtime.control_group = _gloo_group(timeout)
     return runtime
+
+
+def _gloo_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo group of every rank (torch 2.14 types `new_group` as maybe its non-member mark)."""
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    if not isinstance(group, dist.ProcessGroup):  # every rank is a member: never the case
+        raise RuntimeError(f"torch.distributed.new_group gave a member rank {group!r}")
+    return group
