@@ -4,7 +4,7 @@ Each component is safe with many processes running it at once: the reaper's `rea
 one caller per job, a dead node's lapse is claimed by one sweeper (storage/lua/held_claim.lua),
 each queue's audit by one process per interval (storage/lua/audit_claim.lua) and each Redis
 restart by one (storage/queues.py `server_changed`), pruning is idempotent, and a batch is fed
-by the holder of its feeder lease alone (storage/batch_feeding.py). So they run inside every
+by the holder of its feeder lease alone (storage/leases.py). So they run inside every
 node by default (`KILN_NODE_CONTROL_LOOPS`), and also alone as `kiln control`, beside nodes or
 instead of their loops.
 """
