@@ -41,6 +41,8 @@ TEST_AND_DEPLOY_NAMES: dict[str, str] = {
     "KILN_TEST_COUNT_LOG": "counting pipeline: file of the rows computed (tests/gpu_worker)",
     "KILN_TEST_RACE_ROUNDS": "rounds of the output fencing race (tests/e2e/test_output_fencing.py)",
     "KILN_TEST_ARTIFACTS": "folder the browser test copies its screenshot to (test_console.py)",
+    "KILN_TEST_PROBE": "probe pipeline: a value each rank reports from its environment",
+    "KILN_TEST_PROBE_DIR": "probe pipeline: folder of each rank's report (tests/gpu_worker)",
     "KILN_BATCH_CRASH_LINES": "size of the batch crash test (`make test-soak`)",
     "KILN_FUZZ_EXAMPLES": "examples of the API fuzz test",
     "KILN_HOSTILE_EXAMPLES": "examples of the API hostile-input test",

@@ -177,15 +177,18 @@ class JobRunner:
             # (its producer was answered 503 and creates it again) or its record expired
             log.warning("run_job: job %s is gone; dropping", self.job_id)
             return
-        log.info("job %s held: waiting in the node at position %d", self.job_id, position)
-        with self.node.tracking(self.job_id, token) as tracked:
+        # every line from the hold on names the attempt this delivery makes (counted at its start)
+        with (
+            log_context(attempt=record.attempts + 1),
+            self.node.tracking(self.job_id, token) as tracked,
+        ):
+            log.info("job %s held: waiting in the node at position %d", self.job_id, position)
             waiting.add(self.job_id, token)
             try:
                 attempt = LeasedAttempt(
                     self.node, record, tracked, self._notify, progress_webhooks=bool(self.webhook)
                 )
-                with log_context(attempt=record.attempts + 1):
-                    self.outcome = attempt.run()
+                self.outcome = attempt.run()
             finally:
                 waiting.leave(self.job_id)  # a job that never started leaves the line too
         self.node.progress.settle(self.job_id)  # once more: a lost lease ends on no transition

@@ -20,6 +20,7 @@ from kiln.common.request import Lane
 from kiln.common.states import JobState
 from kiln.storage.apikeys import ApiKeyStore
 from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.intake.refusal import Caller
 from kiln.tasks.queue.positions import queue_estimate
 from tests.e2e.cluster import SLEEPY, Cluster, WorkerProcess
 from tests.waiting import wait_until
@@ -128,7 +129,8 @@ def test_purge_cancels_queued_jobs_and_leaves_the_running_one(
 def test_a_key_capped_at_one_running_job_runs_them_one_at_a_time(cluster: Cluster) -> None:
     keys = ApiKeyStore(cluster.store.redis, cluster.storage_settings)
     key = keys.create("capped-hash", "capped", max_running=1)
-    jobs = [submit(cluster, steps=16, owner=key.id) for _ in range(3)]  # the node batches 4
+    caller = Caller(key_id=key.id)
+    jobs = [submit(cluster, steps=16, caller=caller) for _ in range(3)]  # the node batches 4
     seen_estimate = False
     for job_id in jobs:
         while str(cluster.store.get(job_id).state) not in ("succeeded", "failed"):

@@ -233,7 +233,7 @@ def test_new_commands_refuse_a_bad_redis_url_in_one_line(api: Api, tmp_path: Pat
 
 
 def test_every_command_but_the_services_takes_json() -> None:
-    services = {"worker", "api", "demo"}  # they serve; they print no data
+    services = {"worker", "api", "control", "demo"}  # they serve; they print no data
     missing = []
     for path, parser in _commands(build_parser(), ()):
         options = {option for action in parser._actions for option in action.option_strings}
