@@ -56,6 +56,10 @@ class JobsBackend(Protocol):
         """The pipelines jobs may name now (configured or served by a live node)."""
         ...
 
+    def close(self) -> None:
+        """Close the backend's connections (the command is done with it)."""
+        ...
+
 
 class DirectBackend:
     """Talks to Redis and the object store directly (same settings as the workers)."""
@@ -156,6 +160,10 @@ class DirectBackend:
         """What the submitter knows: configured pipelines and those live nodes announce."""
         return list(self.submitter.known_pipelines())
 
+    def close(self) -> None:
+        """Close the Redis connections."""
+        self.store.redis.close()
+
 
 class HttpBackend:
     """Talks to a Kiln API through `KilnClient`."""
@@ -213,6 +221,10 @@ class HttpBackend:
     def pipelines(self) -> list[str]:
         """GET /v1/pipelines."""
         return self.client.pipelines().pipelines
+
+    def close(self) -> None:
+        """Close the client's connection pool (a kept-alive connection is not left to the GC)."""
+        self.client.close()
 
 
 def remote_args(parser: argparse.ArgumentParser, key_help: str = "bearer key for --api") -> None:

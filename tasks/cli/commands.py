@@ -7,6 +7,7 @@ Each heavy service is imported in the command that runs it, so that `kiln --help
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -76,7 +77,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.preview is not None or args.preview_every is not None:
         every = args.preview_every
         fields["preview"] = {"every_steps": every} if every is not None else {}
-    backend = backend_for(args)
+    with contextlib.closing(backend_for(args)) as backend:
+        return _submit_command(args, backend, fields)
+
+
+def _submit_command(args: argparse.Namespace, backend: JobsBackend, fields: dict[str, Any]) -> int:
+    """`kiln submit` on `backend`: submit, then wait and follow previews as asked."""
     try:
         request = JobRequest.model_validate(fields)
     except ValidationError as error:  # a bound the pipeline declares lower is named as its own
@@ -210,21 +216,21 @@ def parse_inputs(values: list[str], upload: Callable[[str], str] | None = None) 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`kiln status JOB`."""
-    backend = backend_for(args)
-    _show(args, [backend.get(backend.resolve(args.job_id))])
+    with contextlib.closing(backend_for(args)) as backend:
+        _show(args, [backend.get(backend.resolve(args.job_id))])
     return 0
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
     """`kiln wait JOB...`."""
-    backend = backend_for(args)
-    return _wait_and_show(args, backend, [backend.resolve(job_id) for job_id in args.job_ids])
+    with contextlib.closing(backend_for(args)) as backend:
+        return _wait_and_show(args, backend, [backend.resolve(job_id) for job_id in args.job_ids])
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """`kiln cancel JOB`: exit 5 (nothing canceled) when the job had already finished."""
-    backend = backend_for(args)
-    result = backend.cancel(backend.resolve(args.job_id))
+    with contextlib.closing(backend_for(args)) as backend:
+        result = backend.cancel(backend.resolve(args.job_id))
     _show(args, [result.job])
     view = result.job
     if result.effect == "already_finished":
@@ -246,14 +252,16 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             args.batch = batches.resolve(args.batch)
         finally:
             batches.close()
-    return list_command(args, backend_for(args))
+    with contextlib.closing(backend_for(args)) as backend:
+        return list_command(args, backend)
 
 
 def cmd_get(args: argparse.Namespace) -> int:
     """`kiln get JOB [DIR]`."""
     from kiln.tasks.cli.jobs import cmd_get as get_command
 
-    return get_command(args, backend_for(args))
+    with contextlib.closing(backend_for(args)) as backend:
+        return get_command(args, backend)
 
 
 def cmd_api(args: argparse.Namespace) -> int:
