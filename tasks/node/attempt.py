@@ -225,6 +225,13 @@ class LeasedAttempt:
         ended meanwhile, its batch was stopped, or the lease is another's; `_not_started` then
         reads what became of it.
         """
+        if isinstance(result, ReplicasBehind):
+            # nothing is computed on a start a failover could undo (docs/operations.md §15): it
+            # stands once its lease lapses, or was lost and the job is queued again
+            log.info(
+                "job %s not started now (its start is not on a replica: %s)", self.job_id, result
+            )
+            return False
         if isinstance(result, StorageError):
             log.info("job %s not started here: %s", self.job_id, result)
             return False
@@ -262,8 +269,15 @@ class LeasedAttempt:
             self.outcome = DeliveryOutcome(Delivery.DROPPED)
             log.info("job %s is %s already; this delivery leaves it", self.job_id, record.state)
         elif not self.store.release_lease(self.job_id, self.tracked.lease_token):
-            self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
-            log.warning("job %s: lease lost while it waited in the node", self.job_id)
+            if self.store.lease_owner(self.job_id) is not None:
+                self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
+                log.warning("job %s: lease lost while it waited in the node", self.job_id)
+                return
+            # queued and nobody's: the hold was lost with a primary (a failover), and this
+            # delivery's message is about to be acknowledged, so it goes out again here
+            self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
+            self.outcome = DeliveryOutcome(Delivery.DEFERRED, error)
+            log.info("job %s: its hold is gone (lost with a primary?); re-published", self.job_id)
         else:
             handed_back = self.tracked.stop_reason == JobStopReason.HANDED_BACK
             delay = 0.0 if handed_back else self.settings.lease_busy_delay_s
