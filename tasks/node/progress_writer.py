@@ -107,13 +107,7 @@ class ProgressWriter:
             except StorageError as exc:  # like progress: best effort, a stale token expected
                 log.debug("%s event of %s not written: %s", event_type, job_id, exc)
 
-        try:
-            future = self._ordered.submit(append)
-        except RuntimeError:  # stopped (the node is going down): write it here
-            append()
-            return
-        with self._lock:
-            self._handed_over.setdefault(job_id, []).append(future)
+        self.call_soon(job_id, append)
 
     def call_soon(self, job_id: str, call: Callable[[], None]) -> None:
         """Run `call` for a job next on the ordered thread (`settle` waits for it).
