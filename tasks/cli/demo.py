@@ -146,18 +146,18 @@ def _run_jobs(
         "--loglevel",
         "WARNING",
     )
+    api_url = f"http://127.0.0.1:{port}"
     with (
         child_process(worker_args, env=env, log_path=logs / "worker.log") as worker,
         child_process(
             kiln_command("api", "--port", str(port)), env=env, log_path=logs / "api.log"
         ) as api,
+        contextlib.closing(HttpBackend(api_url, None)) as backend,
     ):
         children = ChildWatch(
             {"worker": (worker, logs / "worker.log"), "api": (api, logs / "api.log")}
         )
-        api_url = f"http://127.0.0.1:{port}"
         _wait_for_node(api_url, console, children)
-        backend = HttpBackend(api_url, None)
         started = time.monotonic()
         views = [backend.submit(request) for request in demo_requests(image_jobs)]
         console.print(f"submitted {len(views)} jobs through the API")
