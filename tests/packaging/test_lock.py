@@ -84,3 +84,42 @@ def test_the_images_install_the_versions_the_tests_ran_on(image_lock: str) -> No
     image = pins(LOCKS / image_lock)
     differ = {n: (v, dev.get(n, ("absent", []))[0]) for n, (v, _) in image.items()}
     assert {n: vs for n, vs in differ.items() if vs[0] != vs[1]} == {}
+
+
+def _stages(dockerfile: str) -> dict[str, str]:
+    """Each named stage of the Dockerfile and its text."""
+    stages: dict[str, str] = {}
+    name = ""
+    for line in dockerfile.splitlines():
+        if line.startswith("FROM ") and " AS " in line:
+            name = line.rsplit(" AS ", 1)[1].strip()
+            stages[name] = ""
+        elif name:
+            stages[name] += line + "\n"
+    return stages
+
+
+@pytest.mark.parametrize(
+    ("stage", "lock"),
+    [
+        ("builder", "slim.txt"),
+        ("slim", "slim.txt"),
+        ("flower", "flower.txt"),
+        ("worker", "worker.txt"),
+    ],
+)
+def test_every_image_installs_its_lock_with_hashes_and_nothing_else(stage: str, lock: str) -> None:
+    text = _stages((ROOT / "Dockerfile").read_text())[stage]
+    assert f"COPY deploy/lock/{lock} /tmp/lock.txt" in text
+    assert "pip install --require-hashes --no-deps -r /tmp/lock.txt" in text
+    # whatever else pip installs there takes nothing from the index but torch (the worker's own)
+    for line in text.splitlines():
+        if "pip install" in line and "-r /tmp/lock.txt" not in line:
+            assert "--no-deps" in line or "torch==" in line, line
+
+
+def test_make_setup_installs_the_lock_with_hashes() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert "LOCK := deploy/lock/dev.txt" in makefile
+    assert "pip install -q --require-hashes --no-deps -r $(LOCK)" in makefile
+    assert "pip install -q --no-deps --no-build-isolation -e ." in makefile
