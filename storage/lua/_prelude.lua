@@ -52,6 +52,21 @@ local function check_fence(job, mode, token)
   end
 end
 
+-- a lease is taken only where no other owner holds a live one (acquire, hold, acquire_start);
+-- the same owner may take it again. Raises LEASEHELD naming the holder.
+local function check_lease_free(job, lease_key, owner)
+  local held = redis.call('GET', lease_key)
+  if held then
+    local holder = string.sub(held, string.find(held, '|', 1, true) + 1)
+    if holder ~= owner then raise('LEASEHELD', job.id .. ' ' .. holder) end
+  end
+end
+
+-- whether the job's batch has been asked to stop (a job of it is neither held nor started)
+local function batch_stopped(job, batch_prefix)
+  return job.batch ~= '' and (redis.call('HGET', batch_prefix .. job.batch, 'stop') or '') ~= ''
+end
+
 -- per-owner counters (a hash: owner -> count): jobs without an owner are not counted, and an
 -- owner whose count reaches 0 leaves the hash (records written before the counters existed can
 -- only take a count down to 0, never below)

@@ -11,11 +11,7 @@ local job_key, lease_key, running_key = KEYS[1], KEYS[2], KEYS[3]
 local job_id, owner, ttl_ms = ARGV[1], ARGV[2], ARGV[3]
 
 local job = load_job(job_key, job_id)
-local held = redis.call('GET', lease_key)
-if held then
-  local holder = string.sub(held, string.find(held, '|', 1, true) + 1)
-  if holder ~= owner then raise('LEASEHELD', job.id .. ' ' .. holder) end
-end
+check_lease_free(job, lease_key, owner)
 local token = redis.call('HINCRBY', job_key, 'fence', 1)
 redis.call('HSET', job_key, 'lease_token', token, 'lease_owner', owner)
 redis.call('SET', lease_key, token .. '|' .. owner, 'PX', ttl_ms)

@@ -45,18 +45,14 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   maxlen = ARGV[13], retention = ARGV[14], window = ARGV[15]}
 
 local job = load_job(m.job, job_id)
-local held = redis.call('GET', m.lease)
-if held then
-  local holder = string.sub(held, string.find(held, '|', 1, true) + 1)
-  if holder ~= owner then raise('LEASEHELD', job.id .. ' ' .. holder) end
-end
+check_lease_free(job, m.lease, owner)
 if TERMINAL[job.state] or not string.find(sources, ' ' .. job.state .. ' ', 1, true) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' running')
 end
 -- a job of a batch asked to stop (canceled, or expired) never starts: the stop is set in one
 -- step (batch_stop) and read here in one, so nothing of the batch starts once its cancel answered;
 -- the batch's feeder ends the job
-if job.batch ~= '' and (redis.call('HGET', m.batch_prefix .. job.batch, 'stop') or '') ~= '' then
+if batch_stopped(job, m.batch_prefix) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' running')
 end
 if running_cap ~= '' and job.job_owner ~= ''

@@ -21,14 +21,10 @@ local job_id, owner, ttl_ms, progress = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local batch_prefix, maxlen = ARGV[5], ARGV[6]
 
 local job = load_job(job_key, job_id)
-local held = redis.call('GET', lease_key)
-if held then
-  local holder = string.sub(held, string.find(held, '|', 1, true) + 1)
-  if holder ~= owner then raise('LEASEHELD', job.id .. ' ' .. holder) end
-end
+check_lease_free(job, lease_key, owner)
 if job.state ~= S.queued then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' held') end
 -- a job of a batch asked to stop is not taken (as it is not started: transition.lua)
-if job.batch ~= '' and (redis.call('HGET', batch_prefix .. job.batch, 'stop') or '') ~= '' then
+if batch_stopped(job, batch_prefix) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' held')
 end
 local token = redis.call('HINCRBY', job_key, 'fence', 1)

@@ -54,8 +54,7 @@ if not string.find(sources, ' ' .. job.state .. ' ', 1, true) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
 end
 -- a job of a batch asked to stop never starts, held or not (acquire_start.lua, hold.lua)
-if target == S.running and job.batch ~= ''
-    and (redis.call('HGET', m.batch_prefix .. job.batch, 'stop') or '') ~= '' then
+if target == S.running and batch_stopped(job, m.batch_prefix) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
 end
 if target == S.running and running_cap ~= '' and job.job_owner ~= ''
