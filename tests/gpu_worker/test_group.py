@@ -1,12 +1,12 @@
-"""WorkerGroup lifecycle: start, titles, idle CPU, startup failure, death, shutdown, orphans."""
+"""WorkerGroup lifecycle: start, titles, idle CPU, startup failure, death, shutdown.
+
+Orphans (a SIGKILLed parent leaves no rank): test_rank_server.py.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +21,6 @@ from tests.gpu_worker.conftest import CLOCK_TICKS, cpu_ticks, process_gone
 from tests.gpu_worker.fixtures import fails_to_load, spec
 from tests.waiting import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 IDLE_WINDOW_S = 3.0
 IDLE_CPU_LIMIT = 0.05  # of one core, per rank
 
@@ -101,25 +100,3 @@ def test_a_killed_rank_is_reported_once_and_the_rest_are_stopped() -> None:
     wait_until(lambda: process_gone(leader), what=f"leader {leader} gone")
     assert not group.alive
     group.shutdown()
-
-
-@pytest.mark.slow
-def test_ranks_die_with_their_parent_even_when_it_is_sigkilled() -> None:
-    with subprocess.Popen(
-        [sys.executable, "-m", "tests.gpu_worker.fixtures.orphan_parent", "2"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as parent:  # closes the pipe and reaps the parent on the way out
-        try:
-            assert parent.stdout is not None
-            pids = json.loads(parent.stdout.readline())["pids"]
-            assert len(pids) == 2
-            assert not any(process_gone(pid) for pid in pids)
-            parent.send_signal(signal.SIGKILL)
-            parent.wait(30)
-            wait_until(
-                lambda: [pid for pid in pids if not process_gone(pid)], lambda left: not left
-            )
-        finally:
-            parent.kill()

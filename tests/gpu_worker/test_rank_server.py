@@ -195,6 +195,7 @@ def test_a_sigkilled_node_leaves_no_rank_and_no_server() -> None:
             assert node.stdout is not None
             started = json.loads(node.stdout.readline())
             pids, server = started["pids"], started["server"]
+            assert len(pids) == 2
             assert server is not None
             assert server not in pids
             assert not any(process_gone(pid) for pid in [*pids, server])
