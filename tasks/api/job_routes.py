@@ -75,7 +75,8 @@ async def submit_job(
     """Enqueue a job: 201 with its view; 200 with the same job for a repeated Idempotency-Key."""
     # The intake's steps (tasks/intake), answered on the event loop: a thread hop costs a plain
     # submission more CPU than its own work. What can block goes to a worker thread: reading the
-    # nodes' heartbeats (every few seconds), an image input's HEAD or a URL's DNS, a backlog read.
+    # nodes' heartbeats (every few seconds, here and for the view), an image input's HEAD or a
+    # URL's DNS, a backlog read.
     intake, who = ctx.intake, IntakeCaller(caller.key_id, caller.max_queued)
     if ctx.submitter.served_is_fresh():
         declared = intake.declared(body.pipeline)
@@ -98,7 +99,13 @@ async def submit_job(
         record, created, estimate = await _write(ctx, accepted.new, intake.queued_cap(who))
     except (QueueFull, QuotaExceeded) as exc:
         raise _http(intake.write_refusal(exc, who)) from exc
-    view = job_view(record, ctx.objects, ctx.submitter.live_pipelines(), estimate)
+    submitter = ctx.submitter
+    # the heartbeats' read may have lapsed while the job was written: read again off the loop
+    if submitter.served_is_fresh():
+        live = submitter.live_pipelines()
+    else:
+        live = await run_in_threadpool(submitter.live_pipelines)
+    view = job_view(record, ctx.objects, live, estimate)
     # already a JobView: sent as it is, sparing FastAPI's validation of it all over again
     return Response(
         view.model_dump_json(), status_code=201 if created else 200, media_type=JSON_TYPE
