@@ -97,6 +97,35 @@ class TransitionOps(StoreBase):
         running_cap: int | None = None,
     ) -> JobRecord:
         self._require_id(job_id)
+        name, keys, args = self._transition_call(
+            job_id,
+            sources,
+            target,
+            fence=fence,
+            token=token,
+            payload=payload,
+            fields=fields,
+            honor_cancel=honor_cancel,
+            running_cap=running_cap,
+        )
+        # a start or an end a replica has not got could be undone by a failover (run twice)
+        reply = self._run_acknowledged(name, keys, args, strict=False)
+        return self._record(job_id, reply)
+
+    def _transition_call(
+        self,
+        job_id: str,
+        sources: tuple[JobState, ...],
+        target: JobState,
+        *,
+        fence: str,
+        token: int | None,
+        payload: dict[str, Any],
+        fields: dict[str, str] | None = None,
+        honor_cancel: bool = False,
+        running_cap: int | None = None,
+    ) -> ScriptCall:
+        """The transition script call that `_transition` runs (keys and every argument)."""
         flat = [item for pair in (fields or {}).items() for item in pair]
         args = [
             job_id,
@@ -108,27 +137,19 @@ class TransitionOps(StoreBase):
             "1" if honor_cancel else "0",
             "" if running_cap is None else str(running_cap),
         ]
-        keys = self._machine_keys(job_id)
-        # a start or an end a replica has not got could be undone by a failover (run twice)
-        every_arg = [*args, *self._machine_settings(), *flat]
-        reply = self._run_acknowledged("transition", keys, every_arg, strict=False)
-        return self._record(job_id, reply)
+        return ("transition", self._machine_keys(job_id), [*args, *self._machine_settings(), *flat])
 
     def _start_call(self, start: Start) -> ScriptCall:
         """The transition script call of `start` (what `start` runs)."""
-        payload = {"node_id": start.node_id} if start.node_id else {}
-        args = [
+        return self._transition_call(
             start.job_id,
-            " " + " ".join(_START) + " ",
-            R.value,
-            "token",
-            str(start.lease_token),
-            dumps(payload),
-            "0",
-            "" if start.running_cap is None else str(start.running_cap),
-            *self._machine_settings(),
-        ]
-        return ("transition", self._machine_keys(start.job_id), args)
+            _START,
+            R,
+            fence="token",
+            token=start.lease_token,
+            payload={"node_id": start.node_id} if start.node_id else {},
+            running_cap=start.running_cap,
+        )
 
     @redis_boundary
     def start(
