@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from celery import Celery
 
 from kiln.common.limits import DeclaredLimits
 from kiln.gpu_worker.config import GroupConfig
@@ -28,7 +27,6 @@ from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.jobs import JobRunner
 from kiln.tasks.node.node import Node
 from kiln.tasks.queue.app import make_celery_app
-from kiln.tasks.queue.submit import Submitter, celery_publisher
 from tests.waiting import wait_until
 
 PIPELINE = "tiny"
@@ -203,17 +201,3 @@ def wait_until_expired(store: JobStore, job_id: str, timeout_s: float = 10.0) ->
         poll_s=0.01,
         what=f"the lease of {job_id} lapsed",
     )
-
-
-@pytest.fixture
-def app(storage_settings: StorageSettings) -> Iterator[Celery]:
-    """A Celery app for the tiny pipeline's queues, as a producer uses it."""
-    app = make_celery_app(KilnSettings(pipelines=[PIPELINE]), storage_settings)
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def submitter(job_store: JobStore, app: Celery) -> Submitter:
-    """Submits through `app`: a job record and its real Celery message."""
-    return Submitter(job_store, KilnSettings(pipelines=[PIPELINE]), celery_publisher(app))
