@@ -41,17 +41,9 @@ from tests.e2e.image_server import CAT
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success, fake_dns
 from tests.tasks.test_batches import feeder, get_batch, jsonl, post_batch, results
 from tests.tasks.test_batches_control import control
+from tests.tasks.test_uploads import PIPELINE as IMG
+from tests.tasks.test_uploads import SCHEMA as IMAGE_SCHEMA
 
-IMG = "tiny-img2img"
-IMAGE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "image": {"type": "string", "minLength": 1, "maxLength": 2048, "x-kiln-image": True},
-        "strength": {"type": "number", "minimum": 0, "maximum": 1},
-    },
-    "required": ["image"],
-    "additionalProperties": False,
-}
 DNS = {
     "images.example": ["93.184.216.34"],
     "hooks.example": ["93.184.216.35"],
