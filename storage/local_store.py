@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kiln.storage.errors import InvalidObjectKey, ObjectExists, ObjectNotFound, ObjectStoreError
-from kiln.storage.object_base import StoredObject, check_key, check_metadata
+from kiln.storage.object_base import STREAM_CHUNK, StoredObject, check_key, check_metadata
 from kiln.storage.settings import StorageSettings
 
 # next to `<key>` lies `<key>.meta.json`; keys with this ending are refused so none collide
 _SIDECAR_SUFFIX = ".meta.json"
-STREAM_CHUNK = 256 * 1024  # what a streamed read hands on at a time
 
 
 def parse_file_url(url: str) -> Path:

@@ -20,6 +20,7 @@ _METADATA_KEY = re.compile(r"[a-z0-9][a-z0-9_\-]{0,63}")
 _ATTEMPT = re.compile(r"[0-9]{1,19}-[0-9a-f]{8}")
 # the stores keep the content's sha256 under this user-metadata key
 SHA256_METADATA_KEY = "sha256"
+STREAM_CHUNK = 256 * 1024  # what a store's streamed read hands on at a time
 
 
 def check_prefix(prefix: str) -> str:

@@ -13,7 +13,13 @@ import boto3
 import botocore.config
 
 from kiln.storage.errors import ObjectNotFound, ObjectStoreError
-from kiln.storage.object_base import SHA256_METADATA_KEY, StoredObject, check_key, check_metadata
+from kiln.storage.object_base import (
+    SHA256_METADATA_KEY,
+    STREAM_CHUNK,
+    StoredObject,
+    check_key,
+    check_metadata,
+)
 from kiln.storage.s3_errors import s3_errors
 from kiln.storage.settings import StorageSettings
 
@@ -25,7 +31,6 @@ MIB = 1024 * 1024
 # parts of a multipart upload; S3 needs >= 5 MiB, larger parts mean fewer requests
 _PART_SIZE = 8 * MIB
 _PART_CONCURRENCY = 4  # parts of one upload in flight at once
-STREAM_CHUNK = 256 * 1024  # what a streamed read hands on at a time
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
