@@ -169,21 +169,23 @@ def test_a_range_it_cannot_serve_is_a_416_naming_why(api: Api, header: str, reas
     assert got.headers["content-range"] == f"bytes */{len(PNG)}"
 
 
+def s3_storage(s3_settings: StorageSettings) -> dict[str, Any]:
+    """The API's storage settings of the moto server's bucket (what `make_api` takes)."""
+    names = (
+        "storage_url",
+        "s3_endpoint_url",
+        "s3_region",
+        "s3_addressing_style",
+        "s3_access_key_id",
+        "s3_secret_access_key",
+    )
+    return {name: getattr(s3_settings, name) for name in names}
+
+
 def test_outputs_in_s3_are_streamed_with_ranges_as_a_video_player_asks(
     make_api: ApiFactory, s3_settings: StorageSettings
 ) -> None:
-    storage = {
-        name: getattr(s3_settings, name)
-        for name in (
-            "storage_url",
-            "s3_endpoint_url",
-            "s3_region",
-            "s3_addressing_style",
-            "s3_access_key_id",
-            "s3_secret_access_key",
-        )
-    }
-    api = make_api(storage=storage)
+    api = make_api(storage=s3_storage(s3_settings))
     job_id = local_job(api, [(MP4, "video/mp4", "mp4")])
     url = output_url(api, job_id, 0)
     whole = httpx.get(url, headers=api.auth("alice"))
@@ -202,18 +204,7 @@ def test_outputs_in_s3_are_streamed_with_ranges_as_a_video_player_asks(
 def test_an_output_is_read_from_the_store_its_record_names(
     make_api: ApiFactory, s3_settings: StorageSettings, tmp_path: Path
 ) -> None:
-    storage = {
-        name: getattr(s3_settings, name)
-        for name in (
-            "storage_url",
-            "s3_endpoint_url",
-            "s3_region",
-            "s3_addressing_style",
-            "s3_access_key_id",
-            "s3_secret_access_key",
-        )
-    }
-    api = make_api(storage=storage)  # the API's own store is S3
+    api = make_api(storage=s3_storage(s3_settings))  # the API's own store is S3
     folder = tmp_path / "a-node-with-a-local-store"
     local = LocalObjectStore(folder)
     owner = api.key_ids["alice"]
