@@ -37,6 +37,11 @@ def lease_ttl_ms(settings: StorageSettings) -> int:
 WAITING_IN_NODE = "waiting_in_node"
 
 
+def waiting_progress(node_id: str, position: int) -> dict[str, object]:
+    """The progress of a job waiting in node `node_id` with `position` jobs ahead of it there."""
+    return {"stage": WAITING_IN_NODE, "node": node_id, "position": position}
+
+
 def delivery_owner(node_id: str, delivery: str) -> str:
     """A lease owner: one per delivery on a node; its node id is what precedes the last '/'."""
     return f"{node_id}/{delivery}"

@@ -12,7 +12,7 @@ from kiln.common.states import JobState, edge_sources
 from kiln.storage.base import StoreBase, dumps, wait_command
 from kiln.storage.boundary import redis_boundary, translate
 from kiln.storage.errors import StorageError
-from kiln.storage.leases import WAITING_IN_NODE, lease_ttl_ms
+from kiln.storage.leases import WAITING_IN_NODE, lease_ttl_ms, waiting_progress
 from kiln.storage.records import JobRecord
 from kiln.storage.scripts import ScriptCall, queue_by_sha
 
@@ -247,12 +247,11 @@ class TransitionOps(StoreBase):
         """
         self._require_id(job_id)
         k = self.keys
-        progress = {"stage": WAITING_IN_NODE, "node": node_id, "position": position}
         args = [
             job_id,
             owner,
             lease_ttl_ms(self.settings),
-            dumps(progress),
+            dumps(waiting_progress(node_id, position)),
             k.batch_prefix,
             self.settings.event_stream_maxlen,
         ]

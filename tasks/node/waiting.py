@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from kiln.storage.leases import WAITING_IN_NODE
+from kiln.storage.leases import waiting_progress
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
-
-
-def waiting_progress(node_id: str, position: int) -> dict[str, object]:
-    """The progress of a job waiting in node `node_id` with `position` jobs ahead of it there."""
-    return {"stage": WAITING_IN_NODE, "node": node_id, "position": position}
 
 
 class WaitingInNode:
