@@ -281,13 +281,12 @@ class Intake:
         caller: Caller,
         *,
         idempotency_key: str | None = None,
-        job_id: str | None = None,
     ) -> Accepted:
         """The effective request (the seed drawn here, once) and its job, checks passed."""
         effective = effective_request(request)
         new = new_job(
             effective.model_dump(mode="json"),
-            job_id=job_id or new_job_id(),
+            job_id=new_job_id(),
             owner=caller.key_id,
             idempotency_key=idempotency_key,
             # of the request as sent (defaults filled, no drawn seed): a replay must match it
