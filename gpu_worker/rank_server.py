@@ -44,15 +44,15 @@ from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free to import: a node may start the server before it imports torch
     from kiln.gpu_worker.ranks.entry import RankPipes
     from kiln.gpu_worker.ranks.start import RankArgs
+    from kiln.gpu_worker.settings import RankStart
 
 logger = logging.getLogger(__name__)
 
-StartMethod = Literal["forkserver", "spawn"]
 BOOT_MODULE = "kiln.gpu_worker.rank_server_boot"
 # Set by pytest for each test phase: it changes all the time and no library reads it at import.
 VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
@@ -179,7 +179,7 @@ class RankLaunch:
                 _server.children.append(process)
 
 
-def rank_launch(method: StartMethod) -> RankLaunch:
+def rank_launch(method: RankStart) -> RankLaunch:
     """The launch for a group starting now; starts or replaces the server when needed."""
     if method == "spawn":
         return RankLaunch(mp.get_context("spawn"), served=False)
@@ -200,7 +200,7 @@ def rank_launch(method: StartMethod) -> RankLaunch:
     return RankLaunch(context, served=True)
 
 
-def warm_rank_server(method: StartMethod) -> None:
+def warm_rank_server(method: RankStart) -> None:
     """Start the rank server now when ranks start from one: its imports overlap the caller's."""
     if method == "forkserver":
         rank_launch(method)
