@@ -3,10 +3,10 @@
 Two kinds, one shape (`<token>|<owner>` under a TTL of `lease_ttl_s`, storage/keys.py):
 
 - a job's lease (`LeaseOps`): taken by the delivery that holds the job on a node
-  (storage/lua/acquire.lua, acquire_start.lua, hold.lua), renewed by the node's heartbeat
-  (renew.lua; tasks/node/maintenance.py `renew_leases`: a lost lease stops the job), released at
-  the end (release.lua). Once it lapses, the reaper (tasks/control/reaper.py) finds the job
-  (lease_deadlines_passed.lua, `expired_leases`) and moves it back to queued (reap.lua,
+  (storage/lua/hold.lua; acquire.lua and acquire_start.lua take it too), renewed by the node's
+  heartbeat (renew.lua; tasks/node/maintenance.py `renew_leases`: a lost lease stops the job),
+  released at the end (release.lua). Once it lapses, the reaper (tasks/control/reaper.py) finds
+  the job (lease_deadlines_passed.lua, `expired_leases`) and moves it back to queued (reap.lua,
   storage/transitions.py `reap`); every later write of the old attempt is fenced off by its token;
 - a batch's feeder lease (`FeederLeaseOps`): taken and renewed by each feeder pass
   (batch_lease.lua); once it lapses, the next feeder pass anywhere takes the batch over, and the

@@ -220,7 +220,8 @@ class TransitionOps(StoreBase):
 
         What `acquire_lease` then `start` do, one round trip less, and nothing to release on a
         refusal: LeaseHeld (another owner's live lease), IllegalTransition (not queued) or
-        QuotaExceeded (`running_cap`, as `start`) leave the job as it was.
+        QuotaExceeded (`running_cap`, as `start`) leave the job as it was. No node calls it now
+        (a delivery holds its job, `hold`, and the group's batch starts it, `start_many`).
         """
         self._require_id(job_id)
         args = [
