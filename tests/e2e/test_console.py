@@ -28,7 +28,7 @@ from selenium.webdriver.support.wait import WebDriverWait
 from kiln.tasks.api.app import create_app
 from kiln.tasks.api.context import build_context
 from kiln.tasks.queue import controls
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, WorkerProcess
 from tests.tasks.helpers import Api, ThreadServer, api_settings
 from tests.waiting import wait_until
 
@@ -207,36 +207,13 @@ def test_a_job_submitted_from_the_page_shows_its_previews_and_its_output(
     fill(browser, "#preview-every", "1")
     # Redis keeps only a job's newest preview: the job waits in its paused queue until the page
     # follows its events, so every preview reaches the page live, however slow this machine is.
-    worker = cluster.workers[0]
-    controls.pause(cluster.store, QUEUE, by="test_console")
-    wait_until(
-        lambda: worker.heartbeat() or {},
-        lambda beat: QUEUE not in beat.get("consuming", [QUEUE]),
-        what=f"{worker.node_id} not consuming {QUEUE}",
-    )
-    browser.find_element(By.ID, "submit-job").click()
-    wait_for(
-        browser,
-        "the job's live event stream",
-        lambda d: (
-            d.find_element(By.ID, "watch").get_attribute("data-stream") == "live"
-            or shown(d, "submit-error")
-        ),
-    )
-    submit_error = browser.find_element(By.ID, "submit-error")
-    assert not submit_error.is_displayed(), submit_error.text
+    hold_queue(cluster, cluster.workers[0], QUEUE)
+    submit_live(browser)
     assert browser.find_element(By.ID, "watch-status").text == "queued"
     assert "ahead in the queue" in browser.find_element(By.ID, "watch-detail").text
     controls.resume(cluster.store, QUEUE)
 
-    wait_for(
-        browser,
-        "the output image",
-        lambda d: loaded_images(d, "img.output") >= 1 or shown(d, "watch-error"),
-        timeout=JOB_TIMEOUT_S,
-    )
-    watch_error = browser.find_element(By.ID, "watch-error")
-    assert not watch_error.is_displayed(), watch_error.text  # a failed job, a refused stream
+    wait_for_output(browser, "the output image", lambda d: loaded_images(d, "img.output") >= 1)
     job_id = browser.find_element(By.ID, "watch-id").text
     assert cluster.store.get(job_id).state == "succeeded"
     assert browser.find_element(By.ID, "watch-status").text == "succeeded"
@@ -255,9 +232,8 @@ def test_a_job_submitted_from_the_page_shows_its_previews_and_its_output(
     assert path.stat().st_size > 0
 
 
-def hold_queue(cluster: Cluster, queue: str) -> None:
-    """Pause `queue` and wait until the node stops consuming it (the job waits for the page)."""
-    worker = cluster.workers[1]  # the node of the python: pipelines
+def hold_queue(cluster: Cluster, worker: WorkerProcess, queue: str) -> None:
+    """Pause `queue` and wait until `worker` stops consuming it (the job waits for the page)."""
     controls.pause(cluster.store, queue, by="test_console")
     wait_until(
         lambda: worker.heartbeat() or {},
@@ -266,9 +242,8 @@ def hold_queue(cluster: Cluster, queue: str) -> None:
     )
 
 
-def submit_and_follow(browser: WebDriver, cluster: Cluster, queue: str) -> None:
-    """Submit the form while `queue` is held, once the page follows the job's events release it."""
-    hold_queue(cluster, queue)
+def submit_live(browser: WebDriver) -> None:
+    """Submit the form and wait until the page follows the job's events (no submit error)."""
     browser.find_element(By.ID, "submit-job").click()
     wait_for(
         browser,
@@ -280,7 +255,13 @@ def submit_and_follow(browser: WebDriver, cluster: Cluster, queue: str) -> None:
     )
     submit_error = browser.find_element(By.ID, "submit-error")
     assert not submit_error.is_displayed(), submit_error.text
-    controls.resume(cluster.store, queue)
+
+
+def wait_for_output(browser: WebDriver, what: str, ready: Callable[[WebDriver], Any]) -> None:
+    """Wait until `ready`; fail on a watch error shown instead (a failed job, a refused stream)."""
+    wait_for(browser, what, lambda d: ready(d) or shown(d, "watch-error"), timeout=JOB_TIMEOUT_S)
+    watch_error = browser.find_element(By.ID, "watch-error")
+    assert not watch_error.is_displayed(), watch_error.text
 
 
 def field_names(driver: WebDriver) -> set[str]:
@@ -346,15 +327,12 @@ def test_a_python_pipelines_form_previews_image_and_video_open_from_a_local_stor
     fill(browser, "#fields [data-field=steps]", str(STEPS))
     fill(browser, "#fields [data-field=seed]", "11")
     fill(browser, "#preview-every", "1")
-    submit_and_follow(browser, cluster, "interactive.painted")
-    wait_for(
-        browser,
-        "the painted image",
-        lambda d: loaded_images(d, "img.output") >= 1 or shown(d, "watch-error"),
-        timeout=JOB_TIMEOUT_S,
-    )
-    watch_error = browser.find_element(By.ID, "watch-error")
-    assert not watch_error.is_displayed(), watch_error.text
+    # the job waits for the page to follow it, as in the test above
+    painted_queue = "interactive.painted"
+    hold_queue(cluster, cluster.workers[1], painted_queue)  # the node of the python: pipelines
+    submit_live(browser)
+    controls.resume(cluster.store, painted_queue)
+    wait_for_output(browser, "the painted image", lambda d: loaded_images(d, "img.output") >= 1)
     image_job = browser.find_element(By.ID, "watch-id").text
     assert cluster.store.get(image_job).state == "succeeded"
     previews = loaded_images(browser, "img.preview")
@@ -381,20 +359,14 @@ def test_a_python_pipelines_form_previews_image_and_video_open_from_a_local_stor
         "the video job on show",
         lambda d: d.find_element(By.ID, "watch-id").text not in ("", image_job),
     )
-    wait_for(
+    wait_for_output(
         browser,
         "the video playing",
-        lambda d: (
-            d.execute_script(
-                "const v = document.querySelector('video.output');"
-                "return v !== null && v.readyState >= 2 && v.videoWidth === 96;"
-            )
-            or shown(d, "watch-error")
+        lambda d: d.execute_script(
+            "const v = document.querySelector('video.output');"
+            "return v !== null && v.readyState >= 2 && v.videoWidth === 96;"
         ),
-        timeout=JOB_TIMEOUT_S,
     )
-    watch_error = browser.find_element(By.ID, "watch-error")
-    assert not watch_error.is_displayed(), watch_error.text
     video_job = browser.find_element(By.ID, "watch-id").text
     record = cluster.store.get(video_job)
     assert record.state == "succeeded"
