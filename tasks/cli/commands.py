@@ -247,11 +247,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     from kiln.tasks.cli.jobs import cmd_jobs as list_command
 
     if args.batch is not None:  # any unique prefix, as every command takes a batch id
-        batches = batches_for(args.api, args.api_key)
-        try:
+        with contextlib.closing(batches_for(args.api, args.api_key)) as batches:
             args.batch = batches.resolve(args.batch)
-        finally:
-            batches.close()
     with contextlib.closing(backend_for(args)) as backend:
         return list_command(args, backend)
 
