@@ -31,6 +31,12 @@ class ControlHarness:
 ControlFactory = Callable[..., ControlHarness]
 
 
+def lapse(store: JobStore, job_id: str) -> None:
+    """What a dead node leaves: no lease, its deadline passed."""
+    store.redis.delete(store.keys.lease(job_id))
+    store.redis.zadd(store.keys.running, {job_id: 0})
+
+
 @pytest.fixture
 def app(storage_settings: StorageSettings) -> Iterator[Celery]:
     """A Celery app for the tiny pipeline's queues, as a producer uses it."""

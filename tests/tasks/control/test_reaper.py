@@ -8,13 +8,7 @@ from kiln.common.states import JobState
 from kiln.storage.job_store import JobStore
 from kiln.tasks.control.reaper import reap_expired
 from tests.storage.helpers import job_in_state
-from tests.tasks.control.conftest import ControlFactory
-
-
-def lapse(store: JobStore, job_id: str) -> None:
-    """What a dead node leaves: no lease, its deadline passed."""
-    store.redis.delete(store.keys.lease(job_id))
-    store.redis.zadd(store.keys.running, {job_id: 0})
+from tests.tasks.control.conftest import ControlFactory, lapse
 
 
 def test_two_reapers_reap_each_lapsed_job_once(
