@@ -25,6 +25,7 @@ from kiln.tasks.cli.exits import (
     EXIT_USAGE,
     EXIT_WAIT_TIMEOUT,
     UsageError,
+    say_stopped_waiting,
 )
 from kiln.tasks.contract.batches import BatchView
 
@@ -138,13 +139,7 @@ def wait_and_show(args: argparse.Namespace, backend: BatchBackend, view: BatchVi
         print(f"kiln: {exc} after {args.timeout:g} s", file=sys.stderr)
         return EXIT_WAIT_TIMEOUT
     except KeyboardInterrupt:
-        remote = f" --api {args.api}" if getattr(args, "api", None) else ""
-        print(
-            f"kiln: stopped waiting; batch {view.id} goes on — follow with: "
-            f"kiln batch wait {view.id}{remote}",
-            file=sys.stderr,
-            flush=True,
-        )
+        say_stopped_waiting(args, f"batch {view.id} goes on", f"kiln batch wait {view.id}")
         return EXIT_INTERRUPTED
     show_batch(args.json, view)
     if view.error:

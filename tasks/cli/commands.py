@@ -31,6 +31,7 @@ from kiln.tasks.cli.exits import (
     EXIT_NOT_SERVED,
     UsageError,
     print_json,
+    say_stopped_waiting,
 )
 from kiln.tasks.cli.input_files import upload_file
 from kiln.tasks.cli.progress import JobWaitTimeout, wait_for_jobs
@@ -329,13 +330,8 @@ def _wait_and_show(
 def _stopped_waiting(args: argparse.Namespace, job_ids: list[str]) -> None:
     """What a Ctrl-C leaves: the jobs go on; the command that follows them (on stderr)."""
     ids = " ".join(job_ids)
-    remote = f" --api {args.api}" if getattr(args, "api", None) else ""
     jobs = f"job {ids} goes on" if len(job_ids) == 1 else f"jobs {ids} go on"
-    print(
-        f"kiln: stopped waiting; {jobs} — follow with: kiln wait {ids}{remote}",
-        file=sys.stderr,
-        flush=True,
-    )
+    say_stopped_waiting(args, jobs, f"kiln wait {ids}")
 
 
 def _wait_then_show(

@@ -6,7 +6,9 @@ quickly): the standard library only. The console for text output is `cli.console
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from typing import Any
 
 EXIT_JOB_FAILED = 1  # a job ended badly, or a service refused the request
@@ -20,6 +22,16 @@ EXIT_PIPE_CLOSED = 141  # the reader of the output went away (`| head`), as SIGP
 
 class UsageError(Exception):
     """A mistake in what the user asked for; printed as one line."""
+
+
+def say_stopped_waiting(args: argparse.Namespace, goes_on: str, follow: str) -> None:
+    """Ctrl-C's line on stderr: what `goes_on`, and the `follow` command (with its `--api`)."""
+    remote = f" --api {args.api}" if getattr(args, "api", None) else ""
+    print(
+        f"kiln: stopped waiting; {goes_on} — follow with: {follow}{remote}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def print_json(data: Any) -> None:
