@@ -8,7 +8,7 @@ import yaml
 
 from kiln.settings_check import check_environment
 from kiln.storage.settings import StorageSettings
-from tests.deploy.kustomize import OVERLAYS, REPO_ROOT, by_kind, render
+from tests.deploy.kustomize import OVERLAYS, REPO_ROOT, by_kind, iter_containers, render
 
 DOC = REPO_ROOT / "docs" / "kubernetes.md"
 
@@ -53,11 +53,7 @@ def test_the_port_forwards_of_the_doc_reach_services_of_the_cpu_demo() -> None:
 def test_the_images_loaded_into_a_local_cluster_are_those_the_cpu_demo_runs() -> None:
     images = {
         container["image"]
-        for resource in render(OVERLAYS["cpu-demo"])
-        for container in resource.get("spec", {})
-        .get("template", {})
-        .get("spec", {})
-        .get("containers", [])
+        for container in iter_containers(render(OVERLAYS["cpu-demo"]))
         if container["image"].startswith("kiln:")
     }
     assert images == {"kiln:slim", "kiln:worker"}
