@@ -22,7 +22,7 @@ from kiln.common.states import JobState
 from kiln.tasks.cli.backends import JobsBackend
 from kiln.tasks.cli.consoles import stdout_console
 from kiln.tasks.cli.exits import EXIT_JOB_FAILED, UsageError, print_json
-from kiln.tasks.cli.tables import age_text, fitting_table, whole_width
+from kiln.tasks.cli.tables import age_text, fitting_table
 from kiln.tasks.contract.views import JobView
 
 MAX_PAGES = 100  # one `kiln jobs` reads at most this many pages, then prints `more: --cursor`
@@ -171,10 +171,11 @@ def jobs_table(views: list[JobView], width: int) -> Any:
         if len(row[-1]) > room:
             row[-1] = row[-1][: room - 1] + "…"
     for column, name in enumerate(columns):
-        if name in whole:
-            whole_width(table, column, [row[column] for row in rows])
-        else:  # squeezed, but never to a letter a line
-            table.columns[column].min_width = min(widths[column], 8)
+        # a whole column as wide as its longest value (rich squeezes the others first); the
+        # others squeezed, but never to a letter a line
+        table.columns[column].min_width = (
+            widths[column] if name in whole else min(widths[column], 8)
+        )
     for row in rows:
         table.add_row(*row)
     return table
