@@ -15,9 +15,11 @@ from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.control.context import ControlContext
 from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.kombu_redis import listed_run_job_id, queue_list_keys
 from kiln.tasks.queue.submit import Submitter, celery_publisher
 
 PIPELINE = "tiny"
+QUEUE = f"interactive.{PIPELINE}"
 
 
 @dataclass
@@ -31,10 +33,20 @@ class ControlHarness:
 ControlFactory = Callable[..., ControlHarness]
 
 
-def lapse(store: JobStore, job_id: str) -> None:
+def lapse_lease(store: JobStore, job_id: str) -> None:
     """What a dead node leaves: no lease, its deadline passed."""
     store.redis.delete(store.keys.lease(job_id))
     store.redis.zadd(store.keys.running, {job_id: 0})
+
+
+def lose_message(store: JobStore, app: Celery, job_id: str) -> str:
+    """Take `job_id`'s message off its list as BRPOP does, record it nowhere; returns it."""
+    key = queue_list_keys(app, QUEUE)[0]
+    for raw in store.redis.lrange(key, 0, -1):
+        if listed_run_job_id(raw) == job_id:
+            store.redis.lrem(key, 1, raw)
+            return str(raw)
+    raise AssertionError(f"no message of {job_id} in {key}")
 
 
 @pytest.fixture

@@ -17,12 +17,12 @@ from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.control.audit import lost_jobs
 from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import RUN_JOB_TASK
-from kiln.tasks.queue.kombu_redis import listed_run_job_id, queue_list_keys, unacked_keys
+from kiln.tasks.queue.kombu_redis import queue_list_keys, unacked_keys
 from kiln.tasks.queue.submit import Submitter, job_queue
+from tests.tasks.control.conftest import QUEUE, lose_message
 from tests.tasks.helpers import write_many
 
 REQUEST = JobRequest(pipeline="tiny", prompt="x", width=64, height=64)
-QUEUE = "interactive.tiny"
 OLD = 0.0  # every job queued before the pass began is old
 YOUNG = 3600.0  # no job is
 
@@ -35,16 +35,6 @@ def submit(submitter: Submitter) -> str:
 
 def broker_down(job_id: str, queue: str, countdown: float = 0.0) -> None:  # noqa: ARG001
     raise OSError("broker unreachable")
-
-
-def lose_message(store: JobStore, app: Celery, job_id: str) -> str:
-    """Take `job_id`'s message off its list as BRPOP does, record it nowhere; returns it."""
-    key = queue_list_keys(app, QUEUE)[0]
-    for raw in store.redis.lrange(key, 0, -1):
-        if listed_run_job_id(raw) == job_id:
-            store.redis.lrem(key, 1, raw)
-            return str(raw)
-    raise AssertionError(f"no message of {job_id} in {key}")
 
 
 def test_a_published_job_whose_message_is_nowhere_is_found(

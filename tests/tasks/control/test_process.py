@@ -15,7 +15,7 @@ from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.main import main
 from tests.storage.helpers import job_in_state
-from tests.tasks.control.conftest import lapse
+from tests.tasks.control.conftest import lapse_lease
 from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -34,7 +34,7 @@ def test_it_reaps_a_lapsed_job_and_exits_0_on_sigterm(
     storage_settings: StorageSettings, job_store: JobStore, tmp_path: Path
 ) -> None:
     job_id, _ = job_in_state(job_store, JobState.RUNNING)
-    lapse(job_store, job_id)  # its node died and the lease lapsed
+    lapse_lease(job_store, job_id)  # its node died and the lease lapsed
     env = {
         **os.environ,
         "KILN_REDIS_URL": storage_settings.redis_url,

@@ -8,7 +8,7 @@ from kiln.common.states import JobState
 from kiln.storage.job_store import JobStore
 from kiln.tasks.control.reaper import reap_expired
 from tests.storage.helpers import job_in_state
-from tests.tasks.control.conftest import ControlFactory, lapse
+from tests.tasks.control.conftest import ControlFactory, lapse_lease
 
 
 def test_two_reapers_reap_each_lapsed_job_once(
@@ -17,7 +17,7 @@ def test_two_reapers_reap_each_lapsed_job_once(
     jobs = [job_in_state(job_store, JobState.RUNNING)[0] for _ in range(20)]
     live, _ = job_in_state(job_store, JobState.RUNNING)  # its lease is held: left alone
     for job_id in jobs:
-        lapse(job_store, job_id)
+        lapse_lease(job_store, job_id)
     first, second = make_control(), make_control()
     with ThreadPoolExecutor(2) as pool:
         counts = list(pool.map(reap_expired, [first.ctx, second.ctx]))

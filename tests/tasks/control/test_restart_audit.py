@@ -17,12 +17,9 @@ from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.control.audit import audit_after_restart
 from kiln.tasks.intake.intake import Intake
-from kiln.tasks.queue.kombu_redis import listed_run_job_id, queue_list_keys
 from kiln.tasks.queue.submit import Submitter, job_queue
 from tests.e2e.services import PrivateRedis
-from tests.tasks.control.conftest import ControlFactory
-
-QUEUE = "interactive.tiny"
+from tests.tasks.control.conftest import QUEUE, ControlFactory, lose_message
 
 
 @pytest.fixture
@@ -38,12 +35,6 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
 def store_redis_url(private_redis: PrivateRedis) -> str:
     """The stores, the node and the Celery app of these tests use the private Redis."""
     return private_redis.url
-
-
-def lose_message(store: JobStore, app: Celery, job_id: str) -> None:
-    key = queue_list_keys(app, QUEUE)[0]
-    (raw,) = [raw for raw in store.redis.lrange(key, 0, -1) if listed_run_job_id(raw) == job_id]
-    store.redis.lrem(key, 1, raw)
 
 
 def test_a_restart_audits_the_queue_at_once(
