@@ -274,12 +274,18 @@ def field_names(driver: WebDriver) -> set[str]:
 
 
 def choose(driver: WebDriver, pipeline: str, field: str) -> None:
-    """Pick `pipeline` and wait until its form shows `field`."""
+    """Pick `pipeline` and wait until its own form (not the one shown before) shows `field`.
+
+    Another pipeline's form may have the same field: filled before the chosen one's replaced
+    it, the page would submit the chosen form empty (the browser blocks a required field).
+    """
     Select(driver.find_element(By.ID, "pipeline")).select_by_value(pipeline)
     wait_for(
         driver,
         f"the {pipeline} pipeline's fields",
-        lambda d: d.find_elements(By.CSS_SELECTOR, f"#fields [data-field={field}]"),
+        lambda d: d.find_elements(
+            By.CSS_SELECTOR, f'#fields[data-pipeline="{pipeline}"] [data-field={field}]'
+        ),
     )
 
 

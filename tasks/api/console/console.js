@@ -263,6 +263,7 @@
       ...standard.map(([field, prop]) => fieldRow(field, prop, required.has(field))),
       ...names.map((field) => fieldRow(field, properties[field], required.has(field))),
     );
+    $("fields").dataset.pipeline = name; // whose fields these are (a choice may still be loading)
   }
 
   // [name, schema] of each request field the pipeline honours, its limits applied.
