@@ -34,10 +34,10 @@ def test_a_step_that_raises_is_tried_again_and_stop_joins_every_thread() -> None
     loops.start()
     wait_until(lambda: dict(calls), lambda seen: min(seen.values()) >= 3, what="three rounds each")
     loops.stop()
-    assert not [t for t in threading.enumerate() if t.name in {"kiln-storage", "kiln-bug"}]
-    after = dict(calls)
+    # stopped: no component's thread is left to run a step (the failing ones' and the fine one's)
+    names = {"kiln-storage", "kiln-bug", "kiln-fine"}
+    assert not [t for t in threading.enumerate() if t.name in names]
     assert loops.names == ["storage", "bug", "fine"]
-    assert dict(calls) == after  # stopped: nothing runs any more
 
 
 def test_a_paused_component_skips_its_step() -> None:
