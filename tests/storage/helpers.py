@@ -67,3 +67,9 @@ def feeder_of(feeding: BatchFeeding, batch_id: str) -> str | None:
     """Owner of the batch's live feeder lease (`<token>|<owner>`, storage/keys.py), or None."""
     held: str | None = feeding.redis.get(feeding.keys.batch_feeder(batch_id))
     return held.split("|", 1)[1] if held else None
+
+
+def lapse_lease(store: JobStore, job_id: str) -> None:
+    """What a dead node leaves: no lease, its deadline passed."""
+    store.redis.delete(store.keys.lease(job_id))
+    store.redis.zadd(store.keys.running, {job_id: 0})

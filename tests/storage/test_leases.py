@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kiln.common.states import JobState
 from kiln.storage.errors import JobNotFound, LeaseHeld, StaleLease
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.leases import Renewal
-from kiln.storage.settings import StorageSettings
-from tests.storage.helpers import WORKER, event_types, job_in_state
+from tests.storage.helpers import WORKER, event_types, job_in_state, lapse_lease
 from tests.waiting import wait_until
-
-
-@pytest.fixture
-def short_lease_store(storage_settings: StorageSettings) -> Iterator[JobStore]:
-    """A store whose leases live 200 ms."""
-    store = JobStore.from_settings(storage_settings.model_copy(update={"lease_ttl_s": 0.2}))
-    yield store
-    store.redis.close()
 
 
 def test_tokens_strictly_increase(job_store: JobStore) -> None:
@@ -46,10 +35,11 @@ def test_acquire_unknown_job(job_store: JobStore) -> None:
         job_store.acquire_lease("nope", WORKER)
 
 
-def test_lease_expires_then_reaped(short_lease_store: JobStore) -> None:
-    store = short_lease_store
+def test_lease_expires_then_reaped(job_store: JobStore) -> None:
+    store = job_store
     job_id, token = job_in_state(store, JobState.RUNNING)
     assert store.reap(job_id) is False  # lease still live
+    lapse_lease(store, job_id)
     wait_until(lambda: store.lease_owner(job_id), lambda owner: owner is None, what="lease lapsed")
     wait_until(store.expired_leases, lambda expired: job_id in expired, what="lease listed expired")
     new = store.acquire_lease(job_id, "worker-b")  # another node may take it over
@@ -78,9 +68,10 @@ def test_renewal_rearms_the_ttl(job_store: JobStore) -> None:
     assert job_id not in job_store.expired_leases()
 
 
-def test_renewal_after_expiry_while_still_current(short_lease_store: JobStore) -> None:
-    store = short_lease_store
+def test_renewal_after_expiry_while_still_current(job_store: JobStore) -> None:
+    store = job_store
     job_id, token = job_in_state(store, JobState.RUNNING)
+    lapse_lease(store, job_id)
     wait_until(lambda: store.lease_owner(job_id), lambda owner: owner is None, what="lease lapsed")
     # nobody took it over and the reaper did not run: the holder may carry on
     assert store.renew_lease(job_id, token) is Renewal.RENEWED

@@ -33,12 +33,6 @@ class ControlHarness:
 ControlFactory = Callable[..., ControlHarness]
 
 
-def lapse_lease(store: JobStore, job_id: str) -> None:
-    """What a dead node leaves: no lease, its deadline passed."""
-    store.redis.delete(store.keys.lease(job_id))
-    store.redis.zadd(store.keys.running, {job_id: 0})
-
-
 def lose_message(store: JobStore, app: Celery, job_id: str) -> str:
     """Take `job_id`'s message off its list as BRPOP does, record it nowhere; returns it."""
     key = queue_list_keys(app, QUEUE)[0]

@@ -14,8 +14,7 @@ from kiln.common.states import JobState
 from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.main import main
-from tests.storage.helpers import job_in_state
-from tests.tasks.control.conftest import lapse_lease
+from tests.storage.helpers import job_in_state, lapse_lease
 from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 from kiln.common.states import JobState
 from kiln.storage.job_store import JobStore
 from kiln.tasks.control.reaper import reap_expired
-from tests.storage.helpers import job_in_state
-from tests.tasks.control.conftest import ControlFactory, lapse_lease
+from tests.storage.helpers import job_in_state, lapse_lease
+from tests.tasks.control.conftest import ControlFactory
 
 
 def test_two_reapers_reap_each_lapsed_job_once(
