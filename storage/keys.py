@@ -144,6 +144,30 @@ class Keys:
         """
         return self.completions_prefix + queue
 
+    # --- dead letters (storage/dead_letters.py) -------------------------------------------------
+    @property
+    def dead_letter_prefix(self) -> str:
+        """Prefix of dead-letter records (the cap's trim completes it with ids from the index)."""
+        return f"{self.ns}:dead:job:"
+
+    def dead_letter(self, job_id: str) -> str:
+        """Hash: a failed job's dead letter (request, attempts, error); its own retention."""
+        return self.dead_letter_prefix + job_id
+
+    @property
+    def dead_letter_index(self) -> str:
+        """Sorted set of dead-letter job ids, scored by a creation-sequence number."""
+        return f"{self.ns}:dead:idx:all"
+
+    @property
+    def dead_letter_owner_prefix(self) -> str:
+        """Prefix of the per-owner dead-letter indexes (completed with the owner a record names)."""
+        return f"{self.ns}:dead:idx:owner:"
+
+    def dead_letter_owner_index(self, owner: str) -> str:
+        """Sorted set per owner of its dead-letter job ids, scored as the dead-letter index."""
+        return self.dead_letter_owner_prefix + owner
+
     # --- global ----------------------------------------------------------------------------------
     @property
     def all_index(self) -> str:

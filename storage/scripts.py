@@ -76,6 +76,7 @@ ScriptName = Literal[
     "audit_claim",
     "backlog",
     "surplus_claim",
+    "dead_letter_claim",
 ]
 SCRIPT_NAMES: tuple[ScriptName, ...] = get_args(ScriptName)
 PRELUDE = "_prelude"

@@ -205,6 +205,14 @@ class StorageSettings(BaseSettings):
     event_stream_maxlen: int = Field(
         default=1000, ge=1, description="Events kept per job (older ones are trimmed)."
     )
+    dead_letter_retention_s: int = Field(
+        default=30 * 24 * 3600,
+        gt=0,
+        description="How long a failed job's dead letter stays (its record: retention_s).",
+    )
+    dead_letter_max: int = Field(
+        default=10_000, ge=1, description="Dead letters kept at most; the oldest go first."
+    )
 
     @field_validator("home")
     @classmethod

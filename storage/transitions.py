@@ -137,7 +137,15 @@ class TransitionOps(StoreBase):
             "1" if honor_cancel else "0",
             "" if running_cap is None else str(running_cap),
         ]
-        return ("transition", self._machine_keys(job_id), [*args, *self._machine_settings(), *flat])
+        k = self.keys
+        keys = [*self._machine_keys(job_id), k.dead_letter_index, k.dead_letter(job_id)]
+        dead = [
+            k.dead_letter_prefix,
+            k.dead_letter_owner_prefix,
+            self.settings.dead_letter_retention_s,
+            self.settings.dead_letter_max,
+        ]
+        return ("transition", keys, [*args, *self._machine_settings(), *dead, *flat])
 
     def _start_call(self, start: Start) -> ScriptCall:
         """The transition script call of `start` (what `start` runs)."""

@@ -90,6 +90,29 @@ local function finish(m, job, time, now_ms, target)
     cjson.encode({job.id, job.job_owner, job.batch, target}))
 end
 
+-- the record's `attempt_log` (JSON list): one entry per run, opened as the job enters running
+-- (its number, node, start) and closed as it leaves (end, the state it went to, the error or the
+-- reason); a dead letter copies it (_dead_letters.lua), so every attempt of a failed job is kept
+local function open_attempt(m, attempts, time, event)
+  local log = cjson.decode(redis.call('HGET', m.job, 'attempt_log') or '[]')
+  log[#log + 1] = {attempt = attempts, node = event.node_id or '', started_at = time}
+  redis.call('HSET', m.job, 'attempt_log', cjson.encode(log))
+end
+
+local function close_attempt(m, time, target, payload)
+  local text = redis.call('HGET', m.job, 'attempt_log')
+  if not text then return end  -- a run started before the log existed
+  local log = cjson.decode(text)
+  local last = log[#log]
+  if last == nil or last.ended_at ~= nil then return end
+  last.ended_at, last.outcome = time, target
+  if target ~= S.succeeded then  -- a success's payload (its outputs) is not read for an error
+    local event = cjson.decode(payload)
+    last.error = event.error or (event.reason and {type = event.reason}) or nil
+  end
+  redis.call('HSET', m.job, 'attempt_log', cjson.encode(log))
+end
+
 local function enter_running(m, job, time, now_ms, payload)
   local attempts = redis.call('HINCRBY', m.job, 'attempts', 1)
   -- what the job did before its start (waiting in a node: hold.lua) is over
@@ -98,6 +121,7 @@ local function enter_running(m, job, time, now_ms, payload)
   redis.call('ZADD', m.running, now_ms + math.max(ttl, 0), job.id)
   redis.call('ZREM', m.unpublished, job.id)
   local event = cjson.decode(payload)
+  open_attempt(m, attempts, time, event)
   event.attempts, event.owner = attempts, job.owner
   return cjson.encode(event)
 end
@@ -115,9 +139,11 @@ local function transition(m, job, target, payload, fields)
   local time, now_ms = clock()
   if #fields > 0 then redis.call('HSET', m.job, unpack(fields)) end
   redis.call('HSET', m.job, 'state', target)
+  if job.state == S.running and target ~= S.running then close_attempt(m, time, target, payload) end
   if target == S.running then payload = enter_running(m, job, time, now_ms, payload)
   elseif target == S.queued then enter_queued(m, job, time)
   elseif TERMINAL[target] then finish(m, job, time, now_ms, target) end
   move_counters(m, job, target)
   append_event(m.job, m.events, m.maxlen, target, time, payload)
+  return time
 end

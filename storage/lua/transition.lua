@@ -4,7 +4,9 @@
 -- Errors: NOTFOUND, ILLEGAL (terminal, or not in a source state, or a move into running of a job
 -- whose batch was asked to stop), STALE (fence), QUOTA (a move into running while the job's owner
 -- has `running cap` running jobs already).
+-- A move into failed also records the job in the dead-letter set (_dead_letters.lua), in this step.
 -- include: _machine
+-- include: _dead_letters
 -- KEYS[1] = job record (hash)
 -- KEYS[2] = job events (stream)
 -- KEYS[3] = job lease (string)
@@ -18,6 +20,8 @@
 -- KEYS[11] = queued jobs per owner (hash)
 -- KEYS[12] = running jobs per owner (hash)
 -- KEYS[13] = finished counts (hash: monotonic counters of terminal transitions)
+-- KEYS[14] = dead-letter index (zset)
+-- KEYS[15] = the job's dead-letter record (hash)
 -- ARGV[1] = job id
 -- ARGV[2] = sources: accepted states, space separated and padded (' queued running ')
 -- ARGV[3] = target state
@@ -36,7 +40,11 @@
 -- ARGV[15] = events kept per job
 -- ARGV[16] = retention seconds
 -- ARGV[17] = completion window (s)
--- ARGV[18..] = record fields written with the change: field, value, field, value, ...
+-- ARGV[18] = dead-letter record prefix (the cap drops records named by ids the index holds)
+-- ARGV[19] = dead-letter owner index prefix (completed with the owner a record names)
+-- ARGV[20] = dead-letter retention seconds
+-- ARGV[21] = most dead letters kept
+-- ARGV[22..] = record fields written with the change: field, value, field, value, ...
 local job_id, sources, target, fence, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local payload, honor_cancel, running_cap = ARGV[6], ARGV[7], ARGV[8]
 local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
@@ -45,7 +53,9 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   state_index_prefix = ARGV[9], batch_prefix = ARGV[10], batch_index_prefix = ARGV[11],
   idem_prefix = ARGV[12], queue_index_prefix = ARGV[13], completions_prefix = ARGV[14],
   maxlen = ARGV[15], retention = ARGV[16], window = ARGV[17]}
-local fields = {unpack(ARGV, 18)}
+local d = {index = KEYS[14], record = KEYS[15], record_prefix = ARGV[18], owner_prefix = ARGV[19],
+  retention = ARGV[20], cap = ARGV[21]}
+local fields = {unpack(ARGV, 22)}
 
 local job = load_job(m.job, job_id)
 if TERMINAL[job.state] then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target) end
@@ -64,5 +74,6 @@ end
 if honor_cancel == '1' and redis.call('EXISTS', m.cancel) == 1 then
   target, payload, fields = S.canceled, cjson.encode({reason = 'cancel_requested'}), {}
 end
-transition(m, job, target, payload, fields)
+local time = transition(m, job, target, payload, fields)
+if target == S.failed then bury(d, m.job, m.seq, job, time) end
 return redis.call('HGETALL', m.job)

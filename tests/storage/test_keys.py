@@ -52,6 +52,9 @@ NAMES = {
     "batch_list": "ns:batches:all",
     "batch_owner_list": "ns:batches:owner:x",
     "batch_seq": "ns:batches:seq",
+    "dead_letter": "ns:dead:job:x",
+    "dead_letter_index": "ns:dead:idx:all",
+    "dead_letter_owner_index": "ns:dead:idx:owner:x",
 }
 # the prefixes scripts complete with an id they read, and the entry each must agree with
 PREFIXES = {
@@ -65,6 +68,8 @@ PREFIXES = {
     "completions_prefix": "completions",
     "node_prefix": "node",
     "api_key_prefix": "api_key",
+    "dead_letter_prefix": "dead_letter",
+    "dead_letter_owner_prefix": "dead_letter_owner_index",
 }
 
 
