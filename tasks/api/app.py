@@ -30,6 +30,7 @@ from kiln.tasks.api.batch_routes import router as batch_routes
 from kiln.tasks.api.body_limit import BodySizeLimit
 from kiln.tasks.api.console import mount_console
 from kiln.tasks.api.context import ApiContext, build_context, check_connection_budget
+from kiln.tasks.api.dead_letter_routes import router as dead_letter_routes
 from kiln.tasks.api.errors import (
     DescriptorExhaustion,
     idempotency_conflict,
@@ -94,6 +95,7 @@ def create_app(
         batch_event_routes,
         admin_routes,
         upload_routes,
+        dead_letter_routes,
     ):
         app.include_router(routes)
     mount_console(app)  # /console: the static page, which calls the routes above
