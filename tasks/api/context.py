@@ -8,19 +8,18 @@ from dataclasses import dataclass, field
 import anyio
 from celery import Celery
 
-from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.async_creation import AsyncCreation
 from kiln.storage.base import async_redis_client
 from kiln.storage.job_store import JobStore
-from kiln.storage.objects import ObjectStore, open_object_store
+from kiln.storage.objects import ObjectStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.auth import Authenticator
 from kiln.tasks.api.sse import StreamSlots
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.intake.intake import Intake
-from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.backlog import BacklogCache
 from kiln.tasks.queue.messages import CeleryMessages
+from kiln.tasks.queue.process import ProcessParts
 from kiln.tasks.queue.submit import Submitter, celery_publisher
 from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
 
@@ -89,9 +88,9 @@ def build_context(
     *,
     resolve: Resolver = system_resolver,
 ) -> ApiContext:
-    """Connect the stores and the Celery producer the API uses."""
-    store = JobStore.from_settings(storage_settings)
-    celery = make_celery_app(settings, storage_settings)
+    """Connect the stores and the Celery producer the API uses (`kiln api`: the process's own)."""
+    parts = ProcessParts(settings, storage_settings)
+    store, celery = parts.store, parts.celery_app
     # a job's message goes with its record in one script where the broker is Kiln's Redis
     messages = (
         CeleryMessages(celery) if CeleryMessages.usable_for(settings, storage_settings) else None
@@ -99,10 +98,10 @@ def build_context(
     return ApiContext(
         settings=settings,
         store=store,
-        objects=open_object_store(storage_settings),
+        objects=parts.objects,
         submitter=Submitter(store, settings, publish=celery_publisher(celery), messages=messages),
         auth=Authenticator(
-            ApiKeyStore(store.redis, storage_settings),
+            parts.api_keys,
             enabled=settings.auth_enabled,
             pepper=settings.api_key_pepper.get_secret_value(),
             cache_s=settings.api_key_cache_s,

@@ -75,14 +75,12 @@ def _check_queue(queue: str) -> None:
 
 def _direct(args: argparse.Namespace) -> dict[str, Any]:
     # Deferred: Redis and Celery load only for this command.
-    from kiln.storage.job_store import JobStore
-    from kiln.storage.settings import StorageSettings
-    from kiln.tasks.contract.settings import KilnSettings
     from kiln.tasks.queue import controls
+    from kiln.tasks.queue.process import ProcessParts
 
     action = args.admin_action
-    settings, storage_settings = KilnSettings(), StorageSettings()
-    store = JobStore.from_settings(storage_settings)
+    parts = ProcessParts()  # the command's process: its environment, read once
+    settings, store = parts.settings, parts.store
     if action == "nodes":  # what GET /v1/nodes answers an admin key
         return {
             "nodes": store.live_nodes(),
@@ -101,7 +99,7 @@ def _direct(args: argparse.Namespace) -> dict[str, Any]:
         changed = controls.resume(store, args.queue)
         return {"queue": args.queue, "paused": False, "changed": changed}
     if action == "purge":
-        job_ids = _purge(store, args.queue, settings, storage_settings)
+        job_ids = _purge(store, args.queue, settings, parts.storage_settings)
         return {"queue": args.queue, "canceled": len(job_ids), "job_ids": job_ids}
     if action == "drain":
         controls.drain(store, args.node_id, exit=args.exit)

@@ -12,7 +12,6 @@ from kiln.tasks.cli.exits import UsageError
 from kiln.tasks.cli.short_ids import resolve_id
 from kiln.tasks.contract.responses import CancelEffect, CancelResult
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.contract.views import JobView, job_view
 
 if TYPE_CHECKING:
@@ -66,16 +65,14 @@ class DirectBackend:
 
     def __init__(self) -> None:
         # Deferred: Redis, boto3 and Celery load only when the CLI talks to Redis directly.
-        from kiln.storage.job_store import JobStore
-        from kiln.storage.objects import open_object_store
-        from kiln.storage.settings import StorageSettings
         from kiln.tasks.intake.intake import Intake
+        from kiln.tasks.queue.process import ProcessParts
         from kiln.tasks.queue.submit import Submitter
 
-        storage_settings = StorageSettings()
-        self.store = JobStore.from_settings(storage_settings)
-        self.objects = open_object_store(storage_settings)
-        self.submitter = Submitter(self.store, KilnSettings())
+        parts = ProcessParts()  # the command's process: its environment, read once
+        self.store = parts.store
+        self.objects = parts.objects
+        self.submitter = Submitter(self.store, parts.settings)
         self.intake = Intake(self.submitter, self.objects)  # the checks of POST /v1/jobs
 
     def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:

@@ -91,20 +91,17 @@ class DirectBatches:
 
     def __init__(self) -> None:
         # Deferred: Redis, boto3, Celery and the API's JSON checks load only here.
-        from kiln.storage.job_store import JobStore
-        from kiln.storage.objects import open_object_store
-        from kiln.storage.settings import StorageSettings
         from kiln.tasks.api.json_guard import body_errors
         from kiln.tasks.batches.service import BatchService
-        from kiln.tasks.contract.settings import KilnSettings
+        from kiln.tasks.queue.process import ProcessParts
         from kiln.tasks.queue.submit import Submitter
 
-        settings, storage_settings = KilnSettings(), StorageSettings()
-        store = JobStore.from_settings(storage_settings)
+        parts = ProcessParts()  # the command's process: its environment, read once
+        settings, store = parts.settings, parts.store
         depth = settings.max_json_depth
         self.service = BatchService(
             store,
-            open_object_store(storage_settings),
+            parts.objects,
             Submitter(store, settings, publish=lambda *_args, **_kw: None),
             settings,
             lambda raw: body_errors(raw, depth),

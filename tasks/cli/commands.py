@@ -20,7 +20,6 @@ from rich.table import Table
 
 from kiln.common.states import JobState
 from kiln.storage.base import require_supported_redis
-from kiln.storage.settings import StorageSettings
 from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
 from kiln.tasks.cli.bounds import with_pipeline_bounds
 from kiln.tasks.cli.consoles import stdout_console
@@ -37,7 +36,6 @@ from kiln.tasks.cli.input_files import upload_file
 from kiln.tasks.cli.progress import JobWaitTimeout, wait_for_jobs
 from kiln.tasks.cli.tables import metric_text
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.contract.views import JobView
 
 SUBMIT_FIELDS = (
@@ -266,11 +264,13 @@ def cmd_api(args: argparse.Namespace) -> int:
     """`kiln api`: one API process, or with `--workers N` (N > 1) a supervisor of N."""
     # Deferred: the API loads FastAPI, uvicorn, Celery and Redis.
     from kiln.tasks.api.app import serve_api
+    from kiln.tasks.queue.process import this_process
 
-    settings = KilnSettings()
-    require_supported_redis(StorageSettings())  # one line, before anything starts
+    parts = this_process()
+    settings, storage_settings = parts.settings, parts.storage_settings
+    require_supported_redis(storage_settings)  # one line, before anything starts
     if args.fd is not None:  # a child of the supervisor below
-        serve_api(settings, StorageSettings(), fd=args.fd)
+        serve_api(settings, storage_settings, fd=args.fd)
         return 0
     host = args.host if args.host is not None else settings.api_host
     port = args.port if args.port is not None else settings.api_port
@@ -278,13 +278,13 @@ def cmd_api(args: argparse.Namespace) -> int:
     if workers < 1:
         raise UsageError("--workers must be at least 1")
     if workers == 1:
-        serve_api(settings, StorageSettings(), host, port)
+        serve_api(settings, storage_settings, host, port)
         return 0
     from kiln.common.logs import configure_logging
     from kiln.tasks.api.context import check_connection_budget
     from kiln.tasks.api.supervisor import serve_workers
 
-    check_connection_budget(settings, StorageSettings())  # per process; refused before any child
+    check_connection_budget(settings, storage_settings)  # per process; refused before any child
     # Plain JSON lines, no stdio capture: each child captures its own output.
     configure_logging(settings.log_format, "INFO")
     return serve_workers(host, port, workers)

@@ -20,11 +20,10 @@ def run(args: argparse.Namespace) -> int:
     """Run `kiln control` until SIGTERM or SIGINT; 0 then."""
     # Deferred: Redis, Celery and boto3 load only for this command.
     from kiln.storage.base import require_supported_redis
-    from kiln.storage.settings import StorageSettings
-    from kiln.tasks.contract.settings import KilnSettings
     from kiln.tasks.control.process import run_control
+    from kiln.tasks.queue.process import this_process
 
-    storage_settings = StorageSettings()
-    require_supported_redis(storage_settings)  # one line, before anything starts
-    run_control(KilnSettings(), storage_settings, args.loglevel)
+    parts = this_process()
+    require_supported_redis(parts.storage_settings)  # one line, before anything starts
+    run_control(parts, args.loglevel)
     return 0

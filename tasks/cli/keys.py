@@ -10,6 +10,7 @@ from kiln.storage.apikeys import ApiKey, ApiKeyStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.auth import hash_api_key, new_api_key
 from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.queue.process import ProcessParts
 
 
 def create_key(
@@ -59,8 +60,8 @@ def run(
     if any(cap is not None and cap < 1 for cap in (max_queued, max_running)):
         print("kiln: --max-queued and --max-running must be at least 1", file=sys.stderr)
         return 2
-    settings = settings or KilnSettings()
-    keys = ApiKeyStore.from_settings(storage_settings or StorageSettings())
+    parts = ProcessParts(settings, storage_settings)  # either left out: the environment's
+    settings, keys = parts.settings, parts.api_keys
     if action == "create":
         pepper = settings.api_key_pepper.get_secret_value()
         caps = (max_queued, max_running)

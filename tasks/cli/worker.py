@@ -117,10 +117,11 @@ def run(args: argparse.Namespace) -> int:
     """Run `kiln worker` (its arguments checked by `check_arguments` already)."""
     # Deferred, all of them: `check_arguments` must refuse before any of it loads.
     from kiln.storage.base import require_supported_redis
-    from kiln.storage.settings import StorageSettings
     from kiln.tasks.node.worker import PipelineFailed, PipelineRefused, WorkerOptions, run_worker
+    from kiln.tasks.queue.process import this_process
 
-    require_supported_redis(StorageSettings())  # one line, before torch and Celery load
+    # one line, before torch and Celery load (the settings are those run_worker takes)
+    require_supported_redis(this_process().storage_settings)
     try:
         options = WorkerOptions(
             pipelines=parse_pipelines(args.pipeline),

@@ -1,4 +1,4 @@
-"""What the cluster's loops need, built once per process: settings, stores, the Celery app."""
+"""What the cluster's loops need, from the process's parts: settings, stores, the Celery app."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from celery import Celery
 
 from kiln.storage.job_store import JobStore
-from kiln.storage.objects import ObjectStore, open_object_store
+from kiln.storage.objects import ObjectStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.process import ProcessParts
 from kiln.tasks.queue.submit import Submitter, celery_publisher
 
 
@@ -29,24 +29,16 @@ class ControlContext:
     owner: str
 
     @classmethod
-    def build(
-        cls,
-        settings: KilnSettings,
-        storage_settings: StorageSettings,
-        *,
-        owner: str | None = None,
-        celery_app: Celery | None = None,
-    ) -> ControlContext:
-        """Every part built here, once: the one place a `kiln control` process makes them."""
-        store = JobStore.from_settings(storage_settings)
-        app = celery_app or make_celery_app(settings, storage_settings)
+    def of(cls, parts: ProcessParts, *, owner: str | None = None) -> ControlContext:
+        """The loops' context from the process's parts (`kiln control`: `this_process()`)."""
+        store, app = parts.store, parts.celery_app
         return cls(
-            settings=settings,
-            storage_settings=storage_settings,
+            settings=parts.settings,
+            storage_settings=parts.storage_settings,
             store=store,
-            objects=open_object_store(storage_settings),
+            objects=parts.objects,
             celery_app=app,
-            submitter=Submitter(store, settings, celery_publisher(app)),
+            submitter=Submitter(store, parts.settings, celery_publisher(app)),
             owner=owner or default_control_id(),
         )
 

@@ -12,19 +12,18 @@ import signal
 from types import FrameType
 
 from kiln.common.logs import configure_logging
-from kiln.storage.settings import StorageSettings
-from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.control.components import Loops
 from kiln.tasks.control.context import ControlContext
 from kiln.tasks.control.room import cluster_components, served_queues
+from kiln.tasks.queue.process import ProcessParts
 
 log = logging.getLogger(__name__)
 
 
-def run_control(settings: KilnSettings, storage_settings: StorageSettings, loglevel: str) -> None:
+def run_control(parts: ProcessParts, loglevel: str) -> None:
     """Run the cluster's loops until SIGTERM or SIGINT."""
-    configure_logging(settings.log_format, loglevel, static={"component": "control"})
-    ctx = ControlContext.build(settings, storage_settings)
+    configure_logging(parts.settings.log_format, loglevel, static={"component": "control"})
+    ctx = ControlContext.of(parts)
     loops = Loops(cluster_components(ctx, lambda: served_queues(ctx)))
 
     def stop(signum: int, _frame: FrameType | None) -> None:
@@ -35,7 +34,10 @@ def run_control(settings: KilnSettings, storage_settings: StorageSettings, logle
     signal.signal(signal.SIGINT, stop)
     loops.start()
     log.info(
-        "kiln control %s: %s (%s)", ctx.owner, ", ".join(loops.names), storage_settings.describe()
+        "kiln control %s: %s (%s)",
+        ctx.owner,
+        ", ".join(loops.names),
+        ctx.storage_settings.describe(),
     )
     try:
         loops.wait()

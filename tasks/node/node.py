@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from celery import Celery
-
 from kiln.common.limits import DeclaredLimits
 from kiln.common.request import InputSchema
 from kiln.gpu_worker.config import GroupConfig
@@ -28,21 +26,20 @@ from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepPr
 from kiln.gpu_worker.replicas import node_coordinator
 from kiln.gpu_worker.sleep import node_asleep, node_warming
 from kiln.gpu_worker.tickets import BatchStart
-from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.errors import StorageError
-from kiln.storage.job_store import JobRecord, JobStore
-from kiln.storage.objects import ObjectStore, open_object_store
+from kiln.storage.job_store import JobRecord
+from kiln.storage.objects import ObjectStore
 from kiln.storage.queues import DrainRequest
-from kiln.storage.settings import StorageSettings
 from kiln.storage.transitions import Start
 from kiln.tasks.contract.inputs import InputViolation, first_input_violation
 from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, RequestShape
-from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.adapters import AdapterSources
+from kiln.tasks.node.event_sink import EventSink
 from kiln.tasks.node.held import HeldDeliveries
 from kiln.tasks.node.metrics import GroupCollector, NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
 from kiln.tasks.node.waiting import WaitingInNode
+from kiln.tasks.queue.process import ProcessParts
 from kiln.tasks.queue.quotas import RunningCaps
 from kiln.tasks.queue.submit import Publish, Submitter, celery_publisher
 
@@ -154,16 +151,15 @@ class Node:
 
     `coordinator` defaults to gpu_worker's for `group` (replica groups of `group_size` ranks when
     that is smaller than the group: `gpu_worker.replicas`); `publish` (how `run_job` messages go
-    out) to the Celery app's. Tests pass their own of either.
+    out) to the Celery app's. Tests pass their own of either. Settings, stores and the Celery app
+    are the process's `parts` (`this_process()` in `kiln worker`).
     """
 
     def __init__(
         self,
         group: GroupConfig,
-        settings: KilnSettings,
-        storage_settings: StorageSettings,
+        parts: ProcessParts,
         *,
-        celery_app: Celery,
         node_id: str | None = None,
         coordinator: GroupCoordinator | None = None,
         publish: Publish | None = None,
@@ -171,25 +167,27 @@ class Node:
     ) -> None:
         self.node_id = node_id or default_node_id()
         self.group_config = group
-        self.settings = settings
-        self.storage_settings = storage_settings
-        self.store = JobStore.from_settings(storage_settings)
-        self.objects: ObjectStore = open_object_store(storage_settings)
+        self.settings = settings = parts.settings
+        self.storage_settings = parts.storage_settings
+        self.store = parts.store
+        self.objects: ObjectStore = parts.objects
         # LoRA adapters: the lora dir's and, with KILN_LORA_PREFIX, the store's (fetched on use)
         self.adapter_sources = AdapterSources.for_node(group.settings, self.objects)
-        self.celery_app = celery_app
-        self.submitter = Submitter(self.store, settings, publish or celery_publisher(celery_app))
+        self.celery_app = parts.celery_app
+        self.submitter = Submitter(
+            self.store, settings, publish or celery_publisher(self.celery_app)
+        )
         self.group_size = group_size or len(group.world())
         self.coordinator: GroupCoordinator = coordinator or node_coordinator(group, group_size)
-        self.progress = ProgressWriter(self.store, settings.progress_interval_s)
-        self.waiting = WaitingInNode(self.node_id, self.progress)  # held, not started
+        # every job event this node writes or announces goes through its one sink
+        self.events = EventSink(self.store)
+        self.progress = ProgressWriter(settings.progress_interval_s)
+        self.waiting = WaitingInNode(self.node_id, self.progress, self.events)  # held, not started
         self.draining = threading.Event()
         self.held = HeldDeliveries()  # job messages this worker holds, for its heartbeat
         # operator controls: pauses and this node's drain request (tasks/node/controls.py)
         self.controls = ControlState()
-        self.running_caps = RunningCaps(
-            ApiKeyStore(self.store.redis, storage_settings), settings.max_running_per_key
-        )
+        self.running_caps = RunningCaps(parts.api_keys, settings.max_running_per_key)
         self._jobs: dict[str, TrackedJob] = {}
         self._starting: dict[str, StartingJob] = {}  # held jobs handed to the group, by id
         self._lock = threading.Lock()
@@ -203,6 +201,7 @@ class Node:
         )
         # served by `kiln worker` (tasks/node/metrics.py)
         self.metrics = NodeMetrics(self.node_id, group.pipelines, scraped)
+        self.events.add_listener(self.metrics.count_event)
 
     def start(self) -> None:
         """Spawn and warm up the group, start the progress writer; raises if the group cannot."""

@@ -16,13 +16,11 @@ import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery
 from celery.exceptions import SecurityWarning
 from celery.signals import worker_ready, worker_shutting_down
 
 from kiln.gpu_worker.errors import RankStartupFailed
 from kiln.gpu_worker.pipeline_specs import PipelineFailed, PipelineRefused
-from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.worker_logs import start_worker_logging
 from kiln.tasks.node.worker_options import (
@@ -32,8 +30,8 @@ from kiln.tasks.node.worker_options import (
     split_devices,
     worker_queues,
 )
-from kiln.tasks.queue.app import make_celery_app
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE, node_queues
+from kiln.tasks.queue.process import ProcessParts, this_process
 
 if TYPE_CHECKING:  # the node's modules load torch; a webhooks-only worker never imports them
     from kiln.gpu_worker.config import GroupConfig
@@ -67,7 +65,8 @@ def run_worker(options: WorkerOptions) -> None:
     with `PipelineRefused`: its name and the reason, one line, for the CLI to print as it is; a
     pipeline whose loading or warm-up raised, with `PipelineFailed` (the same, another code).
     """
-    settings, storage_settings = KilnSettings(), StorageSettings()
+    parts = this_process()
+    settings, storage_settings = parts.settings, parts.storage_settings
     if options.pipelines and options.node_id is None:
         from kiln.tasks.node.node import default_node_id  # loads torch: nodes only
 
@@ -77,7 +76,7 @@ def run_worker(options: WorkerOptions) -> None:
     )
     log.info("kiln worker: %s", storage_settings.describe())  # which Redis, namespace, store
     try:
-        _run_worker(options, settings, storage_settings)
+        _run_worker(options, parts)
     finally:
         if capture is not None:
             capture.stop()
@@ -86,14 +85,12 @@ def run_worker(options: WorkerOptions) -> None:
         gc.freeze()
 
 
-def _run_worker(
-    options: WorkerOptions, settings: KilnSettings, storage_settings: StorageSettings
-) -> None:
-    app = make_celery_app(settings, storage_settings)
+def _run_worker(options: WorkerOptions, parts: ProcessParts) -> None:
+    settings, app = parts.settings, parts.celery_app
     if not options.pipelines:
         # Printed, not logged: Celery sets logging up only later, inside `worker_main`.
         print(WEBHOOKS_ONLY_NOTICE, file=sys.stderr, flush=True)
-    node, maintenance = _start_node(app, options, settings, storage_settings)
+    node, maintenance = _start_node(options, parts)
     groups = len(node.group_config.world()) // node.group_size if node else 1
     concurrency = options.concurrency or (2 * options.max_batch * groups if node else 8)
     argv = [
@@ -148,7 +145,7 @@ def _fail_unless_asked(asked_to_stop: threading.Event) -> None:
 
 
 def _start_node(
-    app: Celery, options: WorkerOptions, settings: KilnSettings, storage_settings: StorageSettings
+    options: WorkerOptions, parts: ProcessParts
 ) -> tuple[Node | None, Maintenance | None]:
     """Build and warm up the node, bind `run_job` to it, start its loops.
 
@@ -168,12 +165,11 @@ def _start_node(
     from kiln.tasks.node.maintenance import Maintenance
     from kiln.tasks.node.node import Node
 
+    settings, app = parts.settings, parts.celery_app
     group = _group_config(options, settings, gpu_settings)
     node = Node(
         group,
-        settings,
-        storage_settings,
-        celery_app=app,
+        parts,
         node_id=options.node_id,
         group_size=options.group_size,
     )

@@ -2,13 +2,12 @@
 
 `celery -A kiln.tasks.queue.celery_app flower` (or `inspect`, `events`, `purge`...) finds `app`
 here; it has Kiln's broker, key prefix and serializers (tasks/queue/app.py) but no tasks: Kiln's
-own processes build their app with `make_celery_app`, never import this module.
+own processes take their app from `this_process()` (tasks/queue/process.py), never import this
+module.
 """
 
 from __future__ import annotations
 
-from kiln.storage.settings import StorageSettings
-from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.process import this_process
 
-app = make_celery_app(KilnSettings(), StorageSettings())
+app = this_process().celery_app

@@ -10,7 +10,6 @@ Attempts are logged, not recorded in Redis (job webhooks' attempt log is per job
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import random
@@ -24,6 +23,7 @@ from celery import Celery, shared_task
 from kiln.tasks.contract.backoff import scheduled_delay
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
+from kiln.tasks.queue.process import this_process
 from kiln.tasks.webhooks.delivery import hop_seconds, send
 from kiln.tasks.webhooks.message import signed_headers
 
@@ -101,10 +101,9 @@ def deliver_batch_once(
     return replace(delivery, attempt=delivery.attempt + 1, not_before=time.time() + delay)
 
 
-@functools.cache
 def _worker_settings() -> KilnSettings:
-    # The webhook worker's entry point is this task: settings come from its environment once.
-    return KilnSettings()
+    # The webhook worker's entry point is this task: its process's settings.
+    return this_process().settings
 
 
 def run_batch_delivery(app: Celery, settings: KilnSettings, delivery: BatchDelivery) -> None:

@@ -20,11 +20,10 @@ from celery import Celery, current_app, shared_task
 
 from kiln.common.states import JobState, is_terminal
 from kiln.storage.job_store import JobEvent, JobRecord, JobStore
-from kiln.storage.objects import open_object_store
-from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.schemas import WebhookEvent
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
+from kiln.tasks.queue.process import this_process
 
 # imported for its Celery task: the webhook worker's app includes this module only
 from kiln.tasks.webhooks import batch_hooks  # noqa: F401
@@ -155,13 +154,10 @@ def publish_delivery(app: Celery, delivery: Delivery, countdown: float) -> None:
 
 @functools.cache
 def _worker_deps() -> WebhookDeps:
-    # The webhook worker's entry point is this task: settings come from its environment once.
-    storage_settings = StorageSettings()
-    return WebhookDeps(
-        settings=KilnSettings(),
-        store=JobStore.from_settings(storage_settings),
-        objects=open_object_store(storage_settings),
-    )
+    # The webhook worker's entry point is this task: its process's parts (a node's, the same
+    # settings and Redis client as the node).
+    parts = this_process()
+    return WebhookDeps(settings=parts.settings, store=parts.store, objects=parts.objects)
 
 
 def run_delivery(app: Celery, deps: WebhookDeps, delivery: Delivery) -> None:

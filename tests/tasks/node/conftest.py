@@ -26,7 +26,7 @@ from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.jobs import JobRunner
 from kiln.tasks.node.node import Node
-from kiln.tasks.queue.app import make_celery_app
+from kiln.tasks.queue.process import ProcessParts
 from tests.waiting import wait_until
 
 PIPELINE = "tiny"
@@ -170,9 +170,7 @@ def make_node(storage_settings: StorageSettings, job_store: JobStore) -> Iterato
 
         node = Node(
             GroupConfig(devices=["cpu:1"], pipelines={PIPELINE: PIPELINE}),
-            settings,
-            storage_settings,
-            celery_app=make_celery_app(settings, storage_settings),
+            ProcessParts(settings, storage_settings),
             node_id="node-under-test",
             coordinator=coordinator,
             publish=publish,

@@ -1,0 +1,98 @@
+"""What a process builds once: its settings, the job store, the object store, the Celery app.
+
+`ProcessParts` is the one place they are built; `this_process()` is the process's own, read from
+its environment. Every entry point takes its parts from there (`kiln api`, `kiln worker` and the
+webhook tasks it runs, `kiln control`, the CLI's commands on Redis, Celery's own command line), so
+a process reads its environment once and holds one Redis client. Each part is built on first use:
+a remote CLI command reads the settings and never loads Redis, Celery or boto3. Tests build their
+own `ProcessParts` from the settings they choose.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.contract.settings import KilnSettings
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from kiln.storage.apikeys import ApiKeyStore
+    from kiln.storage.job_store import JobStore
+    from kiln.storage.objects import ObjectStore
+
+T = TypeVar("T")
+
+
+class ProcessParts:
+    """Settings, stores and the Celery app of one process, each built once, on first use."""
+
+    def __init__(
+        self,
+        settings: KilnSettings | None = None,
+        storage_settings: StorageSettings | None = None,
+        *,
+        celery_app: Celery | None = None,
+    ) -> None:
+        # reentrant: a part is built from others (the store from the storage settings)
+        self._lock = threading.RLock()
+        given = {"settings": settings, "storage_settings": storage_settings, "celery": celery_app}
+        self._built: dict[str, Any] = {
+            name: part for name, part in given.items() if part is not None
+        }
+
+    def _once(self, name: str, build: Callable[[], T]) -> T:
+        # threads ask at once (a worker's webhook tasks): the first builds, the others wait
+        with self._lock:
+            if name not in self._built:
+                self._built[name] = build()
+            return cast(T, self._built[name])
+
+    @property
+    def settings(self) -> KilnSettings:
+        """Kiln's settings (`KILN_*`)."""
+        return self._once("settings", KilnSettings)
+
+    @property
+    def storage_settings(self) -> StorageSettings:
+        """Redis and the object store's settings."""
+        return self._once("storage_settings", StorageSettings)
+
+    @property
+    def store(self) -> JobStore:
+        """The job store, with the process's Redis client."""
+        from kiln.storage.job_store import JobStore
+
+        return self._once("store", lambda: JobStore.from_settings(self.storage_settings))
+
+    @property
+    def api_keys(self) -> ApiKeyStore:
+        """The API keys, on the job store's Redis client."""
+        from kiln.storage.apikeys import ApiKeyStore
+
+        return self._once("api_keys", lambda: ApiKeyStore(self.store.redis, self.storage_settings))
+
+    @property
+    def objects(self) -> ObjectStore:
+        """The object store (S3 or a local folder) the settings name."""
+        from kiln.storage.objects import open_object_store
+
+        return self._once("objects", lambda: open_object_store(self.storage_settings))
+
+    @property
+    def celery_app(self) -> Celery:
+        """The Celery app (Kiln's broker, key prefix and serializers; tasks are bound later)."""
+        from kiln.tasks.queue.app import make_celery_app
+
+        return self._once("celery", lambda: make_celery_app(self.settings, self.storage_settings))
+
+
+_THIS_PROCESS = ProcessParts()
+
+
+def this_process() -> ProcessParts:
+    """The parts of the running process, from its environment."""
+    return _THIS_PROCESS
