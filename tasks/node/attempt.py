@@ -33,7 +33,7 @@ from kiln.storage.job_store import JobRecord
 from kiln.storage.objects import new_attempt_name
 from kiln.storage.transitions import Start
 from kiln.tasks.contract.views import output_url, with_storage_url
-from kiln.tasks.node.compute import generation_request, run_metrics
+from kiln.tasks.node.compute import DeliveredJob, run_metrics
 from kiln.tasks.node.image_inputs import (
     FetchedImage,
     ImageInputRejected,
@@ -63,6 +63,7 @@ class LeasedAttempt:
         self,
         node: Node,
         record: JobRecord,
+        job: DeliveredJob,
         tracked: TrackedJob,
         notify: Callable[[str], None],
         *,
@@ -73,18 +74,18 @@ class LeasedAttempt:
         self.settings = node.settings
         self.job_id = record.id
         self.record = record  # as `start` returned it: this attempt is counted
+        self.job = job  # its spec, decoded once by the delivery (tasks/node/jobs.py)
         self.tracked = tracked
         self.notify = notify  # the job's webhook events (a no-op without a webhook)
         self.progress_webhooks = progress_webhooks
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
         self.expired_here = False  # `start_request` found its start_by passed and expired it
-        spec = record.request.get("preview") or {}
-        preview_format = str(spec.get("format", DEFAULT_PREVIEW_FORMAT))
+        preview = job.spec.preview
+        preview_format = preview.format if preview is not None else DEFAULT_PREVIEW_FORMAT
         self.previews = JobPreviews(node.objects, record.id, preview_format)
 
     def run(self) -> DeliveryOutcome:
         """Generate and store the outputs; any failure ends the job (it never raises for it)."""
-        record = self.record
         try:
             self._generate_and_store()
         except JobStopped:
@@ -94,7 +95,7 @@ class LeasedAttempt:
                 self._not_started()
         except GpuWorkerError as exc:
             if isinstance(exc, OutOfMemory):
-                self.node.metrics.count_oom(str(record.request.get("pipeline")))
+                self.node.metrics.count_oom(self.job.spec.pipeline)
             self._failed(error_dict(exc), retryable=exc.retryable)
         except StaleLease:
             log.warning("job %s: lease lost to another node; leaving it to them", self.job_id)
@@ -113,15 +114,16 @@ class LeasedAttempt:
 
     def _generate_and_store(self) -> None:
         record, tracked = self.record, self.tracked
-        images = fetch_job_images(self.node, record)  # before compute: a refusal runs nothing
-        self.node.adapter_sources.fetch(generation_request(record))  # store adapters, first use
+        # before compute: a refusal runs nothing
+        images = fetch_job_images(self.node, self.job.spec, record.owner)
+        self.node.adapter_sources.fetch(self.job.compute)  # store adapters, first use
         result = self._generate(images)
         if tracked.stop_reason is not None:
             raise JobStopped(tracked.stop_reason)
         report = encode_and_upload(
             self.node.objects,
             self.job_id,
-            record.request,
+            self.job.spec,
             result.outputs,
             attempt=new_attempt_name(tracked.lease_token),  # this attempt's own keys
             retry_for_s=self.settings.upload_retry_s,
@@ -186,14 +188,14 @@ class LeasedAttempt:
         def should_stop() -> bool:
             return tracked.stop_reason is not None  # set by heartbeat, cancel watch or drain
 
-        max_run = self.record.request.get("max_run_seconds")
+        max_run = self.job.spec.max_run_seconds
         submitted = time.monotonic()
         with self.node.starting(self.job_id, self):  # its batch starts it (`start_request`)
             future = self.node.submit(
-                with_images(generation_request(self.record), images),
+                with_images(self.job.compute, images),
                 on_progress=on_progress,
                 should_stop=should_stop,
-                max_run_seconds=float(max_run) if max_run else None,
+                max_run_seconds=max_run,
             )
             result = future.result()
         self._observe_compute(result, time.monotonic() - submitted, decoding_at)
@@ -206,8 +208,8 @@ class LeasedAttempt:
         node starts it with the batch's others, in one round trip (`Node.start_batch`).
         """
         self.node.waiting.leave(self.job_id)
-        start_by = self.record.request.get("start_by")
-        if start_by is not None and time.time() > float(start_by):
+        start_by = self.job.spec.start_by
+        if start_by is not None and time.time() > start_by:
             try:
                 self.store.expire(self.job_id)
                 self.expired_here = True
@@ -241,7 +243,7 @@ class LeasedAttempt:
             "job %s started: attempt %d on %s",
             self.job_id,
             record.attempts,
-            record.request.get("pipeline"),
+            self.job.spec.pipeline,
         )
         if record.started_at is not None:
             self.node.metrics.observe_stage("queue", record.started_at - record.created_at)

@@ -1,50 +1,63 @@
 """From a job record to the worker group and back: the request the group runs, the run's metrics.
 
-The record holds the effective request (the contract's defaults and the drawn seed filled in at
-submit), so every field is read as recorded, with no default of the node's own.
+A delivery decodes its job's stored spec once (`DeliveredJob.decode`): the spec is the effective
+request (the contract's defaults and the drawn seed filled in at submit), so every field is read
+as recorded, with no default of the node's own, and the group's request is built from it once.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from kiln.common.request import DEFAULT_SPEED
 from kiln.gpu_worker.protocol import AdapterRef, GenerationRequest, GenerationResult, PreviewSpec
 from kiln.storage.job_store import JobRecord
+from kiln.tasks.contract.job_spec import JobSpec
+from kiln.tasks.contract.schemas import PreviewRequest
 
 
-def generation_request(record: JobRecord) -> GenerationRequest:
-    """The compute part of a stored job request."""
-    r = record.request
+@dataclass(frozen=True)
+class DeliveredJob:
+    """One delivery's job, decoded once: its spec, and the request its group runs."""
+
+    spec: JobSpec
+    compute: GenerationRequest  # its image inputs are added by the attempt (`with_images`)
+
+    @classmethod
+    def decode(cls, record: JobRecord) -> DeliveredJob:
+        """The record's spec and compute request; JobSpecRefused when the spec is unreadable."""
+        spec = JobSpec.decode(record.request)
+        return cls(spec, generation_request(record.id, spec))
+
+
+def generation_request(job_id: str, spec: JobSpec) -> GenerationRequest:
+    """The compute part of a job's spec."""
     return GenerationRequest(
-        request_id=record.id,
-        pipeline=str(r["pipeline"]),
-        prompt=str(r["prompt"]),
-        negative_prompt=r["negative_prompt"],
-        width=int(r["width"]),
-        height=int(r["height"]),
-        steps=int(r["steps"]),
-        seed=int(r["seed"]),
-        num_frames=int(r["num_frames"]),
-        guidance_scale=float(r["guidance_scale"]),
-        num_outputs=int(r["num_outputs"]),
-        extra_inputs=dict(r.get("inputs") or {}),  # absent from records made before `inputs`
-        loras=tuple(AdapterRef(str(a["name"]), float(a["scale"])) for a in r.get("loras") or ()),
-        speed=str(r.get("speed") or DEFAULT_SPEED),  # recorded only when not the default
-        preview=preview_spec(r.get("preview")),
+        request_id=job_id,
+        pipeline=spec.pipeline,
+        prompt=spec.prompt,
+        negative_prompt=spec.negative_prompt,
+        width=spec.width,
+        height=spec.height,
+        steps=spec.steps,
+        seed=spec.seed,
+        num_frames=spec.num_frames,
+        guidance_scale=spec.guidance_scale,
+        num_outputs=spec.num_outputs,
+        extra_inputs=dict(spec.inputs),
+        loras=tuple(AdapterRef(lora.name, lora.scale) for lora in spec.loras),
+        speed=spec.speed,
+        preview=preview_spec(spec.preview),
     )
 
 
-def preview_spec(recorded: Any) -> PreviewSpec | None:
-    """The recorded `preview` field as the ranks take it (None: no previews)."""
-    if not isinstance(recorded, dict):
+def preview_spec(preview: PreviewRequest | None) -> PreviewSpec | None:
+    """The spec's `preview` as the ranks take it (None: no previews)."""
+    if preview is None:
         return None
     return PreviewSpec(
-        every_steps=int(recorded["every_steps"]),
-        max_side=int(recorded["max_side"]),
-        format=str(recorded["format"]),
+        every_steps=preview.every_steps, max_side=preview.max_side, format=preview.format
     )
 
 

@@ -32,6 +32,7 @@ from kiln.storage.object_base import ObjectStore
 from kiln.storage.uploaded_inputs import UploadRefused, checked_upload, resolve_upload
 from kiln.tasks.contract.image_refs import ImageRef, parse_image_ref
 from kiln.tasks.contract.inputs import image_input_names
+from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.webhooks.ssrf import (
     Resolver,
@@ -43,7 +44,6 @@ from kiln.tasks.webhooks.ssrf import (
 )
 
 if TYPE_CHECKING:  # the node imports the group; this module is used without one too
-    from kiln.storage.job_store import JobRecord
     from kiln.tasks.node.node import Node
 
 # What PIL calls the formats an input may have, by content type.
@@ -176,11 +176,11 @@ class ImageFetcher:
         return FetchedImage(InputImage(digest, data, width, height), kind, source)
 
 
-def fetch_job_images(node: Node, record: JobRecord) -> dict[str, FetchedImage]:
-    """The image inputs of a job about to run on `node` (its owner's uploads, or URLs)."""
-    schema = node.pipeline_inputs().get(str(record.request.get("pipeline")))
+def fetch_job_images(node: Node, spec: JobSpec, owner: str | None) -> dict[str, FetchedImage]:
+    """The image inputs of a job about to run on `node` (its `owner`'s uploads, or URLs)."""
+    schema = node.pipeline_inputs().get(spec.pipeline)
     fetcher = ImageFetcher(node.objects, node.settings)
-    return fetcher.fetch_all(record.request.get("inputs") or {}, schema, record.owner)
+    return fetcher.fetch_all(spec.inputs, schema, owner)
 
 
 def with_images(

@@ -2,7 +2,8 @@
 
 A delivery of a finished (or expired-away) job is dropped. A job leased by a live owner elsewhere
 is published again after `lease_busy_delay_s`; a running job whose lease is gone is reaped and
-taken over. A queued job past its `start_by`, out of attempts or over this node's limits is
+taken over. A queued job whose spec this release cannot read (a newer release's version: tasks/
+contract/job_spec.py), past its `start_by`, out of attempts or over this node's limits is
 ended without running. Otherwise the node takes the lease and holds the job, still `queued`
 (waiting in the node, with its position there), until its group starts it (tasks/node/
 waiting.py; the start and its refusals: tasks/node/attempt.py). Every write after that is
@@ -30,9 +31,10 @@ from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld
 from kiln.storage.job_store import JobRecord
 from kiln.storage.leases import delivery_owner
+from kiln.tasks.contract.job_spec import JobSpecRefused
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
 from kiln.tasks.node.attempt import LeasedAttempt
-from kiln.tasks.node.compute import generation_request
+from kiln.tasks.node.compute import DeliveredJob
 from kiln.tasks.node.node import Node
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, JobFailedError, settle_task
 from kiln.tasks.queue.app import RUN_JOB_TASK
@@ -63,6 +65,7 @@ class JobRunner:
         self.settings = node.settings
         self.job_id = job_id
         self.webhook: object = None
+        self.job: DeliveredJob | None = None  # the record's spec, decoded once (`_decoded`)
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
 
     def run(self) -> DeliveryOutcome:
@@ -77,7 +80,6 @@ class JobRunner:
         except JobNotFound:
             log.warning("run_job: job %s does not exist (expired?); dropping", self.job_id)
             return
-        self.webhook = record.request.get("webhook")
         with log_context(batch_id=record.batch_id):
             if record.state in TERMINAL_STATES:
                 self._delivered_when_finished(record)
@@ -103,11 +105,30 @@ class JobRunner:
             self.node.submitter.publish(record, countdown=self.settings.lease_busy_delay_s)
             self.outcome = DeliveryOutcome(Delivery.DEFERRED)
         elif self.store.reap(self.job_id):
-            self._lease_and_run(self.store.get(self.job_id))
+            record = self.store.get(self.job_id)
+            if self._decoded(record):
+                self._lease_and_run(record)
+
+    def _decoded(self, record: JobRecord) -> bool:
+        """Decode the job's spec: this delivery's one decode. False: it failed the job for good.
+
+        A spec this release cannot read (a newer release's version) cannot become readable by
+        waiting or by another attempt here, so the job fails, naming why, without running.
+        """
+        try:
+            self.job = job = DeliveredJob.decode(record)
+        except JobSpecRefused as exc:
+            self._refuse(exc.error())
+            return False
+        self.webhook = job.spec.webhook
+        return True
 
     def _refused_before_start(self, record: JobRecord) -> bool:
-        start_by = record.request.get("start_by")
-        if start_by is not None and time.time() > float(start_by):
+        if not self._decoded(record):
+            return True
+        job = self._job()
+        start_by = job.spec.start_by
+        if start_by is not None and time.time() > start_by:
             if self._transition_quietly(lambda: self.store.expire(self.job_id)):
                 self.outcome = DeliveryOutcome(Delivery.EXPIRED)
                 log.info("job %s expired: not started by its start_by", self.job_id)
@@ -120,7 +141,11 @@ class JobRunner:
             }
             self._refuse(error)
             return True
-        return self._refused_over_limits(record) or self._refused_for_inputs(record)
+        return self._refused_over_limits(job) or self._refused_for_inputs(job)
+
+    def _job(self) -> DeliveredJob:
+        assert self.job is not None, "the spec is decoded before anything reads it"
+        return self.job
 
     def _refuse(self, error: dict[str, Any]) -> None:
         """Fail the queued job for good without running it."""
@@ -128,11 +153,11 @@ class JobRunner:
             self.outcome = DeliveryOutcome(Delivery.FAILED, error)
             log.warning("job %s failed before it ran: %s", self.job_id, error["message"])
 
-    def _refused_over_limits(self, record: JobRecord) -> bool:
+    def _refused_over_limits(self, job: DeliveredJob) -> bool:
         # Checked again here, not only at submit: a job may predate the limits or have been
         # accepted against another node's. Over them it fails alone, for good, before any rank
         # runs it, instead of taking the group down with it attempt after attempt.
-        request = generation_request(record)
+        request = job.compute
         violation = self.node.over_limits(request.pipeline, request)
         if violation is None:
             return False
@@ -145,9 +170,9 @@ class JobRunner:
         self._refuse(error)
         return True
 
-    def _refused_for_inputs(self, record: JobRecord) -> bool:
+    def _refused_for_inputs(self, job: DeliveredJob) -> bool:
         # Like the limits: the job may have been accepted against another node's schema.
-        request = generation_request(record)
+        request = job.compute
         violation = self.node.bad_inputs(request.pipeline, request.extra_inputs)
         if violation is None:
             return False
@@ -186,7 +211,12 @@ class JobRunner:
             waiting.add(self.job_id, token)
             try:
                 attempt = LeasedAttempt(
-                    self.node, record, tracked, self._notify, progress_webhooks=bool(self.webhook)
+                    self.node,
+                    record,
+                    self._job(),
+                    tracked,
+                    self._notify,
+                    progress_webhooks=bool(self.webhook),
                 )
                 self.outcome = attempt.run()
             finally:

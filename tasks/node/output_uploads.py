@@ -23,6 +23,7 @@ from kiln.gpu_worker.outputs import EncodedOutput, OutputSpec, encode
 from kiln.storage.errors import ObjectExists, ObjectStoreUnavailable, StorageError
 from kiln.storage.objects import ObjectStore, output_key
 from kiln.tasks.contract.backoff import doubling_delay
+from kiln.tasks.contract.job_spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +45,13 @@ class UploadReport:
     upload_s: float
 
 
-def output_spec(request: Mapping[str, Any]) -> OutputSpec:
-    """The encoding options of a stored job request.
+def output_spec(spec: JobSpec) -> OutputSpec:
+    """The encoding options of a job's spec.
 
-    The record carries the effective request (the contract's defaults filled in at submit), so
-    format and fps are read as recorded. The contract has no quality field: each codec's own.
+    The spec is the effective request (the contract's defaults filled in at submit), so format
+    and fps are read as recorded. The contract has no quality field: each codec's own.
     """
-    return OutputSpec(format=str(request["output_format"]), fps=int(request["fps"]))
+    return OutputSpec(format=spec.output_format, fps=spec.fps)
 
 
 def put_verified(
@@ -112,7 +113,7 @@ def retry_storage(
 def encode_and_upload(
     objects: ObjectStore,
     job_id: str,
-    request: Mapping[str, Any],
+    spec: JobSpec,
     frames_per_output: Sequence[np.ndarray],
     *,
     attempt: str,
@@ -129,7 +130,7 @@ def encode_and_upload(
     `on_output(index, entry)` hears of each output once it is stored and verified, before the
     next one is encoded.
     """
-    spec = output_spec(request)
+    encoding = output_spec(spec)
     deadline = time.monotonic() + retry_for_s
     outputs: list[dict[str, Any]] = []
     encode_s = upload_s = 0.0
@@ -138,12 +139,12 @@ def encode_and_upload(
         for index, frames in enumerate(frames_per_output):
             on_stage("encoding", index + 1, total)
             started = time.perf_counter()
-            encoded = encode(frames, spec)
+            encoded = encode(frames, encoding)
             encode_s += time.perf_counter() - started
             on_stage("uploading", index + 1, total)
             started = time.perf_counter()
             key = output_key(objects.prefix, job_id, index, encoded.extension, attempt=attempt)
-            metadata = {"job-id": job_id, "index": str(index), "seed": str(request.get("seed"))}
+            metadata = {"job-id": job_id, "index": str(index), "seed": str(spec.seed)}
             upload = functools.partial(
                 put_verified, objects, key, encoded.data, encoded.content_type, metadata, verify
             )

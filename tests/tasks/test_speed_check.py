@@ -17,7 +17,7 @@ from kiln.common.request import SPEED_KEY, SPEED_MODES
 from kiln.gpu_worker.protocol import GenerationResult, RunMetrics, SpeedReport
 from kiln.tasks.contract.request_check import PipelineDecl, check_request
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.node.compute import generation_request, run_metrics
+from kiln.tasks.node.compute import DeliveredJob, run_metrics
 from tests.tasks.helpers import Api
 from tests.tasks.node.test_compute import record_of
 from tests.tasks.test_inputs import TINY_SCHEMA
@@ -84,7 +84,7 @@ def test_the_api_refuses_fast_where_the_pipeline_has_no_hooks(api: Api) -> None:
 
 def test_the_node_passes_the_mode_on_and_records_what_ran() -> None:
     record = record_of(JobRequest(**SMALL, seed=3, speed="balanced"))
-    assert generation_request(record).speed == "balanced"
+    assert DeliveredJob.decode(record).compute.speed == "balanced"
     report = SpeedReport("balanced", "first_block_cache", 0.05, False, 48, 15)
     result = GenerationResult("j1", [], RunMetrics(0.5, 10.0, 8, 1, speed=report))
     metrics = run_metrics(record, result, 0.01, 0.02)

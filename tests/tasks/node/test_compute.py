@@ -7,7 +7,7 @@ import time
 from kiln.common.states import JobState
 from kiln.storage.job_store import JobRecord
 from kiln.tasks.contract.schemas import JobRequest
-from kiln.tasks.node.compute import generation_request
+from kiln.tasks.node.compute import DeliveredJob
 
 
 def record_of(request: JobRequest) -> JobRecord:
@@ -21,7 +21,7 @@ def record_of(request: JobRequest) -> JobRecord:
 
 
 def test_the_group_gets_the_contracts_defaults_as_recorded() -> None:
-    ran = generation_request(record_of(JobRequest(prompt="a fox", seed=3)))
+    ran = DeliveredJob.decode(record_of(JobRequest(prompt="a fox", seed=3))).compute
     assert ran.guidance_scale == JobRequest.model_fields["guidance_scale"].default
     assert (ran.num_frames, ran.num_outputs, ran.seed) == (1, 1, 3)
 
@@ -31,7 +31,7 @@ def test_the_group_gets_the_requests_own_values() -> None:
         prompt="waves", pipeline="tiny-video", width=64, height=96, num_frames=5, steps=3,
         guidance_scale=0.0, seed=9, num_outputs=2, negative_prompt="blur",
     )  # fmt: skip
-    ran = generation_request(record_of(request))
+    ran = DeliveredJob.decode(record_of(request)).compute
     assert (ran.pipeline, ran.width, ran.height, ran.num_frames, ran.steps) == (
         "tiny-video", 64, 96, 5, 3,
     )  # fmt: skip

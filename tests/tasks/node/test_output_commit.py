@@ -16,6 +16,7 @@ from kiln.common.states import JobState
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.storage.errors import ObjectExists
 from kiln.storage.objects import LocalObjectStore, ObjectStore, new_attempt_name, output_key
+from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.node.output_uploads import encode_and_upload, put_verified
 from tests.tasks.node.conftest import STEPS, NodeHarness
 
@@ -54,7 +55,7 @@ def test_an_output_that_fails_deletes_the_attempts_earlier_ones(tmp_path: Path) 
         encode_and_upload(
             store,
             "job1",
-            {"output_format": "png", "fps": 8, "seed": 1},
+            JobSpec(prompt="a fox", output_format="png", fps=8, seed=1),
             [one_image, two_frames],
             attempt=new_attempt_name(1),
             retry_for_s=1.0,
