@@ -16,18 +16,29 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 import anyio.to_thread
+from pydantic import ValidationError
 
 from kiln.common.states import is_terminal
 from kiln.storage.job_store import JobEvent, JobStore
 from kiln.tasks.api.auth import Authenticator, AuthError
-from kiln.tasks.contract.views import event_view
+from kiln.tasks.contract.events import event_json, parse_event
 
 log = logging.getLogger(__name__)
 
 
 def format_event(event: JobEvent) -> str:
-    """One SSE frame: `id` is the event's seq, so `Last-Event-ID` resumes right after it."""
-    data = json.dumps(event_view(event).model_dump(mode="json"), separators=(",", ":"))
+    """One SSE frame: `id` is the event's seq, so `Last-Event-ID` resumes right after it.
+
+    The data is the event parsed with the contract's union (tasks/contract/events.py) and given
+    back as written. An entry the union refuses still goes out as stored, with a warning: a
+    client's seqs never skip one.
+    """
+    try:
+        wire = event_json(parse_event(event))
+    except ValidationError as exc:
+        log.warning("event %d of job stream is no known event, sent as stored: %s", event.seq, exc)
+        wire = {"seq": event.seq, "type": event.type, "time": event.time, "payload": event.payload}
+    data = json.dumps(wire, separators=(",", ":"))
     return f"id: {event.seq}\nevent: {event.type}\ndata: {data}\n\n"
 
 

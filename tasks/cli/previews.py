@@ -14,7 +14,8 @@ from pathlib import Path
 from kiln.common.states import is_terminal
 from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
 from kiln.tasks.client.client import preview_image
-from kiln.tasks.contract.views import EventView, PreviewData, PreviewEvent, event_view
+from kiln.tasks.contract.events import preview_of
+from kiln.tasks.contract.views import EventView, PreviewEvent, event_view
 
 DIRECT_BLOCK_MS = 1000
 
@@ -26,7 +27,7 @@ def preview_path(folder: Path, job_id: str, preview_format: str) -> Path:
 
 def write_preview(folder: Path, job_id: str, event: EventView) -> Path | None:
     """Replace the job's preview file with this event's image; its path, or None if gone."""
-    data = PreviewData.model_validate(event.payload)
+    data = preview_of(event)
     image = event.image if isinstance(event, PreviewEvent) else preview_image(data)
     if not image:
         return None

@@ -46,6 +46,7 @@ from kiln.tasks.contract.batches import (
     BatchView,
     RetryInclude,
 )
+from kiln.tasks.contract.events import preview_of
 from kiln.tasks.contract.responses import (
     CancelResult,
     DrainResult,
@@ -388,7 +389,7 @@ class KilnClient:
 
     def _preview_event(self, event: EventView) -> PreviewEvent | None:
         """A preview with its image's bytes; None when they cannot be had (a newer one comes)."""
-        image = preview_image(PreviewData.model_validate(event.payload), self._http.timeout)
+        image = preview_image(preview_of(event), self._http.timeout)
         if image is None:
             return None
         return PreviewEvent(**event.model_dump(), image=image)

@@ -32,6 +32,7 @@ from kiln.storage.errors import IllegalTransition, StaleLease, StorageError
 from kiln.storage.job_store import JobRecord
 from kiln.storage.objects import new_attempt_name
 from kiln.storage.transitions import Start
+from kiln.tasks.contract.events import OutputPayload, ProgressData
 from kiln.tasks.contract.views import output_url, with_storage_url
 from kiln.tasks.node.compute import DeliveredJob, run_metrics
 from kiln.tasks.node.image_inputs import (
@@ -76,8 +77,10 @@ class LeasedAttempt:
         self.record = record  # as `start` returned it: this attempt is counted
         self.job = job  # its spec, decoded once by the delivery (tasks/node/jobs.py)
         self.tracked = tracked
-        self.notify = notify  # the job's webhook events (a no-op without a webhook)
-        self.progress_webhooks = progress_webhooks
+        # every event of this attempt goes through the node's sink; the job's webhooks hear them
+        self.events = node.events.job(
+            record.id, tracked.lease_token, notify if progress_webhooks else None
+        )
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
         self.expired_here = False  # `start_request` found its start_by passed and expired it
         preview = job.spec.preview
@@ -147,7 +150,7 @@ class LeasedAttempt:
         self.outcome = DeliveryOutcome(Delivery.SUCCEEDED)
         # the timings as fields of a JSON line (queue_s, run_s, ...), not a dict in its text
         log.info("job %s succeeded", self.job_id, extra=metrics)
-        self.notify("completed")
+        self.events.changed(JobState.SUCCEEDED)
 
     def _commit(self, outputs: list[dict[str, Any]], metrics: dict[str, Any]) -> bool:
         """Make this attempt's outputs the job's: `succeed`, fenced by the lease token.
@@ -247,7 +250,7 @@ class LeasedAttempt:
         )
         if record.started_at is not None:
             self.node.metrics.observe_stage("queue", record.started_at - record.created_at)
-        self.node.progress.call_soon(self.job_id, lambda: self.notify("started"))
+        self.node.progress.call_soon(self.job_id, lambda: self.events.changed(JobState.RUNNING))
         return True
 
     def _not_started(self, error: dict[str, Any] | None = None) -> None:
@@ -266,7 +269,7 @@ class LeasedAttempt:
         elif record.state == JobState.EXPIRED:
             self.outcome = DeliveryOutcome(Delivery.EXPIRED)
             if self.expired_here:
-                self.notify("completed")
+                self.events.changed(JobState.EXPIRED)
         elif record.state != JobState.QUEUED:
             self.outcome = DeliveryOutcome(Delivery.DROPPED)
             log.info("job %s is %s already; this delivery leaves it", self.job_id, record.state)
@@ -311,10 +314,7 @@ class LeasedAttempt:
         tracked.last_progress_at = time.time()
         changed = stage != tracked.last_stage or step == total
         tracked.last_stage = stage
-        after_write = (lambda: self.notify("progress")) if self.progress_webhooks else None
-        pending = PendingProgress(
-            tracked.lease_token, {"stage": stage, "step": step, "total": total}, after_write
-        )
+        pending = PendingProgress(self.events, ProgressData(stage=stage, step=step, total=total))
         if on_task_thread:  # encoding/uploading: each written, in order, as the work goes on
             self.node.progress.write_soon(self.job_id, pending)
         else:
@@ -323,19 +323,15 @@ class LeasedAttempt:
     def _preview(self, progress: StepProgress, pixels: np.ndarray) -> None:
         """Hand the newest preview to the progress writer, which encodes and appends it."""
         previews, step, total = self.previews, progress.step, progress.total
-        after_write = (lambda: self.notify("preview")) if self.progress_webhooks else None
         self.node.progress.preview(
-            self.job_id,
-            PendingPreview(
-                self.tracked.lease_token, lambda: previews.payload(step, total, pixels), after_write
-            ),
+            self.job_id, PendingPreview(self.events, lambda: previews.payload(step, total, pixels))
         )
 
     def _announce_output(self, index: int, entry: dict[str, Any]) -> None:
         """An `output` event for one stored and verified output, before the job's end."""
         located = with_storage_url([entry], self.node.storage_settings.storage_url)[0]
-        payload = {"index": index, "url": output_url(located, self.node.objects), **entry}
-        self.node.progress.event_soon(self.job_id, self.tracked.lease_token, "output", payload)
+        url = output_url(located, self.node.objects)
+        self.node.progress.event_soon(self.events, OutputPayload(index=index, url=url, **entry))
 
     def _stopped(self) -> None:
         self.node.progress.settle(self.job_id)
@@ -348,7 +344,7 @@ class LeasedAttempt:
             )
             self.outcome = DeliveryOutcome(Delivery.CANCELED)
             log.info("job %s canceled while running", self.job_id)
-            self.notify("completed")
+            self.events.changed(JobState.CANCELED)
         elif reason == JobStopReason.HANDED_BACK:
             error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
             self.node.submitter.publish(self._requeue(token, error))
@@ -379,7 +375,7 @@ class LeasedAttempt:
         )
         self.outcome = DeliveryOutcome(Delivery.FAILED, error)
         log.warning("job %s failed: %s: %s", self.job_id, error.get("type"), error.get("message"))
-        self.notify("completed")
+        self.events.changed(JobState.FAILED)
 
     def _requeue(self, token: int, error: dict[str, Any]) -> JobRecord:
         """Back to the queue for another attempt (canceled instead if a cancel is pending)."""

@@ -16,7 +16,8 @@ target and adds no label of its own; deploy/grafana/kiln-dashboard.json groups b
   decode, encode, upload: see `JobRunner`), `kiln_node_ooms_total{pipeline}` (job attempts that
   failed out of memory, device or host), `kiln_node_lease_renewal_failures_total` (a renewal
   refused or failed against Redis), `kiln_node_upload_retries_total` (object-store calls retried),
-  `kiln_node_wake_seconds` (what a job waited for its sleeping group to wake).
+  `kiln_node_wake_seconds` (what a job waited for its sleeping group to wake),
+  `kiln_node_job_events_total{type}` (job events through the node's event sink: its listener).
 
 Each node has its own registry (never the process-wide default), with the process's own metrics.
 """
@@ -46,6 +47,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kiln.gpu_worker.counters import GroupCounters
+from kiln.tasks.node.event_sink import EventNote
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,12 @@ class NodeMetrics:
             labels,
             registry=self.registry,
         )
+        self.job_events = Counter(
+            "kiln_node_job_events",
+            "Job events this node wrote or announced, by type (heard from its event sink).",
+            [*labels, "type"],
+            registry=self.registry,
+        )
         # Present (at 0) from the first scrape, so rate() and increase() have a start.
         self.lease_renewal_failures.labels(self.node_id)
         self.upload_retries.labels(self.node_id)
@@ -124,6 +132,10 @@ class NodeMetrics:
     def count_lease_renewal_failure(self) -> None:
         """A lease renewal was refused or failed."""
         self.lease_renewal_failures.labels(self.node_id).inc()
+
+    def count_event(self, note: EventNote) -> None:
+        """A job event went through the node's sink (its listener: tasks/node/event_sink.py)."""
+        self.job_events.labels(self.node_id, note.type).inc()
 
     def count_upload_retry(self) -> None:
         """An object-store call of an upload is being retried."""

@@ -1,8 +1,9 @@
 """A job's previews on the node: encoded off the group's path, carried inline or by URL.
 
 The ranks hand over raw pixels (`StepProgress.preview`); the progress writer's thread encodes the
-newest one of each job (`JobPreviews.payload`) and appends it as the job's `preview` event, which
-replaces the previous one in Redis (storage/lua/live_event.lua). A preview of at most
+newest one of each job (`JobPreviews.payload`: a typed `PreviewPayload`, so a preview neither
+inline nor by URL is refused here, by its writer) and appends it as the job's `preview` event,
+which replaces the previous one in Redis (storage/lua/live_event.lua). A preview of at most
 `PREVIEW_INLINE_MAX` encoded bytes rides in its event as base64; a larger one is written to the
 object store under the job's one preview key (replaced by each next one) and named by a URL that
 lives `PREVIEW_URL_TTL_S`. When the attempt ends (`JobPreviews.close`) that object is deleted and
@@ -16,7 +17,6 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-from typing import Any
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from kiln.common.previews import PREVIEW_INLINE_MAX
 from kiln.gpu_worker.outputs import OutputSpec, encode
 from kiln.storage.errors import StorageError
 from kiln.storage.objects import ObjectStore, preview_key
+from kiln.tasks.contract.events import PreviewPayload
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +51,24 @@ class JobPreviews:
         self._stored: set[str] = set()  # the preview keys written (one per extension)
         self._closed = False
 
-    def payload(self, step: int, total: int, pixels: np.ndarray) -> dict[str, Any]:
+    def payload(self, step: int, total: int, pixels: np.ndarray) -> PreviewPayload:
         """The `preview` event's data for pixels (uint8 (H, W, 3)); PreviewsEnded once closed."""
         encoded = encode(pixels, OutputSpec(format=self.preview_format))
-        payload: dict[str, Any] = {
-            "step": step,
-            "total": total,
-            "width": encoded.width,
-            "height": encoded.height,
-            "format": self.preview_format,
-            "content_type": encoded.content_type,
-            "image_b64": None,
-            "url": None,
-        }
+
+        def preview(image_b64: str | None, url: str | None) -> PreviewPayload:
+            return PreviewPayload(
+                step=step,
+                total=total,
+                width=encoded.width,
+                height=encoded.height,
+                format=self.preview_format,
+                content_type=encoded.content_type,
+                image_b64=image_b64,
+                url=url,
+            )
+
         if len(encoded.data) <= PREVIEW_INLINE_MAX:
-            payload["image_b64"] = base64.b64encode(encoded.data).decode("ascii")
-            return payload
+            return preview(base64.b64encode(encoded.data).decode("ascii"), None)
         key = preview_key(self.objects.prefix, self.job_id, encoded.extension)
         metadata = {"job-id": self.job_id, "step": str(step)}
         with self._lock:
@@ -73,8 +76,7 @@ class JobPreviews:
                 raise PreviewsEnded(f"job {self.job_id}: the attempt has ended")
             self._stored.add(key)
             self.objects.put(key, encoded.data, encoded.content_type, metadata)
-        payload["url"] = self.objects.url(key, expires_s=PREVIEW_URL_TTL_S)
-        return payload
+        return preview(None, self.objects.url(key, expires_s=PREVIEW_URL_TTL_S))
 
     def close(self, *, delete: bool = True) -> None:
         """Store no more previews; with `delete`, remove the one stored (best effort).

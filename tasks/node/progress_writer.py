@@ -14,6 +14,9 @@ The stages a job's own task thread announces (encoding, uploading) and its `outp
 overlaps the work it announces instead of delaying it, and every stage still gets its event.
 `settle` waits for them before the job's terminal transition, so no stage or output event can
 follow the terminal one.
+
+Every write goes through the job's `JobEvents` (tasks/node/event_sink.py): the node's one sink
+writes the typed payload to Redis and tells its listeners (metrics, the job's webhooks).
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
 
 from kiln.storage.errors import StorageError
-from kiln.storage.job_store import JobStore
+from kiln.tasks.contract.events import OutputPayload, PreviewPayload, ProgressData
+from kiln.tasks.node.event_sink import JobEvents
 
 log = logging.getLogger(__name__)
 
@@ -35,25 +38,22 @@ log = logging.getLogger(__name__)
 class PendingProgress:
     """The newest progress of one job, not yet written."""
 
-    lease_token: int
-    progress: dict[str, Any]
-    after_write: Callable[[], None] | None = None
+    events: JobEvents
+    progress: ProgressData
 
 
 @dataclass(frozen=True)
 class PendingPreview:
     """The newest preview of one job, not yet written: `payload()` encodes it, on the writer."""
 
-    lease_token: int
-    payload: Callable[[], dict[str, Any]]
-    after_write: Callable[[], None] | None = None
+    events: JobEvents
+    payload: Callable[[], PreviewPayload]
 
 
 class ProgressWriter:
     """Writes the newest progress of each job from one background thread."""
 
-    def __init__(self, store: JobStore, interval_s: float) -> None:
-        self.store = store
+    def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self._pending: dict[str, PendingProgress] = {}
         self._previews: dict[str, PendingPreview] = {}  # the newest per job: the rest are moot
@@ -96,18 +96,16 @@ class ProgressWriter:
             self._pending.pop(job_id, None)
             self._previews.pop(job_id, None)
 
-    def event_soon(
-        self, job_id: str, lease_token: int, event_type: str, payload: dict[str, Any]
-    ) -> None:
+    def event_soon(self, events: JobEvents, payload: OutputPayload) -> None:
         """Append a job's `output` event next, in order with its stages (`settle` waits for it)."""
 
         def append() -> None:
             try:
-                self.store.add_live_event(job_id, lease_token, event_type, payload)
+                events.write(payload)
             except StorageError as exc:  # like progress: best effort, a stale token expected
-                log.debug("%s event of %s not written: %s", event_type, job_id, exc)
+                log.debug("%s event of %s not written: %s", payload.kind, events.job_id, exc)
 
-        self.call_soon(job_id, append)
+        self.call_soon(events.job_id, append)
 
     def call_soon(self, job_id: str, call: Callable[[], None]) -> None:
         """Run `call` for a job next on the ordered thread (`settle` waits for it).
@@ -165,25 +163,17 @@ class ProgressWriter:
 
     def _write_preview(self, job_id: str, item: PendingPreview) -> None:
         try:
-            payload = item.payload()
-            self.store.add_live_event(job_id, item.lease_token, "preview", payload)
+            item.events.write(item.payload())
         except StorageError as exc:  # best effort, as progress
             log.debug("preview of %s not written: %s", job_id, exc)
-            return
         except Exception:  # an encoder's failure costs the preview, never the job
             log.exception("preview of %s could not be encoded", job_id)
-            return
-        if item.after_write is not None:
-            item.after_write()
 
     def _write(self, job_id: str, item: PendingProgress) -> None:
         try:
-            self.store.set_progress(job_id, item.lease_token, item.progress)
+            item.events.write(item.progress)
         except StorageError as exc:  # progress is best effort; a stale token is expected
             log.debug("progress of %s not written: %s", job_id, exc)
-            return
-        if item.after_write is not None:
-            item.after_write()
 
     def _run(self) -> None:
         while not self._stop.is_set():

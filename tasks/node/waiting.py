@@ -12,15 +12,18 @@ from __future__ import annotations
 import threading
 
 from kiln.storage.leases import waiting_progress
+from kiln.tasks.contract.events import ProgressData
+from kiln.tasks.node.event_sink import EventSink
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
 
 
 class WaitingInNode:
     """Job id -> lease token of each held, not yet started job, in the order they were held."""
 
-    def __init__(self, node_id: str, progress: ProgressWriter) -> None:
+    def __init__(self, node_id: str, progress: ProgressWriter, events: EventSink) -> None:
         self.node_id = node_id
         self.progress = progress
+        self.events = events
         self._lock = threading.Lock()
         self._jobs: dict[str, int] = {}
 
@@ -47,5 +50,6 @@ class WaitingInNode:
             del self._jobs[job_id]
             moved = [(each, self._jobs[each], p) for p, each in enumerate(order[at + 1 :], at)]
         for each, token, position in moved:
-            pending = PendingProgress(token, waiting_progress(self.node_id, position))
+            waiting = ProgressData.model_validate(waiting_progress(self.node_id, position))
+            pending = PendingProgress(self.events.job(each, token), waiting)
             self.progress.update(each, pending, urgent=True)

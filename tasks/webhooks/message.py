@@ -16,8 +16,15 @@ from standardwebhooks import Webhook
 from kiln.common.states import TERMINAL_STATES, JobState, is_terminal
 from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import ObjectStore
+from kiln.tasks.contract.events import (
+    ProgressEvent,
+    RunningEvent,
+    StepPreviewEvent,
+    parse_event,
+    preview_of,
+)
 from kiln.tasks.contract.schemas import WebhookEvent
-from kiln.tasks.contract.views import JobView, Metrics, Progress, job_view, progress_view
+from kiln.tasks.contract.views import JobView, Metrics, Progress, job_view
 
 USER_AGENT = "Kiln-Webhooks/1"
 # the job event types each webhook event reports
@@ -45,8 +52,9 @@ def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) ->
     write is reported as the running job it was then, whatever the job has become since.
     """
     view = job_view(record, objects)
-    if is_terminal(source.type):
-        return view.model_copy(update={"status": JobState(source.type)})
+    event = parse_event(source)
+    if is_terminal(event.type):
+        return view.model_copy(update={"status": JobState(event.type)})
     update: dict[str, Any] = {
         "status": JobState.RUNNING,
         "finished_at": None,
@@ -54,14 +62,13 @@ def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) ->
         "error": None,
         "metrics": Metrics(),
     }
-    if source.type == JobState.RUNNING:
-        attempts = int(source.payload.get("attempts", record.attempts))
-        update.update(started_at=source.time, attempts=attempts, progress=None)
-    elif source.type == "preview":  # a preview is taken while denoising, after its step
-        step, total = source.payload.get("step"), source.payload.get("total")
+    if isinstance(event, RunningEvent):
+        update.update(started_at=event.time, attempts=event.payload.attempts, progress=None)
+    elif isinstance(event, StepPreviewEvent):  # a preview is taken while denoising, after its step
+        step, total = event.payload.step, event.payload.total
         update["progress"] = Progress(stage="denoising", step=step, total=total)
-    else:
-        update["progress"] = progress_view(source.payload)
+    elif isinstance(event, ProgressEvent):
+        update["progress"] = event.payload.view()
     return view.model_copy(update=update)
 
 
@@ -80,7 +87,7 @@ def webhook_payload(
         "data": view_at(record, source, objects).model_dump(mode="json"),
     }
     if source.type == "preview":  # the preview event's own data: its image inline or by URL
-        body["preview"] = source.payload
+        body["preview"] = preview_of(source).wire()
     return json.dumps(body, separators=(",", ":"))
 
 

@@ -44,6 +44,8 @@ from kiln.storage.objects import new_attempt_name, output_key  # noqa: E402
 from kiln.storage.s3_store import S3ObjectStore  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
 from kiln.tasks.api.auth import Authenticator, hash_api_key, new_api_key  # noqa: E402
+from kiln.tasks.contract.events import ProgressData  # noqa: E402
+from kiln.tasks.node.event_sink import EventSink  # noqa: E402
 from kiln.tasks.node.output_uploads import UploadVerify, encode_and_upload, put_verified  # noqa: E402
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter  # noqa: E402
 
@@ -135,7 +137,8 @@ def uploads(store: S3ObjectStore, rounds: int) -> None:
 
 
 def stage_progress(jobs: JobStore, objects: S3ObjectStore, rounds: int) -> None:
-    writer = ProgressWriter(jobs, interval_s=60.0)
+    writer = ProgressWriter(interval_s=60.0)
+    sink = EventSink(jobs)
     writer.start()
     frames = np.random.default_rng(0).integers(0, 255, (1, 64, 64, 3), dtype=np.uint8)
     request = {"output_format": "png", "fps": 8, "seed": 0}
@@ -154,8 +157,8 @@ def stage_progress(jobs: JobStore, objects: S3ObjectStore, rounds: int) -> None:
             job_id, token = started[handed_over][index]
 
             def on_stage(stage: str, step: int, total: int) -> None:
-                progress = {"stage": stage, "step": step, "total": total}
-                write(job_id, PendingProgress(token, progress))
+                progress = ProgressData(stage=stage, step=step, total=total)
+                write(job_id, PendingProgress(sink.job(job_id, token), progress))
 
             encode_and_upload(
                 objects, job_id, request, [frames], attempt=new_attempt_name(token),

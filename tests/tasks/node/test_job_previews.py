@@ -66,13 +66,13 @@ def test_a_large_preview_is_stored_replaced_and_deleted_when_the_attempt_ends(
 ) -> None:
     previews = JobPreviews(objects, JOB, "png")
     first = previews.payload(1, 4, noise(256, 1))
-    assert first["image_b64"] is None
-    assert first["url"] is not None
-    assert len(read(first["url"])) > PREVIEW_INLINE_MAX
+    assert first.image_b64 is None
+    assert first.url is not None
+    assert len(read(first.url)) > PREVIEW_INLINE_MAX
     second = previews.payload(2, 4, noise(256, 2))
     # one object per job, replaced: the first URL now reads the second preview
     assert job_keys(objects) == [preview_key_of(objects)]
-    with Image.open(io.BytesIO(read(second["url"]))) as image:
+    with Image.open(io.BytesIO(read(second.url))) as image:
         assert (image.format, image.size) == ("PNG", (256, 256))
         assert np.array_equal(np.asarray(image), noise(256, 2))
     previews.close()
@@ -98,11 +98,11 @@ def test_an_attempt_that_lost_its_lease_leaves_the_new_holders_preview(
 def test_small_previews_ride_inline_and_store_nothing(objects: ObjectStore) -> None:
     previews = JobPreviews(objects, JOB, "webp")
     payload = previews.payload(1, 2, noise(8, 1))
-    assert payload["url"] is None
-    with Image.open(io.BytesIO(base64.b64decode(payload["image_b64"]))) as image:
+    assert payload.url is None
+    with Image.open(io.BytesIO(base64.b64decode(payload.image_b64))) as image:
         assert (image.format, image.size) == ("WEBP", (8, 8))
     previews.close()
-    assert previews.payload(2, 2, noise(8, 2))["image_b64"]  # inline: nothing to store or delete
+    assert previews.payload(2, 2, noise(8, 2)).image_b64  # inline: nothing to store or delete
     assert job_keys(objects) == []
 
 

@@ -5,14 +5,21 @@ from __future__ import annotations
 import threading
 
 from kiln.storage.job_store import JobStore, NewJob
+from kiln.tasks.contract.events import ProgressData
+from kiln.tasks.node.event_sink import EventNote, EventSink, JobEvents
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
 
 
-def running_job(store: JobStore, job_id: str) -> int:
+def running_job(store: JobStore, job_id: str, sink: EventSink | None = None) -> JobEvents:
     store.create_job(NewJob(id=job_id, request={"pipeline": "tiny"}))
     token = store.acquire_lease(job_id, "node/1")
     store.start(job_id, token)
-    return token
+    return (sink or EventSink(store)).job(job_id, token)
+
+
+def progress(events: JobEvents, stage: str, step: int, total: int | None = None) -> PendingProgress:
+    fields = {"stage": stage, "step": step} | ({} if total is None else {"total": total})
+    return PendingProgress(events, ProgressData.model_validate(fields))
 
 
 def stages(store: JobStore, job_id: str) -> list[str]:
@@ -22,38 +29,43 @@ def stages(store: JobStore, job_id: str) -> list[str]:
 def test_handed_over_stages_are_written_in_order_and_settle_waits_for_them(
     job_store: JobStore,
 ) -> None:
-    token = running_job(job_store, "s1")
-    writer = ProgressWriter(job_store, interval_s=60.0)
+    sink = EventSink(job_store)
+    events = running_job(job_store, "s1", sink)
+    writer = ProgressWriter(interval_s=60.0)
     writer.start()
     gate = threading.Event()
+    heard: list[EventNote] = []
 
-    def held_at_the_gate() -> None:
-        gate.wait(30)
+    def held_at_the_gate(note: EventNote) -> None:  # the sink's listener: after the first write
+        heard.append(note)
+        if len(heard) == 1:
+            gate.wait(30)
 
+    sink.add_listener(held_at_the_gate)
     try:
-        stage = {"stage": "encoding", "step": 1, "total": 1}
-        encoding = PendingProgress(token, stage, held_at_the_gate)
-        writer.write_soon("s1", encoding)  # its write then blocks in `after_write` until the gate
-        uploading = PendingProgress(token, {"stage": "uploading", "step": 1, "total": 1})
+        encoding = progress(events, "encoding", 1, 1)
+        writer.write_soon("s1", encoding)  # its write then blocks in the listener until the gate
+        uploading = progress(events, "uploading", 1, 1)
         writer.write_soon("s1", uploading)  # returns at once: the task thread never waits here
         assert stages(job_store, "s1") in ([], ["encoding"])
         gate.set()
         writer.settle("s1")
         assert stages(job_store, "s1") == ["encoding", "uploading"]
         assert job_store.get("s1").progress == {"stage": "uploading", "step": 1, "total": 1}
+        assert heard == [EventNote("s1", "progress")] * 2
     finally:
         gate.set()
         writer.stop()
 
 
 def test_settle_drops_unwritten_step_progress_after_the_stages(job_store: JobStore) -> None:
-    token = running_job(job_store, "s2")
-    writer = ProgressWriter(job_store, interval_s=60.0)
+    events = running_job(job_store, "s2")
+    writer = ProgressWriter(interval_s=60.0)
     writer.start()
     try:
-        writer.write_soon("s2", PendingProgress(token, {"stage": "encoding", "step": 1}))
+        writer.write_soon("s2", progress(events, "encoding", 1))
         writer.settle("s2")
-        writer.update("s2", PendingProgress(token, {"stage": "decoding", "step": 4}), False)
+        writer.update("s2", progress(events, "decoding", 4), False)
         writer.settle("s2")  # the terminal transition follows: nothing may be written after it
         writer.flush()
         assert stages(job_store, "s2") == ["encoding"]
@@ -64,9 +76,9 @@ def test_settle_drops_unwritten_step_progress_after_the_stages(job_store: JobSto
 def test_a_stage_handed_over_after_stop_is_written_on_the_callers_thread(
     job_store: JobStore,
 ) -> None:
-    token = running_job(job_store, "s3")
-    writer = ProgressWriter(job_store, interval_s=60.0)
+    events = running_job(job_store, "s3")
+    writer = ProgressWriter(interval_s=60.0)
     writer.start()
     writer.stop()  # the node is going down while a job still uploads
-    writer.write_soon("s3", PendingProgress(token, {"stage": "uploading", "step": 1}))
+    writer.write_soon("s3", progress(events, "uploading", 1))
     assert stages(job_store, "s3") == ["uploading"]

@@ -1,0 +1,265 @@
+"""A job's events as one typed union (docs/contract.md §6): what writers build, readers parse.
+
+Every entry of a job's event stream is `{seq, type, time, payload}`; `type` says what the payload
+holds. `Event` is the discriminated union of every kind: the state changes (`queued`, `running`,
+`succeeded`, `failed`, `canceled`, `expired`), `progress`, `preview` and `output`. The node builds
+the payloads it writes from these models and hands them to its one `EventSink`
+(tasks/node/event_sink.py), so a malformed event is refused where it is made, not where it is read;
+the state changes' payloads are written by storage's transitions in the same shapes. Readers (the
+SSE route, webhooks, the client) parse a stored entry with `parse_event` and hand it on with
+`event_json`, which gives back the entry as written: the wire format is the stream's.
+
+Payloads keep fields they do not name (`extra="allow"`), so an entry written by a newer node
+passes through an older reader unchanged. A new kind (a checkpoint) is one more member here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, Protocol, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from kiln.common.states import JobState
+from kiln.tasks.contract.views import OutputData, PreviewData, Progress, WaitingProgress
+
+# `int | float` where a writer may put either: a payload round-trips as written (1 stays 1)
+Number = int | float
+
+
+class Payload(BaseModel):
+    """The payload of one kind of event; `kind` is the event `type` it travels as."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    kind: ClassVar[str]
+
+    def wire(self) -> dict[str, Any]:
+        """The payload as the stream stores it: the fields given, nothing filled in."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class ErrorData(BaseModel):
+    """Why an attempt or a job failed: `{type, message, retryable}` (the view's `error`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: str
+    message: str
+    retryable: bool = False
+
+
+QueuedReason = Literal["created", "retry", "lease_expired"]
+CanceledReason = Literal["requested", "cancel_requested", "purged"]
+
+
+class QueuedData(Payload):
+    """`queued`: created, back for a retry (with that attempt's error), or its lease lapsed."""
+
+    kind = JobState.QUEUED.value
+    reason: QueuedReason
+    error: ErrorData | None = None
+
+
+class RunningData(Payload):
+    """`running`: the node that started it, the attempt this is, and the lease's owner."""
+
+    kind = JobState.RUNNING.value
+    node_id: str | None = None
+    attempts: int
+    owner: str
+
+
+class ProgressData(Payload):
+    """`progress`: a running job's stage (and step of total), or where a held job waits."""
+
+    kind = "progress"
+    stage: str
+    step: int | None = None
+    total: int | None = None
+    node: str | None = None  # waiting_in_node only: the node holding the queued job
+    position: int | None = None  # waiting_in_node only: jobs that node starts before it
+
+    def view(self) -> Progress:
+        """The job view's `progress` of this event."""
+        fields = self.wire()
+        if self.node is not None and self.position is not None:
+            return WaitingProgress.model_validate(fields)
+        return Progress.model_validate(fields)
+
+
+class PreviewPayload(PreviewData, Payload):
+    """`preview`: the job's first output as it looks after `step`, inline or by URL (not both)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    kind = "preview"
+
+    @model_validator(mode="after")
+    def _inline_or_url(self) -> PreviewPayload:
+        if (self.image_b64 is None) == (self.url is None):
+            raise ValueError("a preview carries its image inline (image_b64) or by url: one")
+        return self
+
+
+class OutputPayload(OutputData, Payload):
+    """`output`: one output stored and verified, before the job's end."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    kind = "output"
+
+
+class SucceededData(Payload):
+    """`succeeded`: the record's outputs and the run's metrics."""
+
+    kind = JobState.SUCCEEDED.value
+    outputs: list[dict[str, Any]]
+    metrics: dict[str, Any]
+
+
+class FailedData(Payload):
+    """`failed`: why."""
+
+    kind = JobState.FAILED.value
+    error: ErrorData
+
+
+class CanceledData(Payload):
+    """`canceled`: asked while queued (`requested`) or running (`cancel_requested`), or purged."""
+
+    kind = JobState.CANCELED.value
+    reason: CanceledReason
+
+
+class ExpiredData(Payload):
+    """`expired`: its start_by passed before it started (no fields)."""
+
+    kind = JobState.EXPIRED.value
+
+
+class _Entry(BaseModel):
+    """What every event has: its place in the job's stream and when it happened."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seq: int = Field(ge=1)
+    time: Number
+
+
+class QueuedEvent(_Entry):
+    """A `queued` entry."""
+
+    type: Literal["queued"]
+    payload: QueuedData
+
+
+class RunningEvent(_Entry):
+    """A `running` entry."""
+
+    type: Literal["running"]
+    payload: RunningData
+
+
+class ProgressEvent(_Entry):
+    """A `progress` entry."""
+
+    type: Literal["progress"]
+    payload: ProgressData
+
+
+class StepPreviewEvent(_Entry):
+    """A `preview` entry (the client's `PreviewEvent` adds the image's bytes to it)."""
+
+    type: Literal["preview"]
+    payload: PreviewPayload
+
+
+class OutputEvent(_Entry):
+    """An `output` entry."""
+
+    type: Literal["output"]
+    payload: OutputPayload
+
+
+class SucceededEvent(_Entry):
+    """A `succeeded` entry."""
+
+    type: Literal["succeeded"]
+    payload: SucceededData
+
+
+class FailedEvent(_Entry):
+    """A `failed` entry."""
+
+    type: Literal["failed"]
+    payload: FailedData
+
+
+class CanceledEvent(_Entry):
+    """A `canceled` entry."""
+
+    type: Literal["canceled"]
+    payload: CanceledData
+
+
+class ExpiredEvent(_Entry):
+    """An `expired` entry."""
+
+    type: Literal["expired"]
+    payload: ExpiredData
+
+
+Event = Annotated[
+    QueuedEvent
+    | RunningEvent
+    | ProgressEvent
+    | StepPreviewEvent
+    | OutputEvent
+    | SucceededEvent
+    | FailedEvent
+    | CanceledEvent
+    | ExpiredEvent,
+    Field(discriminator="type"),
+]
+EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
+# what a node writes itself; the state changes are the transitions' (storage/transitions.py)
+NodePayload = ProgressData | PreviewPayload | OutputPayload
+# every kind, by its `type`
+EVENT_TYPES: tuple[str, ...] = tuple(
+    get_args(member.model_fields["type"].annotation)[0] for member in get_args(get_args(Event)[0])
+)
+
+
+class StoredEvent(Protocol):
+    """An entry as read from a job's stream (storage's `JobEvent`, the client's `EventView`)."""
+
+    @property
+    def seq(self) -> int: ...  # noqa: D102
+    @property
+    def type(self) -> str: ...  # noqa: D102
+    @property
+    def time(self) -> float: ...  # noqa: D102
+    @property
+    def payload(self) -> dict[str, Any]: ...  # noqa: D102
+
+
+def parse_event(stored: StoredEvent) -> Event:
+    """The typed event of a stored entry; pydantic's ValidationError when it is no event."""
+    return EVENTS.validate_python(
+        {"seq": stored.seq, "type": stored.type, "time": stored.time, "payload": stored.payload}
+    )
+
+
+def event_json(event: Event) -> dict[str, Any]:
+    """The event as the stream and the wire carry it: `{seq, type, time, payload}`, as written."""
+    return {
+        "seq": event.seq,
+        "type": event.type,
+        "time": event.time,
+        "payload": event.payload.wire(),
+    }
+
+
+def preview_of(stored: StoredEvent) -> PreviewPayload:
+    """The typed payload of a stored `preview` entry (ValueError for another kind)."""
+    event = parse_event(stored)
+    if not isinstance(event, StepPreviewEvent):
+        raise ValueError(f"event {stored.seq} is a {stored.type} event, not a preview")
+    return event.payload
