@@ -254,22 +254,6 @@ class PreviewData(BaseModel):
     )
 
 
-class OutputData(BaseModel):
-    """The data of an `output` event: one output stored and verified, before the job's end."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    index: int
-    url: str
-    key: str
-    sha256: str
-    bytes: int
-    content_type: str
-    width: int | None = None
-    height: int | None = None
-    frames: int | None = None
-
-
 class PreviewEvent(EventView):
     """A `preview` event as `KilnClient.events()` yields it: with its image's bytes."""
 
