@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol, get_args
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from kiln.common.states import JobState
-from kiln.tasks.contract.views import OutputData, PreviewData, Progress, WaitingProgress
+from kiln.tasks.contract.views import PreviewData, Progress, WaitingProgress
 
 # `int | float` where a writer may put either: a payload round-trips as written (1 stays 1)
 Number = int | float
@@ -99,11 +99,19 @@ class PreviewPayload(PreviewData, Payload):
         return self
 
 
-class OutputPayload(OutputData, Payload):
-    """`output`: one output stored and verified, before the job's end."""
+class OutputPayload(Payload):
+    """`output`: one output stored and verified, before the job's end (the record's entry)."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
     kind = "output"
+    index: int
+    url: str
+    key: str
+    sha256: str
+    bytes: int
+    content_type: str
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None
 
 
 class SucceededData(Payload):
