@@ -133,11 +133,6 @@ class Replicas:
         for coordinator in self.coordinators:
             coordinator.set_batch_start(batch_start)
 
-    def group_of(self, request_id: str) -> int | None:
-        """The group an outstanding request went to (None once it finished)."""
-        with self._lock:
-            return self._where.get(request_id)
-
     def _least_busy(self, alive: list[bool]) -> int:
         # A group being rebuilt is passed over while another is up; its queue would wait.
         candidates = [i for i, up in enumerate(alive) if up] or list(range(len(alive)))

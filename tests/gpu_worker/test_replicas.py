@@ -42,6 +42,11 @@ def test_devices_split_into_groups_of_the_asked_size() -> None:
     assert isinstance(node_coordinator(whole, 2), Replicas)
 
 
+def outstanding(replicas: Replicas) -> list[int]:
+    """How many requests each group has queued or running."""
+    return [group["outstanding"] for group in replicas.stats()["groups"]]
+
+
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[Replicas]:
     """cpu:2 as two groups of one rank."""
@@ -71,8 +76,7 @@ def test_two_requests_submitted_together_run_at_once_on_the_two_groups(
         r.request_id: replicas.submit(r, on_progress=on_progress(r.request_id))
         for r in (first, second)
     }
-    groups = {rid: replicas.group_of(rid) for rid in futures}
-    assert sorted(g for g in groups.values() if g is not None) == [0, 1], groups  # one each
+    assert outstanding(replicas) == [1, 1]  # one each
     results: dict[str, GenerationResult] = {
         rid: future.result(GENEROUS_S) for rid, future in futures.items()
     }
@@ -90,16 +94,18 @@ def test_two_requests_submitted_together_run_at_once_on_the_two_groups(
     assert (stats["world_size"], stats["group_size"], stats["batches_run"]) == (2, 1, 2)
     assert len(stats["pids"]) == 2
     assert sum(replicas.counters().batch_sizes.values()) == 2  # what the node's metrics read
-    assert replicas.group_of("a") is None  # finished: no longer outstanding
+    assert outstanding(replicas) == [0, 0]  # finished: no longer outstanding
 
 
 def test_a_busy_group_gets_no_more_until_the_other_has_as_many(replicas: Replicas) -> None:
     long = [request(f"long{i}", prompt="slow", steps=SLOW_STEPS) for i in range(3)]
-    futures = [replicas.submit(r) for r in long]
-    assert [replicas.group_of(r.request_id) for r in long] == [0, 1, 0]
+    futures = []
+    for r, after in zip(long, ([1, 0], [1, 1], [2, 1]), strict=True):  # groups 0, 1, then 0
+        futures.append(replicas.submit(r))
+        assert outstanding(replicas) == after
     with pytest.raises(ValueError, match="already queued or running"):
         replicas.submit(long[0])
     for future in futures:
         future.result(GENEROUS_S)
     assert replicas.stats()["jobs_queued"] == 0
-    assert [g["outstanding"] for g in replicas.stats()["groups"]] == [0, 0]
+    assert outstanding(replicas) == [0, 0]
