@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kiln.common.states import JobState
 from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.events import NodePayload, ProgressData
+from kiln.tasks.webhooks.enqueue import webhook_event_for
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,11 @@ EventListener = Callable[[EventNote], None]
 
 @dataclass(frozen=True)
 class JobEvents:
-    """One job's events on this node, fenced by `lease_token`; `webhooks` hears each type."""
+    """One job's events on this node, fenced by `lease_token`.
+
+    `webhooks` hears the webhook event (`started`, `progress`, `preview`, `completed`) of each
+    event that has one; `output` events have none.
+    """
 
     sink: EventSink
     job_id: str
@@ -91,9 +96,9 @@ class EventSink:
         note = EventNote(job.job_id, event_type)
         for listener in self._listeners:
             _hand(listener, note)
-        webhooks = job.webhooks
-        if webhooks is not None:
-            _hand(lambda heard: webhooks(heard.type), note)
+        webhooks, kind = job.webhooks, webhook_event_for(event_type)
+        if webhooks is not None and kind is not None:  # `started`, `progress`, `completed`, ...
+            _hand(lambda _: webhooks(kind), note)
 
 
 def _hand(listener: EventListener, note: EventNote) -> None:
