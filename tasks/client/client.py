@@ -46,6 +46,12 @@ from kiln.tasks.contract.batches import (
     BatchView,
     RetryInclude,
 )
+from kiln.tasks.contract.dead_letters import (
+    DeadLetterList,
+    DeadLetterView,
+    RedriveRequest,
+    RedriveResult,
+)
 from kiln.tasks.contract.events import preview_of
 from kiln.tasks.contract.responses import (
     CancelResult,
@@ -249,7 +255,7 @@ class KilnClient:
     `get_batch`, `list_batches`, `cancel_batch`, `pause_batch`, `resume_batch`, `retry_batch`,
     `batch_events`, `batch_results`, `download_batch_results`, `wait_batch`. Operators: `nodes`,
     `queues`, `pause_queue`, `resume_queue`, `purge_queue`,
-    `drain_node`, `undrain_node`.
+    `drain_node`, `undrain_node`, `dead_letters`, `dead_letter`, `redrive`.
     """
 
     def __init__(
@@ -450,6 +456,27 @@ class KilnClient:
         """Withdraw a node's drain request."""
         return DrainResult.model_validate(
             self._call("DELETE", f"/v1/admin/nodes/{node_id}/drain").json()
+        )
+
+    def dead_letters(
+        self, *, owner: str | None = None, cursor: str | None = None, limit: int = 50
+    ) -> DeadLetterList:
+        """One page of dead letters (failed jobs), newest first; `owner`: admin keys only."""
+        params = {"owner": owner, "cursor": cursor, "limit": limit}
+        clean = {k: v for k, v in params.items() if v is not None}
+        return DeadLetterList.model_validate(
+            self._call("GET", "/v1/dead-letters", params=clean).json()
+        )
+
+    def dead_letter(self, job_id: str) -> DeadLetterView:
+        """One failed job's dead letter: its request, every attempt, its error."""
+        return DeadLetterView.model_validate(self._call("GET", f"/v1/dead-letters/{job_id}").json())
+
+    def redrive(self, request: RedriveRequest, timeout: float = 180.0) -> RedriveResult:
+        """Make new jobs of dead letters at `request.rate` per second (the call waits for all)."""
+        body = request.model_dump(mode="json", exclude_none=True)
+        return RedriveResult.model_validate(
+            self._call("POST", "/v1/dead-letters/redrive", json=body, timeout=timeout).json()
         )
 
     def wait(self, job_id: str, timeout: float = 600.0, poll_s: float = 1.0) -> JobView:
