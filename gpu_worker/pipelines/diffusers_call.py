@@ -8,7 +8,7 @@ the frames that come back are checked against the size asked for and split per o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,9 @@ from kiln.gpu_worker.inputs import extra_input_names
 from kiln.gpu_worker.pipelines.base import LatentsObserver, StepCallback
 from kiln.gpu_worker.pipelines.diffusers_schedulers import SCHEDULER_INPUT
 from kiln.gpu_worker.protocol import GenerationRequest
+
+# (steps done, total steps, the latents after that step)
+LatentsHook = Callable[[int, int, torch.Tensor], None]
 
 
 def output_seed(seed: int, index: int) -> int:
@@ -83,11 +86,18 @@ def extra_kwargs(schema: InputSchema, extra_inputs: Mapping[str, InputValue]) ->
 
 
 def step_hook_kwargs(
-    pipe: Any, call_params: frozenset[str], steps: int, on_step_end: StepCallback
+    pipe: Any,
+    call_params: frozenset[str],
+    steps: int,
+    on_step_end: StepCallback,
+    after_step: LatentsHook | None = None,
 ) -> dict[str, Any]:
     """The pipeline's step callback arguments reporting to `on_step_end`; {} when it has none.
 
-    An `on_step_end` that is a `LatentsObserver` also sees the latents after each step.
+    An `on_step_end` that is a `LatentsObserver` also sees the latents after each step;
+    `after_step(steps_done, total, latents)` (a step checkpoint) runs before `on_step_end`, so
+    a stop that `on_step_end` raises comes after the step's checkpoint. Only pipelines with
+    `callback_on_step_end` call it.
     """
     observer = on_step_end if isinstance(on_step_end, LatentsObserver) else None
 
@@ -104,7 +114,10 @@ def step_hook_kwargs(
         def on_step(
             _pipe: Any, step_index: int, _timestep: Any, tensors: dict[str, Any]
         ) -> dict[str, Any]:
-            observe(step_index + 1, tensors.get("latents"))
+            latents = tensors.get("latents")
+            observe(step_index + 1, latents)
+            if after_step is not None and isinstance(latents, torch.Tensor):
+                after_step(step_index + 1, total(), latents)
             on_step_end(step_index + 1, total())
             return tensors
 

@@ -10,6 +10,7 @@ geometry `diffusers_limits.py`, the scheduler swap `diffusers_schedulers.py`.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from kiln.gpu_worker.inputs import extra_inputs_refusal
 from kiln.gpu_worker.pipeline_specs import TINY_VARIANTS, one_line
 from kiln.gpu_worker.pipelines.base import StepCallback
 from kiln.gpu_worker.pipelines.diffusers_call import (
+    LatentsHook,
     batch_kwargs,
     extra_kwargs,
     output_seed,
@@ -38,6 +40,15 @@ from kiln.gpu_worker.pipelines.diffusers_limits import (
     find_denoiser,
     size_multiple,
     temporal_factor,
+)
+from kiln.gpu_worker.pipelines.diffusers_resume import (
+    Checkpointing,
+    capture_state,
+    request_digest,
+    resumable_refusal,
+    resuming,
+    scheduler_identity,
+    weights_fingerprint,
 )
 from kiln.gpu_worker.pipelines.diffusers_schedulers import SchedulerChoice
 from kiln.gpu_worker.pipelines.image_pipelines import image_call_kwargs, missing_image
@@ -88,6 +99,7 @@ class DiffusersPipeline:
         self.speed_modes = speed_modes(pipe, self.denoiser())
         self.speed_thresholds = dict(SPEED_THRESHOLDS)
         self.last_speed: SpeedReport | None = None
+        self._fingerprint: str | None = None  # weights_fingerprint, taken when first needed
 
     @classmethod
     def load(
@@ -208,16 +220,54 @@ class DiffusersPipeline:
         """The per-step module: the pipeline's transformer, else its unet."""
         return find_denoiser(self.pipe)
 
+    def checkpoint_refusal(self, requests: Sequence[GenerationRequest]) -> str | None:
+        """Why a run of `requests` cannot take step checkpoints; None when it can."""
+        return resumable_refusal(self.pipe, requests)
+
+    def checkpoint_identity(self, request: GenerationRequest) -> dict[str, str]:
+        """What a checkpoint of `request` must have been made by to be resumed here.
+
+        The weights (`weights_fingerprint`, taken once, before any LoRA is applied), the dtype,
+        the LoRA set, the speed mode, the scheduler (class and config) the request runs, and
+        the request's own computing fields.
+        """
+        if self._fingerprint is None:
+            self._fingerprint = weights_fingerprint(self.pipe)
+        denoiser = self.denoiser()
+        dtype = next(denoiser.parameters()).dtype if denoiser is not None else None
+        with self._schedulers.applied(request.extra_inputs):
+            scheduler = scheduler_identity(self.pipe.scheduler)
+        return {
+            "pipeline": self.name,
+            "pipeline_class": type(self.pipe).__name__,
+            "weights": self._fingerprint,
+            "dtype": str(dtype),
+            "loras": json.dumps([[lora.name, lora.scale] for lora in request.loras]),
+            "speed": request.speed,
+            "scheduler": scheduler,
+            "request": request_digest(request),
+        }
+
     def run(
-        self, requests: Sequence[GenerationRequest], on_step_end: StepCallback
+        self,
+        requests: Sequence[GenerationRequest],
+        on_step_end: StepCallback,
+        *,
+        checkpointing: Checkpointing | None = None,
     ) -> list[list[np.ndarray]]:
-        """One forward for a batch of compatible requests; per request, per output, (F,H,W,3)."""
+        """One forward for a batch of compatible requests; per request, per output, (F,H,W,3).
+
+        With `checkpointing` (a batch `checkpoint_refusal` allows), the run starts from its
+        `resume` state and hands a `DenoiseState` to its `sink` after each step it says is due.
+        """
         if not requests:
             return []
         _check_compatible(requests)
         for request in requests:  # never let diffusers silently round a size or frame count
             self.validate(request)
-        kwargs = self._call_kwargs(requests, on_step_end)
+        if checkpointing is not None and (refusal := self.checkpoint_refusal(requests)):
+            raise ValueError(f"no step checkpoints for this run: {refusal}")
+        kwargs = self._call_kwargs(requests, on_step_end, checkpointing)
         first = requests[0]
         self.last_speed = None
         with (
@@ -227,6 +277,7 @@ class DiffusersPipeline:
             applied_speed(
                 self.denoiser(), first.speed, self.device, self.speed_thresholds
             ) as speed,
+            resuming(self.pipe, checkpointing or Checkpointing(), kwargs["generator"], self.device),
         ):
             result = self.pipe(**kwargs)
         self.last_speed = speed.report()
@@ -234,7 +285,10 @@ class DiffusersPipeline:
         return split_per_request(requests, frames)
 
     def _call_kwargs(
-        self, requests: Sequence[GenerationRequest], on_step_end: StepCallback
+        self,
+        requests: Sequence[GenerationRequest],
+        on_step_end: StepCallback,
+        checkpointing: Checkpointing | None = None,
     ) -> dict[str, Any]:
         first = requests[0]
         kwargs = batch_kwargs(requests, self._call_params, is_video=self.is_video)
@@ -243,8 +297,32 @@ class DiffusersPipeline:
         kwargs = image_call_kwargs(
             kwargs, first, self.input_schema(), self._call_params, outputs=outputs
         )
-        kwargs.update(step_hook_kwargs(self.pipe, self._call_params, first.steps, on_step_end))
+        after_step = None
+        if checkpointing is not None and checkpointing.sink is not None:
+            after_step = self._capture_hook(first, checkpointing, kwargs["generator"])
+        kwargs.update(
+            step_hook_kwargs(self.pipe, self._call_params, first.steps, on_step_end, after_step)
+        )
         return kwargs
+
+    def _capture_hook(
+        self,
+        request: GenerationRequest,
+        checkpointing: Checkpointing,
+        generators: list[torch.Generator],
+    ) -> LatentsHook:
+        identity = self.checkpoint_identity(request)
+        sink = checkpointing.sink
+        assert sink is not None
+
+        def after_step(done: int, total: int, latents: torch.Tensor) -> None:
+            # the last step's state is the output itself: nothing left to resume
+            if done >= total or not checkpointing.due(done, total):
+                return
+            state = capture_state(identity, done, total, latents, self.pipe.scheduler, generators)
+            sink(state)
+
+        return after_step
 
 
 def load_error_text(exc: OSError) -> str:
