@@ -72,6 +72,7 @@ def test_a_large_preview_is_stored_replaced_and_deleted_when_the_attempt_ends(
     second = previews.payload(2, 4, noise(256, 2))
     # one object per job, replaced: the first URL now reads the second preview
     assert job_keys(objects) == [preview_key_of(objects)]
+    assert second.url is not None
     with Image.open(io.BytesIO(read(second.url))) as image:
         assert (image.format, image.size) == ("PNG", (256, 256))
         assert np.array_equal(np.asarray(image), noise(256, 2))
@@ -99,6 +100,7 @@ def test_small_previews_ride_inline_and_store_nothing(objects: ObjectStore) -> N
     previews = JobPreviews(objects, JOB, "webp")
     payload = previews.payload(1, 2, noise(8, 1))
     assert payload.url is None
+    assert payload.image_b64 is not None
     with Image.open(io.BytesIO(base64.b64decode(payload.image_b64))) as image:
         assert (image.format, image.size) == ("WEBP", (8, 8))
     previews.close()
