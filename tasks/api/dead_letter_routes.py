@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import HTTPException, Query
 
-from kiln.storage.dead_letters import POISON, DeadLetter, DeadLetterFilter, DeadLetterStore
+from kiln.storage.dead_letters import DeadLetterFilter, DeadLetterStore
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.deps import (
     JOB_ERRORS,
@@ -25,13 +25,12 @@ from kiln.tasks.api.deps import (
 )
 from kiln.tasks.contract.dead_letters import (
     MAX_REDRIVE_SECONDS,
-    AttemptView,
     DeadLetterList,
     DeadLetterView,
     RedriveRequest,
     RedriveResult,
 )
-from kiln.tasks.intake.redrive import pick, redrive
+from kiln.tasks.intake.redrive import dead_letter_view, pick, redrive
 
 router = api_router()
 
@@ -39,31 +38,6 @@ router = api_router()
 def dead_letter_store(ctx: ApiContext) -> DeadLetterStore:
     """The dead letters, on the job store's Redis client."""
     return DeadLetterStore(ctx.store.redis, ctx.store.settings)
-
-
-def dead_letter_view(letter: DeadLetter) -> DeadLetterView:
-    """The view of one dead letter."""
-    return DeadLetterView(
-        id=letter.id,
-        owner=letter.owner,
-        pipeline=letter.pipeline,
-        dead_at=letter.dead_at,
-        poison=letter.error_type == POISON,
-        error=letter.error,
-        attempts=letter.attempts,
-        attempt_log=[AttemptView.model_validate(entry) for entry in letter.attempt_log],
-        request=letter.request,
-        lane=letter.lane,
-        queue=letter.queue,
-        batch_id=letter.batch_id,
-        metadata=letter.metadata,
-        created_at=letter.created_at,
-        started_at=letter.started_at,
-        finished_at=letter.finished_at,
-        checkpoint=letter.checkpoint,
-        redriven_to=letter.redriven_to,
-        redriven_at=letter.redriven_at,
-    )
 
 
 def _scope(caller: Caller, owner: str | None) -> str | None:

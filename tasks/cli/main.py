@@ -297,6 +297,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from kiln.tasks.cli import batch as batch_cli
     from kiln.tasks.cli import config as config_cli
     from kiln.tasks.cli import control as control_cli
+    from kiln.tasks.cli import dead as dead_cli
     from kiln.tasks.cli import pipeline as pipeline_cli
 
     _add_submit(sub)
@@ -307,6 +308,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     pipeline_cli.add_parser(sub)
     config_cli.add_parser(sub)
     control_cli.add_parser(sub)
+    dead_cli.add_parser(sub)
     return parser
 
 
@@ -418,6 +420,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
     from kiln.tasks.cli import commands as c
     from kiln.tasks.cli import config as config_cli
     from kiln.tasks.cli import control as control_cli
+    from kiln.tasks.cli import dead as dead_cli
     from kiln.tasks.cli import pipeline as pipeline_cli
 
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -435,6 +438,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
         "demo": c.cmd_demo,
         "config": config_cli.run,
         "control": control_cli.run,
+        "dead": dead_cli.run,
     }
     return handlers[command]
 

@@ -14,15 +14,45 @@ import time
 from collections.abc import Callable, Sequence
 
 from kiln.storage.creation import QueueFull
-from kiln.storage.dead_letters import DeadLetter, DeadLetterFilter, DeadLetterStore
+from kiln.storage.dead_letters import POISON, DeadLetter, DeadLetterFilter, DeadLetterStore
 from kiln.storage.errors import QuotaExceeded
 from kiln.storage.job_store import JobStore
-from kiln.tasks.contract.dead_letters import RedriveItem, RedriveResult
+from kiln.tasks.contract.dead_letters import (
+    AttemptView,
+    DeadLetterView,
+    RedriveItem,
+    RedriveResult,
+)
 from kiln.tasks.intake.intake import new_job
 from kiln.tasks.queue.submit import Submitter, new_job_id
 
 # the metadata entry of a redriven job naming the job it was made from
 REDRIVE_OF = "redrive_of"
+
+
+def dead_letter_view(letter: DeadLetter) -> DeadLetterView:
+    """The view of one dead letter."""
+    return DeadLetterView(
+        id=letter.id,
+        owner=letter.owner,
+        pipeline=letter.pipeline,
+        dead_at=letter.dead_at,
+        poison=letter.error_type == POISON,
+        error=letter.error,
+        attempts=letter.attempts,
+        attempt_log=[AttemptView.model_validate(entry) for entry in letter.attempt_log],
+        request=letter.request,
+        lane=letter.lane,
+        queue=letter.queue,
+        batch_id=letter.batch_id,
+        metadata=letter.metadata,
+        created_at=letter.created_at,
+        started_at=letter.started_at,
+        finished_at=letter.finished_at,
+        checkpoint=letter.checkpoint,
+        redriven_to=letter.redriven_to,
+        redriven_at=letter.redriven_at,
+    )
 
 
 def pick(
@@ -51,14 +81,14 @@ def redrive(
     max_depth: int | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> RedriveResult:
-    """Redrive `targets` (id, its dead letter or None) in order, the n-th job not before n/rate s.
+    """Redrive `targets` (id, its dead letter or None) in order, one job per 1/rate s at most.
 
     A dry run reports `would_redrive` for each one a redrive would take and writes nothing.
     A full queue (`max_depth`) or the owner's quota refuses that job and every one after it.
     """
     results: list[RedriveItem] = []
     made = 0
-    began = time.monotonic()
+    last_start = float("-inf")
     refusal: str | None = None
     for job_id, letter in targets:
         item = _unavailable(job_id, letter, may_see)
@@ -72,9 +102,11 @@ def redrive(
         if refusal is not None:
             results.append(RedriveItem(id=job_id, outcome="refused", message=refusal))
             continue
-        wait = began + made / rate - time.monotonic()
+        # each job 1/rate after the one before it: a late one never lets the next ones bunch
+        wait = last_start + 1.0 / rate - time.monotonic()
         if wait > 0:
             sleep(wait)
+        last_start = time.monotonic()
         try:
             new_id = _make_job(store, letters, submitter, letter, max_depth)
         except (QueueFull, QuotaExceeded) as exc:
