@@ -88,6 +88,7 @@ class WebhookEvent(StrEnum):
     progress = "progress"
     completed = "completed"
     preview = "preview"
+    dead = "dead"  # the job failed for good: its dead letter is written (docs/contract.md §5a)
 
 
 class WebhookSpec(BaseModel):
@@ -105,7 +106,8 @@ class WebhookSpec(BaseModel):
         min_length=1,
         max_length=len(WebhookEvent),
         description="Subset of started, progress (throttled), completed, preview (opt-in: "
-        "each preview event, its image inline or by URL).",
+        "each preview event, its image inline or by URL), dead (a failure for good, beside "
+        "its completed).",
     )
 
     @field_validator("events")

@@ -63,8 +63,8 @@ def webhook_id_for(job_id: str, event: WebhookEvent, source: JobEvent) -> str:
     A job completes once, so `completed` keeps one id; a start or a progress write is named by its
     event's seq, unique in the job's stream (steps restart at 1 in each stage, seqs never repeat).
     """
-    if event is WebhookEvent.completed:
-        return f"msg_{job_id}_completed"
+    if event in (WebhookEvent.completed, WebhookEvent.dead):  # once per job, each
+        return f"msg_{job_id}_{event}"
     return f"msg_{job_id}_{event}_{source.seq}"
 
 
@@ -113,7 +113,19 @@ def enqueue_webhook_events(
         return None
     record = record if record is not None else store.get(job_id)
     spec = record.request.get("webhook")
-    if not spec or str(kind) not in spec.get("events", []):
+    if not spec:
+        return None
+    if kind is WebhookEvent.completed and record.state == JobState.FAILED:
+        # a failure for good also has its own event, for receivers of dead letters only
+        _queue_webhook(store, job_id, WebhookEvent.dead, spec, app)
+    return _queue_webhook(store, job_id, kind, spec, app)
+
+
+def _queue_webhook(
+    store: JobStore, job_id: str, kind: WebhookEvent, spec: dict[str, Any], app: Celery | None
+) -> str | None:
+    """Queue the `kind` webhook of the job if its `spec` subscribes to it; its id, or None."""
+    if str(kind) not in spec.get("events", []):
         return None
     try:
         delivery = pinned_delivery(store, job_id, kind)

@@ -33,6 +33,7 @@ EVENT_TYPES: dict[str, frozenset[str]] = {
     WebhookEvent.progress: frozenset({"progress"}),
     WebhookEvent.completed: frozenset(TERMINAL_STATES),
     WebhookEvent.preview: frozenset({"preview"}),
+    WebhookEvent.dead: frozenset({JobState.FAILED}),
 }
 # events looked through for the one a webhook reports: it is the newest of its kind when the
 # webhook is queued right after the write, so a short look back is plenty
