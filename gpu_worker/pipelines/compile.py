@@ -92,15 +92,6 @@ def save_compile_cache(folder: Path, warmup_s: float) -> dict[str, int | float]:
     return report
 
 
-def read_start_report(folder: Path) -> dict[str, Any] | None:
-    """The report of the last start that compiled with this cache folder, if any."""
-    path = folder / START_REPORT_FILE
-    if not path.is_file():
-        return None
-    loaded: dict[str, Any] = json.loads(path.read_text())
-    return loaded
-
-
 def _write_atomically(path: Path, data: bytes) -> None:
     # Several nodes may share the volume: a reader sees the old file or the new, never half.
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -32,9 +32,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.coordinator import Coordinator
-from kiln.gpu_worker.pipelines.compile import read_start_report
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult
 from kiln.gpu_worker.settings import GpuWorkerSettings
+from tests.gpu_worker.compile_reports import start_report
 
 TIMEOUT_S = 1800.0
 POLL_S = 0.02
@@ -132,7 +132,7 @@ def measure_compile(args: argparse.Namespace, cache: Path) -> None:
     try:
         for label, compiled in (("eager", False), ("compile, empty cache", True)):
             groups[label], ready[label] = _group(args, compile=compiled, compile_cache_dir=cache)
-            report = read_start_report(cache) if compiled else None
+            report = start_report(cache) if compiled else None
             print(f"  {label}: ready after {ready[label]:.2f} s; cache report {report}", flush=True)
         per_job = _interleaved(groups, args)  # the idle group waits on a pipe: no CPU
     finally:
@@ -140,7 +140,7 @@ def measure_compile(args: argparse.Namespace, cache: Path) -> None:
             coordinator.shutdown()
     restarted, ready["compile, restart"] = _group(args, compile=True, compile_cache_dir=cache)
     restarted.shutdown()
-    print(f"  compile, restart: cache report {read_start_report(cache)}", flush=True)
+    print(f"  compile, restart: cache report {start_report(cache)}", flush=True)
     print("compile (start to ready, warm-up included):")
     for label, ready_s in ready.items():
         print(f"  {label:<22} {ready_s:7.2f} s  ({ready_s / ready['eager']:.2f}x eager)")

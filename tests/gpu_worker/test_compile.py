@@ -14,13 +14,10 @@ import numpy as np
 import pytest
 
 from kiln.gpu_worker.coordinator import Coordinator
-from kiln.gpu_worker.pipelines.compile import (
-    ARTIFACTS_FILE,
-    INDUCTOR_FOLDER,
-    read_start_report,
-)
+from kiln.gpu_worker.pipelines.compile import ARTIFACTS_FILE, INDUCTOR_FOLDER
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.gpu_worker.warmup import WarmupShape, parse_warmup_shape
+from tests.gpu_worker.compile_reports import start_report
 from tests.gpu_worker.conftest import GENEROUS_S, request, start_coordinator
 from tests.gpu_worker.fixtures import spec
 
@@ -48,7 +45,7 @@ def test_a_restart_finds_the_compiled_graphs_in_the_cache(tmp_path: Path) -> Non
         compiled = outputs(first)
     finally:
         first.shutdown()
-    cold = read_start_report(cache)
+    cold = start_report(cache)
     assert cold is not None
     assert cold["fx_graph_misses"] > 0
     assert cold["fx_graph_hits"] == 0
@@ -60,15 +57,15 @@ def test_a_restart_finds_the_compiled_graphs_in_the_cache(tmp_path: Path) -> Non
     fresh.mkdir()
     (fresh / ARTIFACTS_FILE).write_bytes((cache / ARTIFACTS_FILE).read_bytes())
     compiled_group(fresh).shutdown()
-    from_artifacts = read_start_report(fresh)
+    from_artifacts = start_report(fresh)
     assert from_artifacts is not None
     assert from_artifacts["fx_graph_hits"] > 0
     assert from_artifacts["fx_graph_misses"] == 0
 
     second = compiled_group(cache)
     try:
-        assert read_start_report(cache) != cold
-        warm = read_start_report(cache)
+        assert start_report(cache) != cold
+        warm = start_report(cache)
         assert warm is not None
         assert warm["fx_graph_hits"] > 0
         assert warm["fx_graph_misses"] == 0
