@@ -17,8 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from kiln.common.limits import DeclaredLimits
+from kiln.common.stops import StopReason
 from kiln.gpu_worker.protocol import GenerationRequest
-from kiln.gpu_worker.tickets import StopReason, Ticket
+from kiln.gpu_worker.tickets import Ticket
 
 
 class Queued(Protocol):

@@ -51,7 +51,7 @@ from kiln.gpu_worker.protocol import (
 )
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.gpu_worker.sleep import IdleSleep
-from kiln.gpu_worker.tickets import BatchStart, Ticket, start_batch
+from kiln.gpu_worker.tickets import BatchStart, ShouldStop, Ticket, start_batch
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Coordinator:
         self,
         request: GenerationRequest,
         on_progress: Callable[[StepProgress], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request; `max_run_seconds` counts from this call.

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from kiln.common.stops import StopReason
 from kiln.gpu_worker.errors import GpuWorkerError, JobFailed, OutOfMemory, WorkerGroupDied
 from kiln.gpu_worker.protocol import FailureKind, GenerationRequest, RankFault
-from kiln.gpu_worker.tickets import StopReason, Ticket
+from kiln.gpu_worker.tickets import Ticket
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kiln.common.stops import StopReason
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.counters import GroupCounters
 from kiln.gpu_worker.errors import JobFailed, UnsupportedRequest
@@ -37,7 +38,7 @@ from kiln.gpu_worker.protocol import (
     StopVerdict,
 )
 from kiln.gpu_worker.shm import discard_frames, read_frames
-from kiln.gpu_worker.tickets import StopReason, Ticket
+from kiln.gpu_worker.tickets import Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +178,8 @@ class InflightRequests:
             ticket.report(StepProgress("denoising", step, total))
             if step >= total:
                 ticket.report(StepProgress("decoding", total, total))
-            if ticket.stop_reason is None and ticket.wants_stop():
-                ticket.stop_reason = StopReason.STOPPED
+            if ticket.stop_reason is None:
+                ticket.stop_reason = ticket.wants_stop()
             if ticket.stop_reason is not None:
                 stop.add(ticket.request.request_id)
         # Sent every step, stop or not: rank 0 waits for the verdict on step k before it

@@ -26,7 +26,7 @@ from kiln.gpu_worker.counters import GroupCounters
 from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.gpu_worker.settings import GpuWorkerSettings
-from kiln.gpu_worker.tickets import BatchStart
+from kiln.gpu_worker.tickets import BatchStart, ShouldStop
 
 
 def split_group(config: GroupConfig, group_size: int) -> list[GroupConfig]:
@@ -104,7 +104,7 @@ class Replicas:
         self,
         request: GenerationRequest,
         on_progress: Callable[[StepProgress], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request on the least busy group; the future is that group's."""

@@ -1,5 +1,8 @@
 """A submitted request as the coordinator tracks it (`Ticket`), and why the coordinator stops one.
 
+Why a request stops is Kiln's one `StopReason` (kiln/common/stops.py): the caller's own reason,
+which its `should_stop` returns (a plain True is `REQUESTED`), a refused start, or the deadline.
+
 A ticket carries the caller's future and callbacks from `submit()` until the future is resolved,
 whether that happens in the queue, on the group, or when the group dies. Callbacks never raise
 into the coordinator: a failing one is logged.
@@ -12,23 +15,14 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from enum import StrEnum
 
+from kiln.common.stops import StopReason
 from kiln.gpu_worker.errors import DeadlineExceeded, GpuWorkerError, JobStopped
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 
 logger = logging.getLogger(__name__)
-
-
-class StopReason(StrEnum):
-    """Why the coordinator asked the ranks to stop a request.
-
-    The coordinator's own distinction: the caller's `should_stop` (whatever the caller's reason
-    for it) or the `max_run_seconds` the caller gave. It decides JobStopped vs DeadlineExceeded.
-    """
-
-    STOPPED = "stopped"  # its should_stop said so
-    DEADLINE = "deadline"  # it ran past max_run_seconds
+# the caller's word, asked between steps: why to stop the request now (None or False: go on)
+ShouldStop = Callable[[], StopReason | bool | None]
 
 
 @dataclass(eq=False)
@@ -39,7 +33,7 @@ class Ticket:
     future: Future[GenerationResult]
     enqueued_at: float
     on_progress: Callable[[StepProgress], None] | None = None
-    should_stop: Callable[[], bool] | None = None
+    should_stop: ShouldStop | None = None
     max_run_seconds: float | None = None
     stop_reason: StopReason | None = None
 
@@ -68,8 +62,9 @@ class Ticket:
         False when it must not run after all: its `should_stop` says stop (the future then fails
         with JobStopped) or the caller cancelled the future.
         """
-        if self.wants_stop():
-            self.stop_reason = StopReason.STOPPED
+        reason = self.wants_stop()
+        if reason is not None:
+            self.stop_reason = reason
             self.fail(JobStopped(f"request {self.request.request_id} stopped while queued"))
             return False
         return self.future.set_running_or_notify_cancel()
@@ -83,15 +78,18 @@ class Ticket:
         except Exception:
             logger.exception("on_progress of request %s failed", self.request.request_id)
 
-    def wants_stop(self) -> bool:
-        """Call should_stop; a failing callback counts as 'keep going' (and is logged)."""
+    def wants_stop(self) -> StopReason | None:
+        """Call should_stop: why to stop, or None; a failing callback is 'keep going' (logged)."""
         if self.should_stop is None:
-            return False
+            return None
         try:
-            return bool(self.should_stop())
+            answer = self.should_stop()
         except Exception:
             logger.exception("should_stop of request %s failed", self.request.request_id)
-            return False
+            return None
+        if not answer:
+            return None
+        return answer if isinstance(answer, StopReason) else StopReason.REQUESTED
 
     def succeed(self, result: GenerationResult) -> None:
         """Resolve the future with the result, unless it is already resolved."""
@@ -132,6 +130,6 @@ def start_batch(batch: list[Ticket], batch_start: BatchStart | None) -> list[Tic
         allowed = set()
     for ticket in batch:
         if ticket.request.request_id not in allowed:
-            ticket.stop_reason = StopReason.STOPPED
+            ticket.stop_reason = StopReason.START_REFUSED
             ticket.fail(JobStopped(f"request {ticket.request.request_id} was refused its start"))
     return [ticket for ticket in batch if ticket.request.request_id in allowed]

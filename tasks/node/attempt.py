@@ -25,6 +25,7 @@ import numpy as np
 
 from kiln.common.previews import DEFAULT_PREVIEW_FORMAT
 from kiln.common.states import JobState
+from kiln.common.stops import StopReason
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
 from kiln.gpu_worker.protocol import GenerationResult, StepProgress
 from kiln.storage.base import AcknowledgementLost, ReplicasBehind
@@ -42,7 +43,7 @@ from kiln.tasks.node.image_inputs import (
     input_facts,
     with_images,
 )
-from kiln.tasks.node.node import JobStopReason, Node, TrackedJob
+from kiln.tasks.node.node import Node, TrackedJob
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, describe_error
 from kiln.tasks.node.output_uploads import discard_outputs, encode_and_upload
 from kiln.tasks.node.previews import JobPreviews
@@ -188,8 +189,8 @@ class LeasedAttempt:
                 decoding_at.append(time.monotonic())
             self._progress(progress.stage, progress.step, progress.total)
 
-        def should_stop() -> bool:
-            return tracked.stop_reason is not None  # set by heartbeat, cancel watch or drain
+        def should_stop() -> StopReason | None:
+            return tracked.stop_reason  # set by heartbeat, cancel watch or drain
 
         max_run = self.job.spec.max_run_seconds
         submitted = time.monotonic()
@@ -284,7 +285,7 @@ class LeasedAttempt:
             self.outcome = DeliveryOutcome(Delivery.DEFERRED, error)
             log.info("job %s: its hold is gone (lost with a primary?); re-published", self.job_id)
         else:
-            handed_back = self.tracked.stop_reason == JobStopReason.HANDED_BACK
+            handed_back = self.tracked.stop_reason == StopReason.HANDED_BACK
             delay = 0.0 if handed_back else self.settings.lease_busy_delay_s
             self.node.submitter.publish(record, countdown=delay)
             self.outcome = DeliveryOutcome(Delivery.DEFERRED, error)
@@ -337,7 +338,7 @@ class LeasedAttempt:
         self.node.progress.settle(self.job_id)
         token = self.tracked.lease_token
         reason = self.tracked.stop_reason
-        if reason == JobStopReason.CANCELED:
+        if reason == StopReason.CANCELED:
             self._end(
                 lambda: self.store.finish_canceled(self.job_id, token),
                 lambda record: record.state == JobState.CANCELED,
@@ -345,7 +346,7 @@ class LeasedAttempt:
             self.outcome = DeliveryOutcome(Delivery.CANCELED)
             log.info("job %s canceled while running", self.job_id)
             self.events.changed(JobState.CANCELED)
-        elif reason == JobStopReason.HANDED_BACK:
+        elif reason == StopReason.HANDED_BACK:
             error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
             self.node.submitter.publish(self._requeue(token, error))
             self.outcome = DeliveryOutcome(Delivery.HANDED_BACK, error)

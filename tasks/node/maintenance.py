@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import logging
 
+from kiln.common.stops import StopReason
 from kiln.storage.errors import StorageError
 from kiln.storage.leases import Renewal
 from kiln.tasks.control.components import Component, Loops
 from kiln.tasks.control.context import ControlContext
 from kiln.tasks.control.room import cluster_components
 from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls
-from kiln.tasks.node.node import JobStopReason, Node
+from kiln.tasks.node.node import Node
 from kiln.tasks.node.surplus import SurplusWatch
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,11 @@ def renew_leases(node: Node) -> None:
         if renewal is Renewal.LOST:
             node.metrics.count_lease_renewal_failure()
             log.warning("lease of job %s was lost; stopping it", tracked.job_id)
-            tracked.stop_reason = JobStopReason.LEASE_LOST
+            tracked.stop_reason = StopReason.LEASE_LOST
         elif renewal is Renewal.ENDED and tracked.stop_reason is None:
             # Usually this node's own last transition, a moment before the job leaves the
             # tracked set: no failure. Otherwise the job ended elsewhere: stop computing it.
-            tracked.stop_reason = JobStopReason.LEASE_LOST
+            tracked.stop_reason = StopReason.LEASE_LOST
 
 
 def heartbeat_ttl(node: Node) -> float:
@@ -85,7 +86,7 @@ def watch_cancels(node: Node) -> None:
     """Tell running jobs whose cancel was requested to stop (one pipelined read for all)."""
     running = {t.job_id: t for t in node.tracked_jobs() if t.stop_reason is None}
     for job_id in node.store.cancels_requested(list(running)):
-        running[job_id].stop_reason = JobStopReason.CANCELED
+        running[job_id].stop_reason = StopReason.CANCELED
 
 
 def node_context(node: Node) -> ControlContext:

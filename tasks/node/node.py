@@ -16,16 +16,16 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, Protocol
 
 from kiln.common.limits import DeclaredLimits
 from kiln.common.request import InputSchema
+from kiln.common.stops import StopReason
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.gpu_worker.replicas import node_coordinator
 from kiln.gpu_worker.sleep import node_asleep, node_warming
-from kiln.gpu_worker.tickets import BatchStart
+from kiln.gpu_worker.tickets import BatchStart, ShouldStop
 from kiln.storage.errors import StorageError
 from kiln.storage.job_store import JobRecord
 from kiln.storage.objects import ObjectStore
@@ -46,19 +46,6 @@ from kiln.tasks.queue.submit import Publish, Submitter, celery_publisher
 log = logging.getLogger(__name__)
 
 
-class JobStopReason(StrEnum):
-    """Why the node takes a leased job off its group at the next step.
-
-    It decides what the record becomes. Not gpu_worker's `StopReason`, which says how the
-    coordinator stopped a request (its `should_stop` answered yes, or its deadline passed): every
-    reason here reaches the coordinator as `should_stop` answering yes.
-    """
-
-    CANCELED = "canceled"  # a cancel was requested: running → canceled
-    LEASE_LOST = "lease_lost"  # another node holds the job now: leave the record to it
-    HANDED_BACK = "handed_back"  # the node is draining: running → queued, published again
-
-
 class GroupCoordinator(Protocol):
     """What a node uses of its worker group (`gpu_worker.coordinator.Coordinator`)."""
 
@@ -72,7 +59,7 @@ class GroupCoordinator(Protocol):
         self,
         request: GenerationRequest,
         on_progress: Callable[[StepProgress], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request; the future holds its result or the reason it failed or stopped."""
@@ -103,7 +90,9 @@ class TrackedJob:
 
     job_id: str
     lease_token: int
-    stop_reason: JobStopReason | None = None
+    # why the node takes it off its group at the next step (a cancel, a lost lease, a drain);
+    # its `should_stop` hands the same reason to the coordinator
+    stop_reason: StopReason | None = None
     last_progress_at: float = field(default_factory=time.time)
     last_stage: str = ""
     started: bool = False  # its group has started it (queued → running); until then it waits
@@ -222,7 +211,7 @@ class Node:
         """
         tracked = TrackedJob(job_id, lease_token)
         if self.draining.is_set():
-            tracked.stop_reason = JobStopReason.HANDED_BACK
+            tracked.stop_reason = StopReason.HANDED_BACK
         with self._lock:
             self._jobs[job_id] = tracked
         try:
@@ -245,7 +234,7 @@ class Node:
         self.draining.set()
         for tracked in self.tracked_jobs():
             if tracked.stop_reason is None:
-                tracked.stop_reason = JobStopReason.HANDED_BACK
+                tracked.stop_reason = StopReason.HANDED_BACK
 
     def holds_back(self, queue: str) -> str | None:
         """Why a delivery from `queue` must not start here now (drain, pause); None if it may."""
@@ -284,7 +273,7 @@ class Node:
         self,
         request: GenerationRequest,
         on_progress: Callable[[StepProgress], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
     ) -> Future[GenerationResult]:
         """Hand a request to the node's group (with replica groups: the least busy one)."""

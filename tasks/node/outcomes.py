@@ -28,18 +28,23 @@ from typing import Any
 
 from celery.exceptions import Ignore, Retry
 
+from kiln.common.stops import StopReason
+
 
 class Delivery(StrEnum):
-    """What one delivery of `run_job` did with its job."""
+    """What one delivery of `run_job` did with its job.
+
+    A delivery its job's stop ended is named by that `StopReason` (kiln/common/stops.py).
+    """
 
     SUCCEEDED = "succeeded"
     FAILED = "failed"
-    CANCELED = "canceled"
-    EXPIRED = "expired"
+    CANCELED = StopReason.CANCELED.value
+    EXPIRED = StopReason.EXPIRED.value
     RETRYING = "retrying"  # this attempt failed retryably; the job is queued again
-    HANDED_BACK = "handed_back"  # the node drained; the job is queued again
+    HANDED_BACK = StopReason.HANDED_BACK.value  # the node drained; the job is queued again
     DEFERRED = "deferred"  # leased by another live owner: re-published for later
-    LEASE_LOST = "lease_lost"  # another node took the job over mid-run
+    LEASE_LOST = StopReason.LEASE_LOST.value  # another node took the job over mid-run
     DROPPED = "dropped"  # the job had finished already (or no longer exists)
 
 
@@ -77,7 +82,7 @@ def settle_task(task: Any, outcome: DeliveryOutcome) -> str:
     if kind is Delivery.FAILED:
         raise JobFailedError(describe_error(outcome.error))
     if kind in (Delivery.CANCELED, Delivery.EXPIRED):
-        announce_revoked(task, expired=kind is Delivery.EXPIRED)
+        announce_revoked(task, StopReason(kind.value))
         raise Ignore(str(kind))
     if kind in (Delivery.RETRYING, Delivery.HANDED_BACK):
         cause = JobAttemptFailed(describe_error(outcome.error))
@@ -86,10 +91,10 @@ def settle_task(task: Any, outcome: DeliveryOutcome) -> str:
     return str(kind)
 
 
-def announce_revoked(task: Any, *, expired: bool) -> None:
+def announce_revoked(task: Any, reason: StopReason) -> None:
     """Tell monitors (task event) and the result backend that the running task is REVOKED."""
     request = task.request
+    expired = reason is StopReason.EXPIRED
     if task.app.conf.worker_send_task_events:
         task.send_event("task-revoked", terminated=False, signum=None, expired=expired)
-    reason = "expired" if expired else "canceled"
-    task.backend.mark_as_revoked(request.id, reason, request=request)
+    task.backend.mark_as_revoked(request.id, reason.value, request=request)

@@ -7,9 +7,10 @@ from concurrent.futures import Future
 
 import pytest
 
+from kiln.common.stops import StopReason
 from kiln.gpu_worker.errors import JobStopped
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult
-from kiln.gpu_worker.tickets import StopReason, Ticket, start_batch
+from kiln.gpu_worker.tickets import Ticket, start_batch
 
 
 def ticket(request_id: str) -> Ticket:
@@ -33,7 +34,7 @@ def test_one_call_for_the_batch_and_the_refused_never_run() -> None:
     assert asked == [["a", "b", "c"]]  # one call, the batch's order
     assert [t.request.request_id for t in started] == ["a", "c"]
     refused = batch[1]
-    assert refused.stop_reason is StopReason.STOPPED
+    assert refused.stop_reason is StopReason.START_REFUSED
     with pytest.raises(JobStopped, match="refused its start"):
         refused.future.result(timeout=0)
     assert not started[0].future.done()
@@ -53,3 +54,26 @@ def test_a_failing_batch_start_starts_none() -> None:
 def test_without_a_batch_start_every_request_starts() -> None:
     batch = [ticket("a")]
     assert start_batch(batch, None) == batch
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (StopReason.CANCELED, StopReason.CANCELED),  # the caller's own reason travels as is
+        (StopReason.HANDED_BACK, StopReason.HANDED_BACK),
+        (True, StopReason.REQUESTED),  # a plain yes: stopped on the caller's word
+        (None, None),
+        (False, None),
+    ],
+)
+def test_should_stop_hands_the_callers_stop_reason_to_the_ticket(
+    answer: StopReason | bool | None, reason: StopReason | None
+) -> None:
+    queued = ticket("q")
+    queued.future = Future()  # still queued: `begin_running` decides
+    queued.should_stop = lambda: answer
+    assert queued.begin_running() is (reason is None)
+    assert queued.stop_reason is reason
+    if reason is not None:
+        with pytest.raises(JobStopped, match="stopped while queued"):
+            queued.future.result(timeout=0)

@@ -19,7 +19,7 @@ from kiln.common.limits import DeclaredLimits
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import JobStopped
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
-from kiln.gpu_worker.tickets import BatchStart
+from kiln.gpu_worker.tickets import BatchStart, ShouldStop
 from kiln.storage.job_store import JobEvent, JobStore, NewJob
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.schemas import JobRequest
@@ -60,7 +60,7 @@ class FakeCoordinator:
         self,
         request: GenerationRequest,
         on_progress: Callable[[StepProgress], None] | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
     ) -> Future[GenerationResult]:
         del max_run_seconds  # the fake runs at once; no deadline can pass
@@ -85,7 +85,7 @@ class FakeCoordinator:
         self,
         request: GenerationRequest,
         on_progress: Callable[[StepProgress], None] | None,
-        should_stop: Callable[[], bool] | None,
+        should_stop: ShouldStop | None,
     ) -> GenerationResult:
         for step in range(1, request.steps + 1):
             if on_progress is not None:
