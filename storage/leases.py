@@ -3,7 +3,7 @@
 Two kinds, one shape (`<token>|<owner>` under a TTL of `lease_ttl_s`, storage/keys.py):
 
 - a job's lease (`LeaseOps`): taken by the delivery that holds the job on a node
-  (storage/lua/hold.lua; acquire.lua and acquire_start.lua take it too), renewed by the node's
+  (storage/lua/hold.lua; acquire.lua takes it too), renewed by the node's
   heartbeat (renew.lua; tasks/node/maintenance.py `renew_leases`: a lost lease stops the job),
   released at the end (release.lua). Once it lapses, the reaper (tasks/control/reaper.py) finds
   the job (lease_deadlines_passed.lua, `expired_leases`) and moves it back to queued (reap.lua,

@@ -49,7 +49,6 @@ ScriptName = Literal[
     "create",
     "create_many",
     "acquire",
-    "acquire_start",
     "hold",
     "renew",
     "release",

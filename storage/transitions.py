@@ -217,35 +217,6 @@ class TransitionOps(StoreBase):
             return exc
 
     @redis_boundary
-    def acquire_and_start(
-        self,
-        job_id: str,
-        owner: str,
-        node_id: str | None = None,
-        running_cap: int | None = None,
-    ) -> tuple[int, JobRecord]:
-        """Take the queued job's lease for `owner` and start it, in one script: (token, record).
-
-        What `acquire_lease` then `start` do, one round trip less, and nothing to release on a
-        refusal: LeaseHeld (another owner's live lease), IllegalTransition (not queued) or
-        QuotaExceeded (`running_cap`, as `start`) leave the job as it was. No node calls it now
-        (a delivery holds its job, `hold`, and the group's batch starts it, `start_many`).
-        """
-        self._require_id(job_id)
-        args = [
-            job_id,
-            owner,
-            lease_ttl_ms(self.settings),
-            " " + " ".join(_START) + " ",
-            dumps({"node_id": node_id} if node_id else {}),
-            "" if running_cap is None else str(running_cap),
-        ]
-        keys = self._machine_keys(job_id)
-        args = [*args, *self._machine_settings()]
-        token, reply = self._run_acknowledged("acquire_start", keys, args, strict=False)
-        return int(token), self._record(job_id, reply)
-
-    @redis_boundary
     def hold(self, job_id: str, owner: str, node_id: str, position: int) -> tuple[int, JobRecord]:
         """Lease the queued job for `owner`; it stays queued, waiting in node `node_id`.
 

@@ -52,7 +52,7 @@ local function check_fence(job, mode, token)
   end
 end
 
--- a lease is taken only where no other owner holds a live one (acquire, hold, acquire_start);
+-- a lease is taken only where no other owner holds a live one (acquire, hold);
 -- the same owner may take it again. Raises LEASEHELD naming the holder.
 local function check_lease_free(job, lease_key, owner)
   local held = redis.call('GET', lease_key)

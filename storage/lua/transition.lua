@@ -63,7 +63,7 @@ check_fence(job, fence, token)
 if not string.find(sources, ' ' .. job.state .. ' ', 1, true) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
 end
--- a job of a batch asked to stop never starts, held or not (acquire_start.lua, hold.lua)
+-- a job of a batch asked to stop never starts, held or not (hold.lua, and here)
 if target == S.running and batch_stopped(job, m.batch_prefix) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target)
 end

@@ -6,11 +6,10 @@ Needs Redis (KILN_TEST_REDIS_URL or 127.0.0.1:6379); starts a moto S3 server in 
 Each round times both ways of each part back to back (alternating which goes first), so a noisy,
 shared machine slows both alike; the table prints the p50 of each and their ratio:
 
-1. delivery: `acquire_lease` + `start` (two scripts) vs `acquire_and_start` (one);
-2. upload of a 2 KiB PNG-sized object: put + HEAD read-back (`KILN_UPLOAD_VERIFY=head`) vs put
+1. upload of a 2 KiB PNG-sized object: put + HEAD read-back (`KILN_UPLOAD_VERIFY=head`) vs put
    whose echoed checksum is trusted (`checksum`);
-3. the API's key lookup: a Redis read per request (`KILN_API_KEY_CACHE_S=0`) vs the cache;
-4. a job's encode + upload (64x64 PNG, trusted checksum) with its `encoding` and `uploading`
+2. the API's key lookup: a Redis read per request (`KILN_API_KEY_CACHE_S=0`) vs the cache;
+3. a job's encode + upload (64x64 PNG, trusted checksum) with its `encoding` and `uploading`
    progress written on the task thread, each waited for (`write_now`), vs handed to the progress
    writer's stage thread (`write_soon`), the task thread waiting only before the terminal
    transition (`settle`).
@@ -75,24 +74,6 @@ def compare(label: str, old: Timed, new: Timed, rounds: int) -> None:
     )
 
 
-def delivery(store: JobStore, rounds: int) -> None:
-    def queued_jobs() -> list[str]:
-        news = [NewJob(id=secrets.token_hex(8), request={}) for _ in range(rounds)]
-        store.create_jobs(news)
-        return [new.id for new in news]
-
-    queued = [queued_jobs(), queued_jobs()]
-
-    def two_scripts(index: int) -> None:
-        job_id = queued[0][index]
-        store.start(job_id, store.acquire_lease(job_id, "bench"), node_id="bench")
-
-    def one_script(index: int) -> None:
-        store.acquire_and_start(queued[1][index], "bench", node_id="bench")
-
-    compare("delivery: acquire+start vs one script", two_scripts, one_script, rounds)
-
-
 @contextlib.contextmanager
 def moto_objects() -> Iterator[S3ObjectStore]:
     """An object store on a moto server of this process, bucket created."""
@@ -136,6 +117,13 @@ def uploads(store: S3ObjectStore, rounds: int) -> None:
     compare("upload: put + HEAD vs trusted checksum", put("head"), put("checksum"), rounds)
 
 
+def held_and_started(jobs: JobStore, job_id: str) -> int:
+    """Start a queued job as a node does (hold its lease, then start it); its lease token."""
+    token, _ = jobs.hold(job_id, "bench", "bench", 0)
+    jobs.start(job_id, token, node_id="bench")
+    return token
+
+
 def stage_progress(jobs: JobStore, objects: S3ObjectStore, rounds: int) -> None:
     writer = ProgressWriter(interval_s=60.0)
     sink = EventSink(jobs)
@@ -146,7 +134,7 @@ def stage_progress(jobs: JobStore, objects: S3ObjectStore, rounds: int) -> None:
     def running_jobs() -> list[tuple[str, int]]:
         news = [NewJob(id=secrets.token_hex(8), request={}) for _ in range(rounds)]
         jobs.create_jobs(news)
-        return [(new.id, jobs.acquire_and_start(new.id, "bench")[0]) for new in news]
+        return [(new.id, held_and_started(jobs, new.id)) for new in news]
 
     started = {False: running_jobs(), True: running_jobs()}
 
@@ -191,7 +179,7 @@ def key_lookups(store: JobStore, settings: StorageSettings, rounds: int) -> None
 
 
 def main() -> None:
-    """Run the four comparisons and print one line each."""
+    """Run the three comparisons and print one line each."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=300)
     args = parser.parse_args()
@@ -201,7 +189,6 @@ def main() -> None:
     store = JobStore.from_settings(settings)
     print(f"{'p50 per call, ' + str(args.rounds) + ' rounds':<40} {'old':>11} {'new':>11}")
     try:
-        delivery(store, args.rounds)
         with moto_objects() as objects:
             uploads(objects, args.rounds)
             stage_progress(store, objects, args.rounds)

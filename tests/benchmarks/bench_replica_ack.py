@@ -2,9 +2,9 @@
 
 A primary and its replica (Debian's redis-server, or the one on PATH) on free ports; one job's
 store calls as a node and the API make them — `create_and_place` (the API's submit), then
-`acquire_and_start` and `succeed` (a node's start and end) — run `--jobs` times one after
+`hold`, `start` and `succeed` (a node's delivery, start and end) — run `--jobs` times one after
 another, with the rule off (0) and on (1 replica must `WAIT`-acknowledge each). Prints the
-median and p99 wall time of those three calls per job, and the difference:
+median and p99 wall time of those four calls per job, and the difference:
 
     .venv/bin/python -m tests.benchmarks.bench_replica_ack --jobs 2000
 """
@@ -25,13 +25,14 @@ from tests.e2e.sentinel_rig import RedisNode, redis_binary
 
 
 def per_job_ms(store: JobStore, jobs: int) -> list[float]:
-    """Wall time (ms) of create + start + succeed of each of `jobs` jobs, one after another."""
+    """Wall time (ms) of create, hold, start and succeed of each of `jobs` jobs, one by one."""
     times = []
     for _ in range(jobs):
         job_id = uuid.uuid4().hex
         started = time.perf_counter()
         store.create_and_place(NewJob(id=job_id, request={"prompt": "x"}))
-        token, _record = store.acquire_and_start(job_id, "bench-node/1")
+        token, _record = store.hold(job_id, "bench-node/1", "bench-node", 0)
+        store.start(job_id, token, node_id="bench-node")
         store.succeed(job_id, token, [], {})
         times.append((time.perf_counter() - started) * 1000)
     return times
@@ -56,8 +57,8 @@ def main() -> None:
                 times = per_job_ms(JobStore.from_settings(settings), options.jobs)
                 median, p99 = statistics.median(times), statistics.quantiles(times, n=100)[98]
                 print(
-                    f"min_replicas_ack={acks}: {options.jobs} jobs, per job (create + start + "
-                    f"succeed) median {median:.3f} ms, p99 {p99:.3f} ms"
+                    f"min_replicas_ack={acks}: {options.jobs} jobs, per job (create + hold + start "
+                    f"+ succeed) median {median:.3f} ms, p99 {p99:.3f} ms"
                 )
         finally:
             replica.stop()

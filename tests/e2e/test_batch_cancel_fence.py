@@ -1,10 +1,10 @@
 """After a batch's cancel answers, no line of it starts: real node workers, the feeder in them.
 
-The cancel sets the batch's stop in one step (batch_stop.lua) and a node starts a job in one
-(acquire_start.lua), which refuses a job of a stopped batch: both run on the Redis clock, so every
-job's `started_at` and `running` event come before the batch's `stopped_at`. The feeder's wind-down
-is made slow (a long feed interval) so that, without the fence, the node starts queued lines of
-the canceled batch long before they are canceled.
+The cancel sets the batch's stop in one step (batch_stop.lua); a node holds a job (hold.lua) and
+starts it (transition.lua), each refusing a job of a stopped batch: all run on the Redis clock,
+so every job's `started_at` and `running` event come before the batch's `stopped_at`. The feeder's
+wind-down is made slow (a long feed interval) so that, without the fence, the node starts queued
+lines of the canceled batch long before they are canceled.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def test_a_job_whose_message_was_lost_runs_once_after_the_audit_age(
     queue_key = str(options["global_keyprefix"]) + job_queue(record)
     assert cluster.store.redis.llen(queue_key) == 0  # the message is nowhere
 
-    # a job published twice: the second message must not run it again (acquire_start's fence)
+    # a job published twice: the second message must not run it again (hold refuses a job no
+    # longer queued)
     twice, _ = Intake(sends_nothing, None).submit(REQUEST)
     cluster.submitter.publish(twice)
     cluster.submitter.publish(twice)

@@ -19,6 +19,11 @@ def new_job(**overrides: Any) -> NewJob:
     return NewJob(**fields)
 
 
+def lease_token(store: JobStore, job_id: str) -> int:
+    """The token the record holds (0: none), as the fenced scripts read it."""
+    return int(store.redis.hget(store.keys.job(job_id), "lease_token") or 0)
+
+
 def job_in_state(store: JobStore, state: JobState, **overrides: Any) -> tuple[str, int]:
     """Create a job and drive it into `state`; returns (job_id, the last lease token or 0)."""
     record, _ = store.create_job(new_job(**overrides))

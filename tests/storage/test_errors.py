@@ -200,18 +200,6 @@ SCRIPT_ERRORS: list[tuple[str, Callable[[JobStore], object], type[StorageError]]
     ),
     ("acquire", lambda s: s.acquire_lease(_missing(), WORKER), JobNotFound),
     ("acquire", lambda s: s.acquire_lease(_held_by_another(s), WORKER), LeaseHeld),
-    ("acquire_start", lambda s: s.acquire_and_start(_missing(), WORKER), JobNotFound),
-    ("acquire_start", lambda s: s.acquire_and_start(_held_by_another(s), WORKER), LeaseHeld),
-    (
-        "acquire_start",
-        lambda s: s.acquire_and_start(job_in_state(s, JobState.FAILED)[0], WORKER),
-        IllegalTransition,
-    ),
-    (
-        "acquire_start",
-        lambda s: _running_quota(s, lambda s, i: s.acquire_and_start(i, WORKER, running_cap=1)),
-        QuotaExceeded,
-    ),
     ("hold", lambda s: s.hold(_missing(), WORKER, "node-1", 0), JobNotFound),
     ("hold", lambda s: s.hold(_held_by_another(s), WORKER, "node-1", 0), LeaseHeld),
     (

@@ -14,8 +14,7 @@ from kiln.storage.job_store import JobStore
 from kiln.storage.leases import WAITING_IN_NODE, Renewal
 from kiln.storage.records import JobRecord
 from kiln.storage.transitions import Start
-from tests.storage.helpers import WORKER, event_types, job_in_state
-from tests.storage.test_acquire_start import lease_token
+from tests.storage.helpers import WORKER, event_types, job_in_state, lease_token
 from tests.tasks.node.conftest import wait_until_expired
 
 pytestmark = pytest.mark.every_redis  # refusals are script errors: 6.2 must pass them on too
@@ -47,6 +46,22 @@ def test_the_holder_alone_starts_it_and_the_start_clears_the_wait(job_store: Job
     assert (started.state, started.attempts, started.progress) == (JobState.RUNNING, 1, None)
     assert started.started_at is not None
     assert event_types(job_store, job_id) == ["queued", "progress", "running"]
+
+
+def test_a_started_held_job_runs_under_its_lease_and_names_its_node(job_store: JobStore) -> None:
+    job_id, _ = job_in_state(job_store, JobState.QUEUED)
+    token, _ = job_store.hold(job_id, WORKER, "node-1", 0)
+    record = job_store.start(job_id, token, node_id="node-1")
+    assert (record.attempts, lease_token(job_store, job_id)) == (1, token)
+    assert job_store.lease_owner(job_id) == WORKER
+    assert job_store.queue_depth() == 0
+    payload = job_store.events(job_id, count=10)[-1].payload
+    assert (payload["node_id"], payload["owner"], payload["attempts"]) == ("node-1", WORKER, 1)
+    # the lease is renewable with the token and the running set holds the job (the reaper's view)
+    assert job_store.renew_lease(job_id, token) is Renewal.RENEWED
+    assert job_id not in job_store.expired_leases()
+    job_store.succeed(job_id, token, [{"key": "k"}], {"run_s": 0.1})
+    assert job_store.get(job_id).state == JobState.SUCCEEDED
 
 
 def test_progress_of_a_held_job_is_its_wait_only(job_store: JobStore) -> None:

@@ -106,9 +106,10 @@ def test_without_a_replica_a_creation_is_refused_and_a_transition_is_held_then_r
     with pytest.raises(ReplicasBehind):
         store.create_and_place(new)
     # a node's start is held for the hold, then refused: the node computes nothing on it
+    token, _ = store.hold(new.id, "node/1", "node", 0)
     began = time.monotonic()
     with pytest.raises(ReplicasBehind, match=r"within its 0.6s hold"):
-        store.acquire_and_start(new.id, "node/1")
+        store.start(new.id, token, node_id="node")
     assert time.monotonic() - began >= 0.6
     # the start stands on the primary that answered (its lease lapses if the node gives up)
     assert store.get(new.id).state == "running"
@@ -122,13 +123,14 @@ def test_a_transition_waits_for_a_replica_that_falls_behind_within_the_hold(
     replica_node: RedisNode = primary_and_replica.replica  # type: ignore[attr-defined]
     new = _new()
     store.create_and_place(new)
+    token, _ = store.hold(new.id, "node/1", "node", 0)
     assert replica_node.process is not None
     replica_node.process.send_signal(signal.SIGSTOP)
     thaw = threading.Timer(1.5, replica_node.process.send_signal, (signal.SIGCONT,))
     thaw.start()
     try:
         began = time.monotonic()
-        _token, record = store.acquire_and_start(new.id, "node/1")
+        record = store.start(new.id, token, node_id="node")
         held_s = time.monotonic() - began
     finally:
         thaw.join()
@@ -146,7 +148,9 @@ def test_scripts_reload_next_to_the_wait_on_a_redis_that_never_ran_them(
     new = _new()
     store.create_job(new)
     store.redis.script_flush()  # as a promoted replica that never loaded them
-    token, _record = store.acquire_and_start(new.id, "node/1")
+    token, _record = store.hold(new.id, "node/1", "node", 0)
+    store.redis.script_flush()
+    store.start(new.id, token, node_id="node")
     store.redis.script_flush()
     assert store.succeed(new.id, token, [], {}).state == "succeeded"
     store.redis.script_flush()

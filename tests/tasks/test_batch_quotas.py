@@ -71,8 +71,9 @@ def test_the_running_cap_holds_for_a_batchs_jobs(capped: Api) -> None:
     feed, _ = feeder(api, max_queued_per_key=CAP)
     feed.tick()
     first, second = (batch_job_id(batch_id, f"item-{n:04d}") for n in range(2))
-    api.store.acquire_and_start(first, "node-a/1", running_cap=1)
+    held = [api.store.hold(job_id, "node-a/1", "node-a", 0)[0] for job_id in (first, second)]
+    api.store.start(first, held[0], running_cap=1)
     with pytest.raises(QuotaExceeded):
-        api.store.acquire_and_start(second, "node-a/2", running_cap=1)
+        api.store.start(second, held[1], running_cap=1)
     assert api.store.get(second).state == JobState.QUEUED
     assert queued_of(api, owner) == (1, 1)

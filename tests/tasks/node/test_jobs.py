@@ -263,7 +263,8 @@ def test_a_renewal_just_after_the_jobs_own_end_is_no_failure(harness: NodeHarnes
     ended, lost = harness.submit(), harness.submit()
     held = {}
     for job_id in (ended, lost):
-        token, _ = harness.store.acquire_and_start(job_id, "n/1", node_id=harness.node.node_id)
+        token, _ = harness.store.hold(job_id, "n/1", harness.node.node_id, 0)
+        harness.store.start(job_id, token, node_id=harness.node.node_id)
         held[job_id] = token
     with (
         harness.node.tracking(ended, held[ended]) as ended_tracked,
