@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from kiln.storage.job_store import NewJob
@@ -11,15 +10,6 @@ from kiln.tasks.contract.schemas import JobRequest
 
 # where a refusal points, from the request's top (no "body", no batch line number)
 Loc = tuple[str | int, ...]
-
-
-class Entrance(StrEnum):
-    """The door a request came in by; every door runs the same checks in the same order."""
-
-    api = "api"  # POST /v1/jobs
-    direct = "direct"  # Python callers and `kiln submit` on Redis (no API in between)
-    batch_line = "batch_line"  # a line of a batch file, checked at upload
-    batch_feed = "batch_feed"  # a line accepted at upload, made a job by the feeder (or a retry)
 
 
 @dataclass(frozen=True)
