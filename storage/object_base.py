@@ -39,23 +39,29 @@ def new_attempt_name(lease_token: int) -> str:
     return f"{lease_token}-{secrets.token_hex(4)}"
 
 
+def attempt_folder(prefix: str, job_id: str, attempt: str) -> str:
+    """`{prefix}/{job_id}/{attempt}`: the folder only that attempt of the job writes in."""
+    check_prefix(prefix)
+    if not valid_id(job_id):
+        raise InvalidObjectKey(f"invalid job id {job_id!r}")
+    if not isinstance(attempt, str) or not _ATTEMPT.fullmatch(attempt):
+        raise InvalidObjectKey(f"invalid attempt name {attempt!r}")
+    name = f"{job_id}/{attempt}"
+    return f"{prefix}/{name}" if prefix else name
+
+
 def output_key(prefix: str, job_id: str, index: int, ext: str, *, attempt: str) -> str:
     """`{prefix}/{job_id}/{attempt}/{index}.{ext}`: the only way Kiln names an output.
 
     Each attempt writes under its own folder (`new_attempt_name`), so an attempt that lost its
     lease can never overwrite the outputs another attempt committed. Refuses escapes.
     """
-    check_prefix(prefix)
-    if not valid_id(job_id):
-        raise InvalidObjectKey(f"invalid job id {job_id!r}")
-    if not isinstance(attempt, str) or not _ATTEMPT.fullmatch(attempt):
-        raise InvalidObjectKey(f"invalid attempt name {attempt!r}")
+    folder = attempt_folder(prefix, job_id, attempt)
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise InvalidObjectKey(f"invalid output index {index!r}")
     if not _EXT.fullmatch(ext):
         raise InvalidObjectKey(f"invalid extension {ext!r}")
-    name = f"{job_id}/{attempt}/{index}.{ext}"
-    return f"{prefix}/{name}" if prefix else name
+    return f"{folder}/{index}.{ext}"
 
 
 def preview_key(prefix: str, job_id: str, ext: str) -> str:

@@ -76,6 +76,7 @@ ScriptName = Literal[
     "backlog",
     "surplus_claim",
     "dead_letter_claim",
+    "checkpoint",
 ]
 SCRIPT_NAMES: tuple[ScriptName, ...] = get_args(ScriptName)
 PRELUDE = "_prelude"

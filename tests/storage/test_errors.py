@@ -19,6 +19,7 @@ from pydantic import SecretStr
 from kiln.common.states import JobState
 from kiln.storage import boundary
 from kiln.storage.apikeys import ApiKeyStore
+from kiln.storage.checkpoints import record_checkpoint
 from kiln.storage.errors import (
     BatchNotFound,
     IdempotencyConflict,
@@ -159,6 +160,15 @@ def _start_capped(store: JobStore, job_id: str) -> None:
     store.start(job_id, store.acquire_lease(job_id, WORKER), running_cap=1)
 
 
+def _held(store: JobStore) -> tuple[str, int]:
+    """A queued job this node holds, and the token of its lease."""
+    job_id, _ = job_in_state(store, JobState.QUEUED)
+    return job_id, store.hold(job_id, WORKER, "node-1", 0)[0]
+
+
+_CHECKPOINT = {"key": "k", "sha256": "0" * 64, "size": 1, "steps_done": 1}
+
+
 def _held_by_another(store: JobStore) -> str:
     job_id, _ = job_in_state(store, JobState.QUEUED)
     store.acquire_lease(job_id, "worker-b")
@@ -208,6 +218,13 @@ SCRIPT_ERRORS: list[tuple[str, Callable[[JobStore], object], type[StorageError]]
         IllegalTransition,
     ),
     ("cancel", lambda s: s.cancel(_missing()), JobNotFound),
+    ("checkpoint", lambda s: record_checkpoint(s, _missing(), 1, _CHECKPOINT), JobNotFound),
+    (
+        "checkpoint",
+        lambda s: record_checkpoint(s, job_in_state(s, JobState.RUNNING)[0], 99, _CHECKPOINT),
+        StaleLease,
+    ),
+    ("checkpoint", lambda s: record_checkpoint(s, *_held(s), _CHECKPOINT), IllegalTransition),
     ("create", _idempotency_conflict, IdempotencyConflict),
     ("create", lambda s: s.create_job(new_job(batch_id="no-such-batch")), BatchNotFound),
     ("create", _queued_quota, QuotaExceeded),
