@@ -58,6 +58,12 @@ class DeadLetter:
         return str(name) if name is not None else None
 
     @property
+    def poison(self) -> str | None:
+        """Why Kiln marked the job poison (its error's `poison`), or None."""
+        reason = None if self.error is None else self.error.get(POISON)
+        return str(reason) if reason else None
+
+    @property
     def error_type(self) -> str | None:
         """Its final error's type (`poison`, `OutOfMemory`, `max_attempts_exceeded`, ...)."""
         return None if self.error is None else str(self.error.get("type"))
@@ -122,6 +128,7 @@ class DeadLetterFilter:
     since: float | None = None  # died at or after (epoch s)
     until: float | None = None  # died before (epoch s)
     include_redriven: bool = False
+    poison: bool | None = None  # marked poison (True) or not (False)
 
     def takes(self, letter: DeadLetter) -> bool:
         """Whether `letter` passes."""
@@ -131,6 +138,7 @@ class DeadLetterFilter:
             and (self.since is None or letter.dead_at >= self.since)
             and (self.until is None or letter.dead_at < self.until)
             and (self.include_redriven or letter.redriven_to is None)
+            and (self.poison is None or (letter.poison is not None) == self.poison)
         )
 
 

@@ -113,6 +113,7 @@ def redrive_dead_letters(ctx: Ctx, caller: Caller, body: RedriveRequest) -> Redr
             since=chosen.since,
             until=chosen.until,
             include_redriven=chosen.include_redriven,
+            poison=chosen.poison,
         )
         found = [] if scope == "" else pick(letters, scope, taking, body.limit)
         targets = [(letter.id, letter) for letter in found]

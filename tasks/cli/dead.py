@@ -44,6 +44,9 @@ def add_parser(sub: Any) -> None:
     )
     redrive.add_argument("job_ids", metavar="JOB", nargs="*", help="dead letters by job id")
     redrive.add_argument("--error-type", help="filter: the final error's type, e.g. poison")
+    redrive.add_argument(
+        "--poison", action="store_true", default=None, help="filter: poison jobs only"
+    )
     redrive.add_argument("--pipeline", help="filter: the pipeline the job named")
     redrive.add_argument("--since", type=float, help="filter: failed at or after (epoch s)")
     redrive.add_argument("--until", type=float, help="filter: failed before (epoch s)")
@@ -94,7 +97,14 @@ def _print(args: argparse.Namespace, model: Any, describe: Any) -> None:
 def _redrive_request(args: argparse.Namespace) -> RedriveRequest:
     filtered = any(
         value is not None
-        for value in (args.error_type, args.pipeline, args.since, args.until, args.owner)
+        for value in (
+            args.error_type,
+            args.poison,
+            args.pipeline,
+            args.since,
+            args.until,
+            args.owner,
+        )
     )
     if bool(args.job_ids) == filtered:
         raise UsageError("name dead letters by JOB id, or give a filter (--error-type ...): one")
@@ -106,6 +116,7 @@ def _redrive_request(args: argparse.Namespace) -> RedriveRequest:
     if filtered:
         chosen = RedriveFilter(
             error_type=args.error_type,
+            poison=args.poison,
             pipeline=args.pipeline,
             since=args.since,
             until=args.until,
@@ -168,7 +179,9 @@ def _direct_redrive(request: RedriveRequest) -> RedriveResult:
     else:
         assert request.filter is not None
         f = request.filter
-        taking = DeadLetterFilter(f.error_type, f.pipeline, f.since, f.until, f.include_redriven)
+        taking = DeadLetterFilter(
+            f.error_type, f.pipeline, f.since, f.until, f.include_redriven, f.poison
+        )
         targets = [(d.id, d) for d in pick(letters, f.owner, taking, request.limit)]
     submitter = Submitter(store, parts.settings, publish=None)
     return redrive(
@@ -238,7 +251,7 @@ def _describe_page(page: DeadLetterList) -> str:
 
 def _describe_letter(d: DeadLetterView) -> str:
     lines = [
-        f"job {d.id} failed at {_when(d.dead_at)}{' (poison)' if d.poison else ''}",
+        f"job {d.id} failed at {_when(d.dead_at)}{f' (poison: {d.poison})' if d.poison else ''}",
         f"owner: {d.owner or '-'}  pipeline: {d.pipeline or '-'}  lane: {d.lane}",
         f"error: {_error_text(d.error)}",
         f"attempts: {d.attempts}",

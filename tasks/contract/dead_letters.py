@@ -35,7 +35,9 @@ class DeadLetterView(BaseModel):
     owner: str | None
     pipeline: str | None
     dead_at: float
-    poison: bool = Field(description="Kiln marked it poison: it is never run again by itself.")
+    poison: str | None = Field(
+        description="Why Kiln marked it poison (never run again by itself), or null."
+    )
     error: dict[str, Any] | None
     attempts: int
     attempt_log: list[AttemptView]
@@ -72,6 +74,7 @@ class RedriveFilter(BaseModel):
     until: float | None = Field(default=None, ge=0, description="Died before (epoch s).")
     owner: str | None = Field(default=None, max_length=128, description="Admin keys only.")
     include_redriven: bool = Field(default=False, description="Also those redriven already.")
+    poison: bool | None = Field(default=None, description="Only poison (true) or only not.")
 
 
 class RedriveRequest(BaseModel):

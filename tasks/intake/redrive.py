@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kiln.storage.creation import QueueFull
-from kiln.storage.dead_letters import POISON, DeadLetter, DeadLetterFilter, DeadLetterStore
+from kiln.storage.dead_letters import DeadLetter, DeadLetterFilter, DeadLetterStore
 from kiln.storage.errors import QuotaExceeded
 from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.dead_letters import (
@@ -37,7 +37,7 @@ def dead_letter_view(letter: DeadLetter) -> DeadLetterView:
         owner=letter.owner,
         pipeline=letter.pipeline,
         dead_at=letter.dead_at,
-        poison=letter.error_type == POISON,
+        poison=letter.poison,
         error=letter.error,
         attempts=letter.attempts,
         attempt_log=[AttemptView.model_validate(entry) for entry in letter.attempt_log],

@@ -20,8 +20,8 @@ def test_list_show_and_a_dry_run_that_changes_nothing(api: Api, remote: str | No
     shown = kiln(api, "dead", "show", ids[0], remote=remote)
     assert shown.returncode == 0, shown.stderr
     assert f"job {ids[0]} failed" in shown.stdout
-    assert "(poison)" in shown.stdout
-    dry = kiln(api, "dead", "redrive", "--error-type", "poison", "--dry-run", remote=remote)
+    assert "(poison: group_broken_twice)" in shown.stdout
+    dry = kiln(api, "dead", "redrive", "--poison", "--dry-run", remote=remote)
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.splitlines()[-1].startswith("2 would redrive")
     again = json.loads(kiln(api, "dead", "list", "--json", remote=remote).stdout)

@@ -9,7 +9,12 @@ from kiln.tasks.contract.dead_letters import MAX_REDRIVE
 from kiln.tasks.intake.redrive import REDRIVE_OF
 from tests.tasks.helpers import Api
 
-BROKE = {"type": "poison", "message": "it broke its worker group twice", "retryable": False}
+BROKE = {
+    "type": "WorkerGroupDied",
+    "message": "the worker group died",
+    "retryable": False,
+    "poison": "group_broken_twice",
+}
 
 
 def dead_jobs(api: Api, n: int, key: str = "alice") -> list[str]:
@@ -52,7 +57,7 @@ def test_a_dead_letter_shows_its_request_error_and_owner_only_to_its_owner(api: 
     view = got.json()
     assert view["request"]["prompt"] == "p0"
     assert view["error"] == BROKE
-    assert view["poison"] is True
+    assert view["poison"] == "group_broken_twice"
     assert view["owner"] == api.key_ids["alice"]
     assert view["checkpoint"] is None
     other = httpx.get(f"{api.url}/v1/dead-letters/{job_id}", headers=api.auth("bob"))
@@ -65,7 +70,7 @@ def test_a_dry_run_lists_and_changes_nothing(api: Api) -> None:
     ids = dead_jobs(api, 3)
     namespace = f"{api.storage_settings.redis_namespace}:*"
     keys_before = sorted(api.store.redis.keys(namespace))
-    body = {"filter": {"error_type": "poison"}, "dry_run": True}
+    body = {"filter": {"poison": True, "error_type": "WorkerGroupDied"}, "dry_run": True}
     got = httpx.post(f"{api.url}/v1/dead-letters/redrive", json=body, headers=api.auth())
     assert got.status_code == 200, got.text
     result = got.json()

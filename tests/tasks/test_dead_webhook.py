@@ -8,7 +8,12 @@ from tests.tasks.test_webhooks import WebhookWorld, verify, webhook_job
 from tests.tasks.test_webhooks import world as world  # the fixture: a real webhook worker
 from tests.waiting import wait_until
 
-BROKE = {"type": "poison", "message": "it broke its worker group twice", "retryable": False}
+BROKE = {
+    "type": "WorkerGroupDied",
+    "message": "the worker group died",
+    "retryable": False,
+    "poison": "group_broken_twice",
+}
 
 
 def test_a_failure_for_good_sends_job_dead_signed_beside_job_completed(
@@ -27,7 +32,7 @@ def test_a_failure_for_good_sends_job_dead_signed_beside_job_completed(
         assert by_type["job.dead"].headers["webhook-id"] == f"msg_{job_id}_dead"
         assert dead["data"]["id"] == job_id
         assert dead["data"]["status"] == "failed"
-        assert dead["data"]["error"]["type"] == "poison"
+        assert dead["data"]["error"]["type"] == "WorkerGroupDied"
     finally:
         receiver.close()
 
