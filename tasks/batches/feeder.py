@@ -66,6 +66,7 @@ from kiln.tasks.batches.notify import BatchNotifier
 from kiln.tasks.batches.reporting import FeederLostLease, Lease, ResultWriter
 from kiln.tasks.batches.results import summary_line, unfed_line
 from kiln.tasks.batches.views import batch_view
+from kiln.tasks.contract.job_spec import JobSpecRefused
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.intake.intake import line_job
 from kiln.tasks.queue.policy import public_message
@@ -234,7 +235,7 @@ class BatchFeeder:
     def _new_job(self, batch: FedBatch, item: Item) -> NewJob:
         """The line's job, from the request the intake accepted at upload (its seed drawn)."""
         job_id = batch_job_id(batch.id, item.custom_id)
-        return line_job(item.request, job_id, batch.id, batch.owner, batch.priority)
+        return line_job(item.spec, job_id, batch.id, batch.owner, batch.priority)
 
     def _publish_unconfirmed(self, job_ids: list[str]) -> None:
         for record in self.store.get_many(job_ids):
@@ -251,6 +252,9 @@ class BatchFeeder:
             found = self.read_items(batch, count)
         except ObjectStoreError as exc:
             self._input_unreadable(batch, exc)
+            return None
+        except JobSpecRefused as exc:  # a newer release wrote its lines: no visit can read them
+            self._stop_failed(batch, f"a line of the batch's input cannot be read: {exc}")
             return None
         if batch.input_failures:
             self.feeding.input_read(batch.id)
@@ -274,6 +278,9 @@ class BatchFeeder:
             f"the batch's input cannot be read ({cause}) after {failures} attempts over "
             f"{now - since:.0f}s"
         )
+        self._stop_failed(batch, reason)
+
+    def _stop_failed(self, batch: FedBatch, reason: str) -> None:
         log.error("batch %s failed: %s", batch.id, reason)
         # stopping already (canceled or expired): that stop stands, the reason is kept
         with contextlib.suppress(BatchConflict):
@@ -368,7 +375,8 @@ class BatchFeeder:
         except StorageError as exc:
             log.info("batch job %s: could not stop it (%s)", job_id, exc)
             return
-        if after.state in TERMINAL_STATES and after.request.get("webhook"):
+        # the job's own webhook, if its spec has one (enqueue reads it from `after`)
+        if after.state in TERMINAL_STATES:
             event = str(after.state)
             enqueue_webhook_events(store, job_id, event, record=after, app=self.app)
 

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from kiln.common.defaults import BATCH_LANE
 from kiln.storage.object_base import ObjectStore, StoredObject
 from kiln.storage.object_streams import ObjectWriter, iter_lines, open_writer
-from kiln.tasks.batches.lines import item_number, request_item_line
+from kiln.tasks.batches.lines import item_line, item_number
 from kiln.tasks.batches.results import Error, invalid_line
 from kiln.tasks.batches.unique_ids import CustomIds, Repeat
 from kiln.tasks.contract.batches import (
@@ -48,6 +48,7 @@ from kiln.tasks.contract.batches import (
     openai_line_request,
     valid_custom_id,
 )
+from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.intake.intake import LineIntake
 from kiln.tasks.intake.refusal import Refusal, Refused
@@ -265,7 +266,7 @@ class BatchIntake:
         assert custom_id is not None
         self.report.items += 1
         if not self.report.errors:  # a refused file writes nothing more
-            self._pending += request_item_line(line.number, custom_id, outcome)
+            self._pending += item_line(line.number, custom_id, JobSpec.of(outcome))
             if len(self._pending) >= WRITE_BYTES:
                 self.items.write(bytes(self._pending))
                 self._pending.clear()

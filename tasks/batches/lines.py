@@ -1,8 +1,9 @@
 """The stored form of a batch: one item line per valid input line, and the jobs' ids.
 
 The API writes the input back normalized: each valid line becomes `{"n": line, "c": custom_id,
-"r": request}` with the request's defaults filled in and its seed drawn, so the feeder never
-validates again and a line fed twice makes the same job. A job's id is derived from the batch and
+"r": spec}`, its job's spec (contract/job_spec.py: the request's defaults filled in, its seed
+drawn, its version) encoded as a job record stores it, so the feeder runs no intake check again
+and a line fed twice makes the same job. A job's id is derived from the batch and
 the line's custom_id, `<batch id>-<custom_id>`: creating it again is a no-op, and its outputs lie
 under keys named by batch and custom_id.
 """
@@ -11,34 +12,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
-from kiln.storage.base import dumps
-from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.job_spec import JobSpec
 
 
 @dataclass(frozen=True)
 class Item:
-    """One valid line of a batch, as stored."""
+    """One valid line of a batch, as stored: its job's spec, decoded."""
 
     line: int
     custom_id: str
-    request: dict[str, Any]
+    spec: JobSpec
 
 
-def item_line(line: int, custom_id: str, request: dict[str, Any]) -> bytes:
-    """The stored line of one valid input line (newline included)."""
-    return (dumps({"n": line, "c": custom_id, "r": request}) + "\n").encode()
-
-
-def request_item_line(line: int, custom_id: str, request: JobRequest) -> bytes:
-    """`item_line` of a validated request, its JSON written by pydantic (no dict in between).
+def item_line(line: int, custom_id: str, spec: JobSpec) -> bytes:
+    """The stored line of one valid input line (newline included), its spec's JSON as is.
 
     The custom_id goes in as it is: a valid one (`contract.batches.valid_custom_id`) holds only
     letters, digits, `_` and `-`, nothing JSON would escape.
     """
-    body = request.__pydantic_serializer__.to_json(request)
-    return b'{"n":%d,"c":"%s","r":%s}\n' % (line, custom_id.encode(), body)
+    return b'{"n":%d,"c":"%s","r":%s}\n' % (line, custom_id.encode(), spec.encode_json())
 
 
 def item_number(raw: bytes) -> int:
@@ -51,9 +44,9 @@ def item_number(raw: bytes) -> int:
 
 
 def parse_item(raw: bytes) -> Item:
-    """An item from its stored line."""
+    """An item from its stored line; JobSpecRefused when its spec is a newer release's."""
     data = json.loads(raw)
-    return Item(line=int(data["n"]), custom_id=str(data["c"]), request=dict(data["r"]))
+    return Item(line=int(data["n"]), custom_id=str(data["c"]), spec=JobSpec.decode(data["r"]))
 
 
 def batch_job_id(batch_id: str, custom_id: str) -> str:

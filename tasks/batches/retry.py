@@ -70,7 +70,7 @@ def write_retry_input(
             item = parse_item(raw)
             if item.custom_id in wanted:
                 count += 1
-                writer.write(item_line(count, item.custom_id, item.request))
+                writer.write(item_line(count, item.custom_id, item.spec))
         writer.commit()
     except BaseException:
         writer.abort()

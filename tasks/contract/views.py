@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.common.states import JobState, is_terminal
+from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
 from kiln.tasks.contract.schemas import JobRequest
 
 if TYPE_CHECKING:
@@ -191,6 +192,7 @@ def job_view(
     queued job's position and expected start (tasks.queue.positions).
     """
     queued = estimate if record.state == JobState.QUEUED else None
+    parameters = _parameters(record)
     return JobView(
         id=record.id,
         status=record.state,
@@ -208,17 +210,27 @@ def job_view(
         outputs=[output_view(o, objects) for o in record.outputs],
         error=ErrorView.model_validate(record.error) if record.error else None,
         metrics=Metrics.model_validate(record.metrics or {}),
-        parameters=JobParameters.model_validate(record.request),
+        parameters=parameters,
         batch_id=record.batch_id,
         metadata=dict(record.metadata),
-        waiting_for=_waiting_for(record, served),
+        waiting_for=_waiting_for(record, parameters.pipeline, served),
         queue_position=queued.position if queued else None,
         estimated_start_s=queued.estimated_start_s if queued else None,
     )
 
 
-def _waiting_for(record: JobRecord, served: Collection[str] | None) -> str | None:
-    pipeline = str(record.request.get("pipeline", ""))
+def _parameters(record: JobRecord) -> JobParameters:
+    """The job's parameters: its decoded spec, shown without the version."""
+    try:
+        spec = JobSpec.decode(record.request)
+    except JobSpecRefused:
+        # a newer release's spec: shown as far as this release knows its fields, never a 500
+        return JobParameters.model_validate(record.request)
+    shown = {name: getattr(spec, name) for name in JobParameters.model_fields}
+    return JobParameters.model_construct(spec.model_fields_set - {"version"}, **shown)
+
+
+def _waiting_for(record: JobRecord, pipeline: str, served: Collection[str] | None) -> str | None:
     if served is None or record.state != JobState.QUEUED or pipeline in served:
         return None
     serving = ", ".join(sorted(served)) or "none"

@@ -16,7 +16,8 @@ The checks run in one order for all of them:
 
 A batch line passes 1-4 at upload; 5-6 do not refuse a line (bulk is never refused for latency,
 and the feeder waits for room under the owner's cap instead). The seed is drawn once, by
-`accept`, and the `NewJob` is built once, by `new_job`, whatever the door.
+`accept`, and the `NewJob` is built once, by `spec_job` from the job's versioned spec
+(contract/job_spec.py: what the record stores), whatever the door.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kiln.common.request import DRAWN_SEED_LIMIT, Lane
+from kiln.common.request import DRAWN_SEED_LIMIT
 from kiln.storage.creation import QueueFull, request_fingerprint
 from kiln.storage.errors import ObjectStoreError, QuotaExceeded
 from kiln.storage.job_store import JobRecord, NewJob
 from kiln.storage.object_base import ObjectStore
 from kiln.storage.uploaded_inputs import UploadRefused, checked_upload, resolve_upload
 from kiln.tasks.contract.image_refs import ImageRef
+from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.contract.request_check import (
     PipelineDecl,
     Violation,
@@ -68,8 +70,8 @@ _VERDICTS_MAX = 1024
 _LOOKUP_THREADS = 8
 
 
-def new_job(
-    request: Mapping[str, Any],
+def spec_job(
+    spec: JobSpec,
     *,
     job_id: str,
     owner: str | None,
@@ -78,29 +80,38 @@ def new_job(
     fingerprint: str | None = None,
     lane: str | None = None,
 ) -> NewJob:
-    """The job of an accepted request (its JSON, seed drawn): the one place a `NewJob` is built."""
-    chosen = str(request.get("priority") or lane or Lane.interactive)
+    """The job of an accepted request's spec: the one place a `NewJob` is built.
+
+    `lane`: for a spec stored without its own priority (the spec's default applies otherwise).
+    """
+    own = "priority" in spec.model_fields_set or lane is None
+    chosen = str(spec.priority if own else lane)
     return NewJob(
         id=job_id,
-        request=dict(request),
+        request=spec.encode(),
         batch_id=batch_id,
-        metadata=dict(request.get("metadata") or {}),
+        metadata=dict(spec.metadata),
         owner=owner,
         idempotency_key=idempotency_key,
         fingerprint=fingerprint,
         lane=chosen,
-        queue=queue_name(chosen, str(request.get("pipeline", "default"))),
+        queue=queue_name(chosen, spec.pipeline),
     )
 
 
-def line_job(
-    request: Mapping[str, Any], job_id: str, batch_id: str, owner: str | None, lane: str
+def new_job(
+    stored: Mapping[str, Any], *, job_id: str, owner: str | None, lane: str | None = None
 ) -> NewJob:
-    """The job of a batch line accepted at upload (its stored request: seed drawn then).
+    """The job of a stored spec (a dead letter's), decoded; JobSpecRefused if unreadable."""
+    return spec_job(JobSpec.decode(stored), job_id=job_id, owner=owner, lane=lane)
+
+
+def line_job(spec: JobSpec, job_id: str, batch_id: str, owner: str | None, lane: str) -> NewJob:
+    """The job of a batch line accepted at upload (its stored spec: seed drawn then).
 
     `lane`: the batch's, for a line stored without its own priority.
     """
-    return new_job(request, job_id=job_id, owner=owner, batch_id=batch_id, lane=lane)
+    return spec_job(spec, job_id=job_id, owner=owner, batch_id=batch_id, lane=lane)
 
 
 def effective_request(request: JobRequest) -> JobRequest:
@@ -284,8 +295,8 @@ class Intake:
     ) -> Accepted:
         """The effective request (the seed drawn here, once) and its job, checks passed."""
         effective = effective_request(request)
-        new = new_job(
-            effective.model_dump(mode="json"),
+        new = spec_job(
+            JobSpec.of(effective),
             job_id=new_job_id(),
             owner=caller.key_id,
             idempotency_key=idempotency_key,

@@ -227,7 +227,7 @@ class JobRunner:
 
     def _held_back(self, record: JobRecord) -> bool:
         """A paused queue or an operator's drain: nothing starts here (tasks/node/controls.py)."""
-        reason = self.node.holds_back(job_queue(record))
+        reason = self.node.holds_back(job_queue(record, self._job().spec))
         if reason is not None:
             self._defer(record, reason)
         return reason is not None

@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from kiln.storage.errors import StorageError
 from kiln.storage.job_store import JobRecord, JobStore, NewJob
+from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.contract.limits import declared_limits
 from kiln.tasks.contract.request_check import PipelineDecl
 from kiln.tasks.contract.settings import KilnSettings
@@ -45,9 +46,16 @@ def celery_publisher(app: Any) -> Publish:
     return publish
 
 
-def job_queue(record: JobRecord) -> str:
-    """The queue a job's record belongs on (as stored; derived for records that predate it)."""
-    return record.queue or queue_name(record.lane, str(record.request.get("pipeline", "default")))
+def job_queue(record: JobRecord, spec: JobSpec | None = None) -> str:
+    """The queue a job's record belongs on (as stored; derived for records that predate it).
+
+    `spec`: the record's, where the caller decoded it already (not decoded a second time).
+    """
+    if record.queue:
+        return record.queue
+    # a record older than its `queue` field: the queue of its spec's pipeline
+    pipeline = (spec or JobSpec.decode(record.request)).pipeline
+    return queue_name(record.lane, pipeline)
 
 
 def new_job_id() -> str:

@@ -20,8 +20,9 @@ from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.json_guard import body_errors
 from kiln.tasks.batches.intake import drop_repeats, plain_text
-from kiln.tasks.batches.lines import parse_item, request_item_line
+from kiln.tasks.batches.lines import item_line, parse_item
 from kiln.tasks.batches.unique_ids import CustomIds, Repeat
+from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.contract.schemas import JobRequest
 from tests.tasks.helpers import Api
 from tests.tasks.hostile import hostile_values, job_bodies
@@ -194,7 +195,7 @@ def objects(
 def test_repeated_lines_are_dropped_from_the_committed_input_in_place(objects: ObjectStore) -> None:
     key = batch_object_key(objects.prefix, "b1", "input.jsonl")
     written = [
-        request_item_line(n, f"c{n}", JobRequest(prompt=f"p{n}", seed=n)) for n in range(1, 8)
+        item_line(n, f"c{n}", JobSpec.of(JobRequest(prompt=f"p{n}", seed=n))) for n in range(1, 8)
     ]
     writer = open_writer(objects, key, "application/x-ndjson")
     writer.write(b"".join(written))

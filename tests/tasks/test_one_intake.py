@@ -294,7 +294,7 @@ def through_batch(api: Api, bodies: dict[str, dict[str, Any]]) -> tuple[str, dic
     for raw in iter_lines(objects, input_key(api, batch_id)):  # one item per accepted line
         if raw:
             item = parse_item(raw)
-            outcomes[item.custom_id] = (ACCEPTED, item.request)
+            outcomes[item.custom_id] = (ACCEPTED, item.spec.encode())
     return batch_id, outcomes
 
 

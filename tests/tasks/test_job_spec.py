@@ -1,0 +1,139 @@
+"""The job spec (contract/job_spec.py): its encoding, its one decode, its version rule."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from kiln.common.states import JobState
+from kiln.storage.job_store import JobRecord
+from kiln.tasks.batches.lines import item_line, parse_item
+from kiln.tasks.contract.job_spec import JOB_SPEC_ERROR, JOB_SPEC_VERSION, JobSpec, JobSpecRefused
+from kiln.tasks.contract.loras import LoraSpec
+from kiln.tasks.contract.schemas import JobRequest, PreviewRequest, WebhookSpec
+from kiln.tasks.contract.views import job_view
+
+# A record's `request` as the release before the spec's version wrote it (Intake.accept stored
+# the effective request's full dump, no `version`), read back from Redis as JSON.
+PREVIOUS_RELEASE = (
+    '{"pipeline":"tiny","prompt":"a kiln","negative_prompt":null,"width":64,"height":64,'
+    '"num_frames":1,"fps":8,"steps":3,"guidance_scale":7.0,"seed":1234,"num_outputs":2,'
+    '"output_format":"webp","priority":"bulk","webhook":{"url":"https://hooks.example.com/k",'
+    '"events":["completed"]},"start_by":null,"max_run_seconds":30.0,"metadata":{"team":"a"},'
+    '"inputs":{"scheduler":"DDIMScheduler"},"preview":{"every_steps":2,"max_side":256,'
+    '"format":"webp"},"loras":[{"name":"ember","scale":0.5}],"speed":"balanced"}'
+)
+# ... and as the releases before that stored it (`to_record`: no inputs, loras, preview or
+# speed when they were empty or the default)
+OLDER_RELEASE = (
+    '{"pipeline":"default","prompt":"a fox","negative_prompt":null,"width":512,"height":512,'
+    '"num_frames":5,"fps":12,"steps":25,"guidance_scale":7.5,"seed":7,"num_outputs":1,'
+    '"output_format":"gif","priority":"interactive","webhook":null,"start_by":1700000000.5,'
+    '"max_run_seconds":null,"metadata":{}}'
+)
+
+
+def spec(**fields: Any) -> JobSpec:
+    """The spec of an accepted request (its seed given)."""
+    return JobSpec.of(JobRequest(**{"prompt": "a kiln", "seed": 3, **fields}))
+
+
+def record_of(stored: dict[str, Any]) -> JobRecord:
+    """A queued record holding `stored` as its request."""
+    return JobRecord(
+        id="a" * 32, state=JobState.QUEUED, request=stored, lane="interactive", owner=None,
+        created_at=time.time(), started_at=None, finished_at=None, attempts=0, progress=None,
+        outputs=[], error=None, metrics={}, batch_id=None, metadata={}, published=True,
+    )  # fmt: skip
+
+
+def test_a_spec_round_trips_through_its_record_and_its_item_line() -> None:
+    full = spec(
+        pipeline="tiny",
+        inputs={"strength": 0.5},
+        loras=[LoraSpec(name="ember", scale=0.5)],
+        preview=PreviewRequest(every_steps=2),
+        webhook=WebhookSpec(url="https://hooks.example.com/k"),
+        speed="fast",
+        metadata={"team": "a"},
+        start_by=1.5e9,
+    )
+    stored = json.loads(json.dumps(full.encode()))  # as Redis gives it back
+    assert stored["version"] == JOB_SPEC_VERSION
+    assert JobSpec.decode(stored) == full
+    # a batch item line stores the same encoding, byte for byte
+    line = item_line(4, "c4", full)
+    assert json.loads(line)["r"] == stored
+    item = parse_item(line)
+    assert (item.line, item.custom_id, item.spec) == (4, "c4", full)
+
+
+def test_the_spec_of_a_request_keeps_every_value_and_needs_its_seed() -> None:
+    request = JobRequest(prompt="waves", num_frames=5, seed=9, fps=12)
+    made = JobSpec.of(request)
+    assert (made.version, made.seed, made.output_format, made.fps) == (1, 9, "mp4", 12)
+    assert made.encode() == {**request.model_dump(mode="json"), "version": 1}
+    with pytest.raises(ValueError, match="seed"):
+        JobSpec.of(JobRequest(prompt="no seed yet"))
+
+
+@pytest.mark.parametrize("stored", [PREVIOUS_RELEASE, OLDER_RELEASE])
+def test_a_record_without_a_version_decodes_as_version_1(stored: str) -> None:
+    data = json.loads(stored)
+    decoded = JobSpec.decode(data)
+    assert decoded.version == 1
+    # every stored value is read as stored; the fields it lacks take the contract's defaults
+    assert {name: value for name, value in decoded.encode().items() if name in data} == data
+    if "inputs" not in data:
+        assert (decoded.inputs, decoded.loras, decoded.preview, decoded.speed) == (
+            {}, [], None, "exact",
+        )  # fmt: skip
+
+
+def test_an_old_item_line_decodes() -> None:
+    # the previous release wrote `{"n","c","r"}` with `r` unversioned
+    raw = b'{"n":3,"c":"line-3","r":%s}' % OLDER_RELEASE.encode()
+    item = parse_item(raw)
+    assert (item.line, item.custom_id, item.spec.version, item.spec.seed) == (3, "line-3", 1, 7)
+
+
+@pytest.mark.parametrize("version", [2, 99])
+def test_a_future_version_is_refused_naming_it(version: int) -> None:
+    stored = {**spec().encode(), "version": version}
+    with pytest.raises(JobSpecRefused, match=f"version {version}, newer than this release") as e:
+        JobSpec.decode(stored)
+    assert e.value.error() == {
+        "type": JOB_SPEC_ERROR,
+        "message": str(e.value),
+        "retryable": False,
+        "version": version,
+    }
+    with pytest.raises(JobSpecRefused):
+        parse_item(b'{"n":1,"c":"c1","r":%s}' % json.dumps(stored).encode())
+
+
+@pytest.mark.parametrize("version", [0, -1, "1", 1.0, True, None])
+def test_a_version_that_is_not_one_is_refused(version: object) -> None:
+    with pytest.raises(JobSpecRefused, match="is not a version"):
+        JobSpec.decode({**spec().encode(), "version": version})
+
+
+def test_a_spec_that_is_not_valid_is_refused_naming_the_field() -> None:
+    stored = {**spec().encode(), "seed": None, "unknown": 1}
+    with pytest.raises(JobSpecRefused, match=r"invalid: seed: .*unknown: Extra inputs"):
+        JobSpec.decode(stored)
+
+
+def test_the_view_shows_the_spec_without_its_version_and_a_newer_one_without_failing() -> None:
+    stored = spec(pipeline="tiny").encode()
+    view = job_view(record_of(stored))
+    assert view.parameters.model_dump(mode="json") == {
+        k: v for k, v in stored.items() if k != "version"
+    }
+    assert "version" not in view.model_dump(mode="json")["parameters"]
+    # a newer release's spec (another API replica wrote it): shown as far as it is known
+    newer = job_view(record_of({**stored, "version": 2, "a_new_field": True}))
+    assert (newer.parameters.pipeline, newer.parameters.seed) == ("tiny", 3)
