@@ -180,6 +180,14 @@ class DeadLetterStore(StoreBase):
         return newest_first(self.redis, self._index(owner), cursor, limit, self.get_many, keep)
 
     @redis_boundary
+    def attempt_log(self, job_id: str) -> list[dict[str, Any]]:
+        """The live job's attempts so far (its record's `attempt_log`), oldest first."""
+        if not valid_id(job_id):
+            return []
+        text = self.redis.hget(self.keys.job(job_id), "attempt_log")
+        return [_attempt(entry) for entry in _json(text, [])]
+
+    @redis_boundary
     def count(self, owner: str | None = None) -> int:
         """Index entries (an owner's, or all): the dead letters, and any expired not yet read."""
         return int(self.redis.zcard(self._index(owner)))

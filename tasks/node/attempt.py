@@ -29,6 +29,7 @@ from kiln.common.stops import StopReason
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
 from kiln.gpu_worker.protocol import GenerationResult, StepProgress
 from kiln.storage.base import AcknowledgementLost, ReplicasBehind
+from kiln.storage.dead_letters import DeadLetterStore
 from kiln.storage.errors import IllegalTransition, StaleLease, StorageError
 from kiln.storage.job_store import JobRecord
 from kiln.storage.objects import new_attempt_name
@@ -46,6 +47,7 @@ from kiln.tasks.node.image_inputs import (
 from kiln.tasks.node.node import Node, TrackedJob
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, describe_error
 from kiln.tasks.node.output_uploads import discard_outputs, encode_and_upload
+from kiln.tasks.node.poison import poison_reason, poisoned
 from kiln.tasks.node.previews import JobPreviews
 from kiln.tasks.node.progress_writer import PendingPreview, PendingProgress
 from kiln.tasks.queue.policy import error_dict, retry_delay
@@ -362,6 +364,9 @@ class LeasedAttempt:
             return
         token = self.tracked.lease_token
         attempts = self.record.attempts
+        reason = poison_reason(error, lambda: self._dead_letters().attempt_log(self.job_id))
+        if reason is not None:  # never tried again: a third run would break its group again
+            error, retryable = poisoned(error, reason), False
         if retryable and attempts < self.settings.max_attempts:
             requeued = self._requeue(token, error)
             delay = retry_delay(attempts, self.settings)
@@ -377,6 +382,9 @@ class LeasedAttempt:
         self.outcome = DeliveryOutcome(Delivery.FAILED, error)
         log.warning("job %s failed: %s: %s", self.job_id, error.get("type"), error.get("message"))
         self.events.changed(JobState.FAILED)
+
+    def _dead_letters(self) -> DeadLetterStore:
+        return DeadLetterStore(self.store.redis, self.store.settings)
 
     def _requeue(self, token: int, error: dict[str, Any]) -> JobRecord:
         """Back to the queue for another attempt (canceled instead if a cancel is pending)."""

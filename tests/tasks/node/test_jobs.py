@@ -299,9 +299,31 @@ def test_a_retryable_failure_requeues_with_backoff(harness: NodeHarness) -> None
     backoff = harness.node.settings.retry_backoff_s  # attempt 1: between d/2 and d
     assert backoff / 2 <= countdown <= backoff
 
-    harness.deliver(job_id)  # the retry: the next attempt, with a doubled backoff
+    # the retry: the next attempt, with a doubled backoff (another kind of failure: a second
+    # group death would make the job poison)
+    harness.coordinator.fail_with = JobFailed("flaky", retryable=True)
+    harness.deliver(job_id)
     assert (harness.store.get(job_id).attempts, len(harness.coordinator.requests)) == (2, 2)
     assert backoff <= harness.published[-1][2] <= 2 * backoff
+
+
+def test_a_job_that_breaks_its_group_twice_is_poison_and_never_runs_again(
+    harness: NodeHarness,
+) -> None:
+    job_id = harness.submit()
+    harness.coordinator.fail_with = WorkerGroupDied("rank 1 died")
+    harness.deliver(job_id)
+    harness.deliver(job_id)  # attempts are left (KILN_MAX_ATTEMPTS 3), but not for this job
+    record = harness.store.get(job_id)
+    assert (record.state, record.attempts) == (JobState.FAILED, 2)
+    assert record.error == {
+        "type": "WorkerGroupDied",
+        "message": "rank 1 died",
+        "retryable": False,
+        "poison": "group_broken_twice",
+    }
+    assert len(harness.published) == 1  # the first retry only: nothing re-publishes it
+    assert len(harness.coordinator.requests) == 2
 
 
 def test_a_retryable_failure_on_the_last_attempt_fails_for_good(make_node: NodeFactory) -> None:
