@@ -8,6 +8,16 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError
 
+from kiln.common.job_events import (
+    CanceledData,
+    CanceledReason,
+    ExpiredData,
+    FailedData,
+    Payload,
+    QueuedData,
+    StartData,
+    SucceededData,
+)
 from kiln.common.states import JobState, edge_sources
 from kiln.storage.base import StoreBase, dumps, wait_command
 from kiln.storage.boundary import redis_boundary, translate
@@ -91,7 +101,7 @@ class TransitionOps(StoreBase):
         *,
         fence: str,
         token: int | None,
-        payload: dict[str, Any],
+        payload: Payload,
         fields: dict[str, str] | None = None,
         honor_cancel: bool = False,
         running_cap: int | None = None,
@@ -120,12 +130,15 @@ class TransitionOps(StoreBase):
         *,
         fence: str,
         token: int | None,
-        payload: dict[str, Any],
+        payload: Payload,
         fields: dict[str, str] | None = None,
         honor_cancel: bool = False,
         running_cap: int | None = None,
     ) -> ScriptCall:
-        """The transition script call that `_transition` runs (keys and every argument)."""
+        """The transition script call that `_transition` runs (keys and every argument).
+
+        `payload` is the event's, typed (kiln/common/job_events.py); the script appends it.
+        """
         flat = [item for pair in (fields or {}).items() for item in pair]
         args = [
             job_id,
@@ -133,7 +146,7 @@ class TransitionOps(StoreBase):
             target.value,
             fence,
             str(token or 0),
-            dumps(payload),
+            dumps(payload.wire()),
             "1" if honor_cancel else "0",
             "" if running_cap is None else str(running_cap),
         ]
@@ -155,7 +168,7 @@ class TransitionOps(StoreBase):
             R,
             fence="token",
             token=start.lease_token,
-            payload={"node_id": start.node_id} if start.node_id else {},
+            payload=_start_payload(start.node_id),
             running_cap=start.running_cap,
         )
 
@@ -174,14 +187,13 @@ class TransitionOps(StoreBase):
         With `running_cap`, QuotaExceeded (nothing written) while the job's owner has that many
         running jobs already: checked and counted in the same step, so the cap holds across nodes.
         """
-        payload = {"node_id": node_id} if node_id else {}
         return self._transition(
             job_id,
             _START,
             R,
             fence="token",
             token=lease_token,
-            payload=payload,
+            payload=_start_payload(node_id),
             running_cap=running_cap,
         )
 
@@ -283,7 +295,7 @@ class TransitionOps(StoreBase):
             JobState.SUCCEEDED,
             fence="token",
             token=lease_token,
-            payload={"outputs": outputs, "metrics": metrics},
+            payload=SucceededData(outputs=outputs, metrics=metrics),
             fields={"outputs": dumps(outputs), "metrics": dumps(metrics), "error": "null"},
         )
 
@@ -305,7 +317,7 @@ class TransitionOps(StoreBase):
             JobState.FAILED,
             fence="token" if lease_token is not None else "not_running",
             token=lease_token,
-            payload={"error": error},
+            payload=FailedData.model_validate({"error": error}),
             fields=fields,
         )
 
@@ -321,7 +333,7 @@ class TransitionOps(StoreBase):
             Q,
             fence="token",
             token=lease_token,
-            payload={"reason": "retry", "error": error},
+            payload=QueuedData.model_validate({"reason": "retry", "error": error}),
             fields={"error": dumps(error)},
             honor_cancel=True,
         )
@@ -335,7 +347,7 @@ class TransitionOps(StoreBase):
         return self._record(job_id, self._run_acknowledged("cancel", keys, args, strict=False))
 
     @redis_boundary
-    def cancel_queued(self, job_id: str, reason: str) -> JobRecord:
+    def cancel_queued(self, job_id: str, reason: CanceledReason) -> JobRecord:
         """Queued → canceled with the event payload `{reason}`; IllegalTransition otherwise.
 
         Unlike `cancel`, a running job is left alone (no cancel flag is set).
@@ -346,7 +358,7 @@ class TransitionOps(StoreBase):
             JobState.CANCELED,
             fence="none",
             token=None,
-            payload={"reason": reason},
+            payload=CanceledData(reason=reason),
         )
 
     @redis_boundary
@@ -358,14 +370,14 @@ class TransitionOps(StoreBase):
             JobState.CANCELED,
             fence="token",
             token=lease_token,
-            payload={"reason": "requested"},
+            payload=CanceledData(reason="requested"),
         )
 
     @redis_boundary
     def expire(self, job_id: str) -> JobRecord:
         """Queued → expired (its start_by deadline passed)."""
         return self._transition(
-            job_id, _EXPIRE, JobState.EXPIRED, fence="none", token=None, payload={}
+            job_id, _EXPIRE, JobState.EXPIRED, fence="none", token=None, payload=ExpiredData()
         )
 
     @redis_boundary
@@ -377,3 +389,8 @@ class TransitionOps(StoreBase):
         self._require_id(job_id)
         args = [job_id, *self._machine_settings()]
         return bool(self._run("reap", self._machine_keys(job_id), args))
+
+
+def _start_payload(node_id: str | None) -> StartData:
+    """A start's part of its `running` event: the node, when it has one (the script adds more)."""
+    return StartData(node_id=node_id) if node_id else StartData()

@@ -5,7 +5,8 @@ holds. `Event` is the discriminated union of every kind: the state changes (`que
 `succeeded`, `failed`, `canceled`, `expired`), `progress`, `preview` and `output`. The node builds
 the payloads it writes from these models and hands them to its one `EventSink`
 (tasks/node/event_sink.py), so a malformed event is refused where it is made, not where it is read;
-the state changes' payloads are written by storage's transitions in the same shapes. Readers (the
+the state changes' payloads (kiln/common/job_events.py, below storage, which writes them) are
+built by storage's transitions from the same models. Readers (the
 SSE route, webhooks, the client) parse a stored entry with `parse_event` and hand it on with
 `event_json`, which gives back the entry as written: the wire format is the stream's.
 
@@ -15,57 +16,23 @@ passes through an older reader unchanged. A new kind (a checkpoint) is one more 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Protocol, get_args
+from typing import Annotated, Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from kiln.common.states import JobState
+from kiln.common.job_events import (
+    CanceledData,
+    ExpiredData,
+    FailedData,
+    Payload,
+    QueuedData,
+    RunningData,
+    SucceededData,
+)
 from kiln.tasks.contract.views import PreviewData, Progress, WaitingProgress
 
 # `int | float` where a writer may put either: a payload round-trips as written (1 stays 1)
 Number = int | float
-
-
-class Payload(BaseModel):
-    """The payload of one kind of event; `kind` is the event `type` it travels as."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-    kind: ClassVar[str]
-
-    def wire(self) -> dict[str, Any]:
-        """The payload as the stream stores it: the fields given, nothing filled in."""
-        return self.model_dump(mode="json", exclude_unset=True)
-
-
-class ErrorData(BaseModel):
-    """Why an attempt or a job failed: `{type, message, retryable}` (the view's `error`)."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    type: str
-    message: str
-    retryable: bool = False
-
-
-QueuedReason = Literal["created", "retry", "lease_expired"]
-CanceledReason = Literal["requested", "cancel_requested", "purged"]
-
-
-class QueuedData(Payload):
-    """`queued`: created, back for a retry (with that attempt's error), or its lease lapsed."""
-
-    kind = JobState.QUEUED.value
-    reason: QueuedReason
-    error: ErrorData | None = None
-
-
-class RunningData(Payload):
-    """`running`: the node that started it, the attempt this is, and the lease's owner."""
-
-    kind = JobState.RUNNING.value
-    node_id: str | None = None
-    attempts: int
-    owner: str
 
 
 class ProgressData(Payload):
@@ -112,34 +79,6 @@ class OutputPayload(Payload):
     width: int | None = None
     height: int | None = None
     frames: int | None = None
-
-
-class SucceededData(Payload):
-    """`succeeded`: the record's outputs and the run's metrics."""
-
-    kind = JobState.SUCCEEDED.value
-    outputs: list[dict[str, Any]]
-    metrics: dict[str, Any]
-
-
-class FailedData(Payload):
-    """`failed`: why."""
-
-    kind = JobState.FAILED.value
-    error: ErrorData
-
-
-class CanceledData(Payload):
-    """`canceled`: asked while queued (`requested`) or running (`cancel_requested`), or purged."""
-
-    kind = JobState.CANCELED.value
-    reason: CanceledReason
-
-
-class ExpiredData(Payload):
-    """`expired`: its start_by passed before it started (no fields)."""
-
-    kind = JobState.EXPIRED.value
 
 
 class _Entry(BaseModel):

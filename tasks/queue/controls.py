@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
 
+from kiln.common.job_events import CanceledReason
 from kiln.storage.errors import IllegalTransition, JobNotFound
 from kiln.storage.job_store import JobRecord, JobStore
 from kiln.tasks.contract.schemas import PipelineName
@@ -22,7 +23,7 @@ from kiln.tasks.queue.lanes import LANES, queue_name
 
 log = logging.getLogger(__name__)
 
-PURGED = "purged"  # the `reason` of the `canceled` event of a purged job
+PURGED: CanceledReason = "purged"  # the `reason` of the `canceled` event of a purged job
 _PIPELINE_NAME: TypeAdapter[str] = TypeAdapter(PipelineName)
 # jobs read per round while purging: each is one script run
 _PURGE_CHUNK = 500

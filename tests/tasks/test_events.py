@@ -142,6 +142,15 @@ def test_a_malformed_event_is_refused_by_its_writer(build: Any) -> None:
         build()
 
 
+def test_a_transition_refuses_a_reason_its_event_cannot_carry(job_store: JobStore) -> None:
+    job_id = queued_job(job_store)
+    bogus: Any = "because"
+    with pytest.raises(ValidationError):
+        job_store.cancel_queued(job_id, bogus)
+    assert job_store.get(job_id).state == JobState.QUEUED  # refused before Redis
+    assert [e.type for e in job_store.events(job_id)] == ["queued"]
+
+
 def test_the_sink_writes_only_typed_payloads(job_store: JobStore) -> None:
     job_id = queued_job(job_store)
     events = EventSink(job_store).job(job_id, start_job(job_store, job_id))

@@ -1,0 +1,96 @@
+"""The payloads of a job's state-change events, which storage's transitions write.
+
+They live here, below every package, because their writer (storage/transitions.py and its Lua
+scripts) may not import the contract; tasks/contract/events.py puts them in its one typed union
+beside the kinds a node writes (progress, preview, output), and readers parse every entry with
+that union. The Lua scripts spell four reasons themselves (`created`, `requested`,
+`cancel_requested`, `lease_expired`): the union's Literals below are what they may write, and the
+round-trip test reads every kind back as its real writer stored it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from kiln.common.states import JobState
+
+
+class Payload(BaseModel):
+    """The payload of one kind of event; `kind` is the event `type` it travels as.
+
+    Fields it does not name are kept (`extra="allow"`): an entry a newer writer stored passes
+    through an older reader unchanged.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    kind: ClassVar[str]
+
+    def wire(self) -> dict[str, Any]:
+        """The payload as the stream stores it: the fields given, nothing filled in."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class ErrorData(BaseModel):
+    """Why an attempt or a job failed: `{type, message, retryable}` (the view's `error`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: str
+    message: str = ""  # every error Kiln writes has one; a bare `{type}` still reads back
+    retryable: bool = False
+
+
+QueuedReason = Literal["created", "retry", "lease_expired"]
+CanceledReason = Literal["requested", "cancel_requested", "purged"]
+
+
+class QueuedData(Payload):
+    """`queued`: created, back for a retry (with that attempt's error), or its lease lapsed."""
+
+    kind = JobState.QUEUED.value
+    reason: QueuedReason
+    error: ErrorData | None = None
+
+
+class StartData(Payload):
+    """What a start's caller gives its `running` event: the node (the script adds the rest)."""
+
+    kind = JobState.RUNNING.value
+    node_id: str | None = None
+
+
+class RunningData(StartData):
+    """`running`: the node that started it, the attempt this is, and the lease's owner."""
+
+    attempts: int
+    owner: str
+
+
+class SucceededData(Payload):
+    """`succeeded`: the record's outputs and the run's metrics."""
+
+    kind = JobState.SUCCEEDED.value
+    outputs: list[dict[str, Any]]
+    metrics: dict[str, Any]
+
+
+class FailedData(Payload):
+    """`failed`: why."""
+
+    kind = JobState.FAILED.value
+    error: ErrorData
+
+
+class CanceledData(Payload):
+    """`canceled`: asked while queued (`requested`) or running (`cancel_requested`), or purged."""
+
+    kind = JobState.CANCELED.value
+    reason: CanceledReason
+
+
+class ExpiredData(Payload):
+    """`expired`: its start_by passed before it started (no fields)."""
+
+    kind = JobState.EXPIRED.value
