@@ -1,7 +1,11 @@
 """The job store: job records, the state machine, leases, events and counters in Redis.
 
 Key names live in storage/keys.py, the Lua scripts in storage/lua/ (loaded by storage/scripts.py);
-this module assembles the store from its parts, one per concept.
+this module assembles the store from its parts, one per concept. Each part is a store of its own
+on `StoreBase` (no part leans on another): a caller that uses one concept takes that one (a
+backlog read takes `BacklogOps`, the served pipelines `NodeOps`, a queue position `QueueOps`),
+and any `JobStore` is one; a part built alone shares the process's client: `QueryOps(store.redis,
+store.settings)`. `JobStore` is for callers of many concepts.
 """
 
 from __future__ import annotations

@@ -38,8 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.common.request import Lane
-from kiln.storage.backlog import BacklogReading, QueueBacklog
-from kiln.storage.job_store import JobStore
+from kiln.storage.backlog import BacklogOps, BacklogReading, QueueBacklog
 from kiln.storage.queues import QueueSnapshot
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import LANES, queue_name
@@ -104,14 +103,14 @@ def pipeline_queues(pipeline: str) -> list[str]:
 
 
 def read_backlogs(
-    store: JobStore, settings: KilnSettings, pipelines: Sequence[str]
+    store: BacklogOps, settings: KilnSettings, pipelines: Sequence[str]
 ) -> list[PipelineBacklog]:
     """The backlog of each of `pipelines`, all read in one call."""
     reading = store.backlog([q for p in pipelines for q in pipeline_queues(p)])
     return [backlog_of(reading, p, settings) for p in pipelines]
 
 
-def read_backlog(store: JobStore, settings: KilnSettings, pipeline: str) -> PipelineBacklog:
+def read_backlog(store: BacklogOps, settings: KilnSettings, pipeline: str) -> PipelineBacklog:
     """The backlog of one pipeline."""
     return read_backlogs(store, settings, [pipeline])[0]
 
@@ -231,7 +230,7 @@ def late_start(
 class BacklogCache:
     """Per pipeline, the last backlog read, answering for `ADMISSION_READ_S`."""
 
-    def __init__(self, store: JobStore, settings: KilnSettings) -> None:
+    def __init__(self, store: BacklogOps, settings: KilnSettings) -> None:
         self.store = store
         self.settings = settings
         self._read: dict[str, tuple[float, PipelineBacklog]] = {}  # pipeline -> (when, what)

@@ -20,9 +20,9 @@ from __future__ import annotations
 from kiln.common.request import Lane
 from kiln.common.states import JobState
 from kiln.storage.creation import Placement
-from kiln.storage.job_store import JobRecord, JobStore
 from kiln.storage.leases import WAITING_IN_NODE
-from kiln.storage.queues import QueueSnapshot
+from kiln.storage.queues import QueueOps, QueueSnapshot
+from kiln.storage.records import JobRecord
 from kiln.tasks.contract.views import QueueEstimate
 from kiln.tasks.queue.lanes import LANES, queue_name
 
@@ -50,7 +50,7 @@ def placement(lane: str, queue: str) -> Placement:
 
 
 def queue_estimate(
-    store: JobStore, record: JobRecord, bulk_share_every: int
+    store: QueueOps, record: JobRecord, bulk_share_every: int
 ) -> QueueEstimate | None:
     """The queued job's position and expected start; None if it is not queued (or predates them).
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kiln.common.request import InputSchema
-from kiln.storage.job_store import JobStore
+from kiln.storage.nodes import NodeOps
 from kiln.tasks.contract.inputs import announced_inputs
 from kiln.tasks.contract.limits import PipelineLimits, announced_limits
 from kiln.tasks.contract.loras import NodeAdapters, announced_adapters
@@ -31,7 +31,7 @@ class Served:
     adapters: dict[str, list[NodeAdapters]] = field(default_factory=dict)  # likewise
 
 
-def served_now(store: JobStore, configured: Sequence[str]) -> Served:
+def served_now(store: NodeOps, configured: Sequence[str]) -> Served:
     """What the live nodes announce now, plus the `configured` pipeline names."""
     live: set[str] = set()
     limits: dict[str, list[PipelineLimits]] = {}
@@ -52,7 +52,7 @@ def served_now(store: JobStore, configured: Sequence[str]) -> Served:
 class ServedCache:
     """`served_now`, read again once `KNOWN_PIPELINES_CACHE_S` has passed."""
 
-    def __init__(self, store: JobStore, configured: Sequence[str]) -> None:
+    def __init__(self, store: NodeOps, configured: Sequence[str]) -> None:
         self.store = store
         self.configured = list(configured)
         self._read: tuple[float, Served] = (0.0, Served())  # (when read, what it said)
