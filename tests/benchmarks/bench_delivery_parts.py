@@ -44,6 +44,7 @@ from kiln.storage.s3_store import S3ObjectStore  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
 from kiln.tasks.api.auth import Authenticator, hash_api_key, new_api_key  # noqa: E402
 from kiln.tasks.contract.events import ProgressData  # noqa: E402
+from kiln.tasks.contract.job_spec import JobSpec  # noqa: E402
 from kiln.tasks.node.event_sink import EventSink  # noqa: E402
 from kiln.tasks.node.output_uploads import UploadVerify, encode_and_upload, put_verified  # noqa: E402
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter  # noqa: E402
@@ -129,7 +130,7 @@ def stage_progress(jobs: JobStore, objects: S3ObjectStore, rounds: int) -> None:
     sink = EventSink(jobs)
     writer.start()
     frames = np.random.default_rng(0).integers(0, 255, (1, 64, 64, 3), dtype=np.uint8)
-    request = {"output_format": "png", "fps": 8, "seed": 0}
+    request = JobSpec(prompt="bench", output_format="png", fps=8, seed=0)
 
     def running_jobs() -> list[tuple[str, int]]:
         news = [NewJob(id=secrets.token_hex(8), request={}) for _ in range(rounds)]
