@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kiln.storage.dead_letters import DeadLetterStore
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import transport_options
@@ -138,7 +139,7 @@ def test_job_longer_than_visibility_timeout_runs_once(
     assert f"job {job_id} delivered again while leased" in worker.output()
 
 
-def test_poison_job_fails_after_max_attempts_without_looping(
+def test_a_job_that_breaks_its_group_twice_is_dead_lettered_and_never_runs_again(
     cluster_factory: Callable[..., Cluster],
 ) -> None:
     cluster = cluster_factory(KILN_MAX_ATTEMPTS="3", KILN_RETRY_BACKOFF_S="0.2")
@@ -146,9 +147,12 @@ def test_poison_job_fails_after_max_attempts_without_looping(
     job_id = cluster.submit(pipeline="sleepy", prompt="poison", width=64, height=64, steps=4)
     record = cluster.wait_for(job_id, timeout_s=180)
     assert str(record.state) == "failed"
-    assert record.attempts == 3
+    # attempts were left (3), but a second group death makes the job poison: no third run
+    assert record.attempts == 2
     assert record.error is not None
     assert record.error["retryable"] is False
+    assert record.error["type"] == "WorkerGroupDied"
+    assert record.error["poison"] == "group_broken_twice"
     events_then = len(cluster.store.events(job_id))
     # Two heartbeats on, the node ran its loops and holds no message of the job (a retry's
     # countdown would be listed): nothing is left that could run it again.
@@ -157,7 +161,20 @@ def test_poison_job_fails_after_max_attempts_without_looping(
     assert job_id not in held
     assert len(cluster.store.events(job_id)) == events_then, "a failed job must not run again"
     running_events = [e for e in cluster.store.events(job_id) if e.type == "running"]
-    assert len(running_events) == 3
+    assert len(running_events) == 2
+    # its dead letter holds both attempts: the node, the times, each one's group death
+    letter = DeadLetterStore(cluster.store.redis, cluster.store.settings).get(job_id)
+    assert letter is not None
+    assert letter.poison == "group_broken_twice"
+    assert letter.request["prompt"] == "poison"
+    first, second = letter.attempt_log
+    for number, attempt in enumerate((first, second), start=1):
+        assert attempt["attempt"] == number
+        assert attempt["node"] == worker.node_id
+        assert attempt["started_at"] <= attempt["ended_at"]
+        assert attempt["error"]["type"] == "WorkerGroupDied"
+    assert (first["outcome"], second["outcome"]) == ("queued", "failed")
+    assert second["error"]["poison"] == "group_broken_twice"
 
 
 def test_object_store_unreachable_during_upload_retries_then_succeeds(
