@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum
 
+from kiln.common.job_events import ProgressData
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.settings import StorageSettings
@@ -37,9 +38,9 @@ def lease_ttl_ms(settings: StorageSettings) -> int:
 WAITING_IN_NODE = "waiting_in_node"
 
 
-def waiting_progress(node_id: str, position: int) -> dict[str, object]:
+def waiting_progress(node_id: str, position: int) -> ProgressData:
     """The progress of a job waiting in node `node_id` with `position` jobs ahead of it there."""
-    return {"stage": WAITING_IN_NODE, "node": node_id, "position": position}
+    return ProgressData(stage=WAITING_IN_NODE, node=node_id, position=position)
 
 
 def delivery_owner(node_id: str, delivery: str) -> str:

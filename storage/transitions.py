@@ -243,7 +243,7 @@ class TransitionOps(StoreBase):
             job_id,
             owner,
             lease_ttl_ms(self.settings),
-            dumps(waiting_progress(node_id, position)),
+            dumps(waiting_progress(node_id, position).wire()),
             k.batch_prefix,
             self.settings.event_stream_maxlen,
         ]

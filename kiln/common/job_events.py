@@ -1,4 +1,4 @@
-"""The payloads of a job's state-change events, which storage's transitions write.
+"""The payloads of the events storage writes: a job's state changes and a held job's progress.
 
 They live here, below every package, because their writer (storage/transitions.py and its Lua
 scripts) may not import the contract; tasks/contract/events.py puts them in its one typed union
@@ -88,6 +88,21 @@ class CanceledData(Payload):
 
     kind = JobState.CANCELED.value
     reason: CanceledReason
+
+
+class ProgressData(Payload):
+    """`progress`: a running job's stage (and step of total), or where a held job waits.
+
+    A node writes a running job's stages (through its event sink); storage's `hold` writes a held
+    job's first `waiting_in_node` (storage/leases.py `waiting_progress`).
+    """
+
+    kind = "progress"
+    stage: str
+    step: int | None = None
+    total: int | None = None
+    node: str | None = None  # waiting_in_node only: the node holding the queued job
+    position: int | None = None  # waiting_in_node only: jobs that node starts before it
 
 
 class ExpiredData(Payload):

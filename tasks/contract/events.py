@@ -22,35 +22,52 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from kiln.common.job_events import (
     CanceledData,
+    ErrorData,
     ExpiredData,
     FailedData,
     Payload,
+    ProgressData,
     QueuedData,
     RunningData,
     SucceededData,
 )
 from kiln.tasks.contract.views import PreviewData, Progress, WaitingProgress
 
+# the union and every payload, from this one module (the state changes' live in kiln/common)
+__all__ = [
+    "EVENTS",
+    "EVENT_TYPES",
+    "CanceledData",
+    "CanceledEvent",
+    "ErrorData",
+    "Event",
+    "ExpiredData",
+    "ExpiredEvent",
+    "FailedData",
+    "FailedEvent",
+    "NodePayload",
+    "OutputEvent",
+    "OutputPayload",
+    "Payload",
+    "PreviewPayload",
+    "ProgressData",
+    "ProgressEvent",
+    "QueuedData",
+    "QueuedEvent",
+    "RunningData",
+    "RunningEvent",
+    "StepPreviewEvent",
+    "StoredEvent",
+    "SucceededData",
+    "SucceededEvent",
+    "event_json",
+    "parse_event",
+    "preview_of",
+    "progress_view",
+]
+
 # `int | float` where a writer may put either: a payload round-trips as written (1 stays 1)
 Number = int | float
-
-
-class ProgressData(Payload):
-    """`progress`: a running job's stage (and step of total), or where a held job waits."""
-
-    kind = "progress"
-    stage: str
-    step: int | None = None
-    total: int | None = None
-    node: str | None = None  # waiting_in_node only: the node holding the queued job
-    position: int | None = None  # waiting_in_node only: jobs that node starts before it
-
-    def view(self) -> Progress:
-        """The job view's `progress` of this event."""
-        fields = self.wire()
-        if self.node is not None and self.position is not None:
-            return WaitingProgress.model_validate(fields)
-        return Progress.model_validate(fields)
 
 
 class PreviewPayload(PreviewData, Payload):
@@ -166,6 +183,16 @@ Event = Annotated[
     Field(discriminator="type"),
 ]
 EVENTS: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def progress_view(progress: ProgressData) -> Progress:
+    """The job view's `progress` of a `progress` event: a held job's wait, or a running stage."""
+    fields = progress.wire()
+    if progress.node is not None and progress.position is not None:
+        return WaitingProgress.model_validate(fields)
+    return Progress.model_validate(fields)
+
+
 # what a node writes itself; the state changes are the transitions' (storage/transitions.py)
 NodePayload = ProgressData | PreviewPayload | OutputPayload
 # every kind, by its `type`

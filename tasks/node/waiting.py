@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 
 from kiln.storage.leases import waiting_progress
-from kiln.tasks.contract.events import ProgressData
 from kiln.tasks.node.event_sink import EventSink
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
 
@@ -50,6 +49,6 @@ class WaitingInNode:
             del self._jobs[job_id]
             moved = [(each, self._jobs[each], p) for p, each in enumerate(order[at + 1 :], at)]
         for each, token, position in moved:
-            waiting = ProgressData.model_validate(waiting_progress(self.node_id, position))
+            waiting = waiting_progress(self.node_id, position)
             pending = PendingProgress(self.events.job(each, token), waiting)
             self.progress.update(each, pending, urgent=True)

@@ -22,6 +22,7 @@ from kiln.tasks.contract.events import (
     StepPreviewEvent,
     parse_event,
     preview_of,
+    progress_view,
 )
 from kiln.tasks.contract.schemas import WebhookEvent
 from kiln.tasks.contract.views import JobView, Metrics, Progress, job_view
@@ -69,7 +70,7 @@ def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) ->
         step, total = event.payload.step, event.payload.total
         update["progress"] = Progress(stage="denoising", step=step, total=total)
     elif isinstance(event, ProgressEvent):
-        update["progress"] = event.payload.view()
+        update["progress"] = progress_view(event.payload)
     return view.model_copy(update=update)
 
 
