@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kiln.common.states import JobState
-from kiln.storage.audit import AUDIT_PAGE
+from kiln.storage.audit import AUDIT_PAGE, AuditOps
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.control.context import ControlContext
 from kiln.tasks.control.sweeper import publish_queued
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 RECHECK_HORIZON_S = 3600.0
 
 
-def _list_entries(store: JobStore, key: str) -> Iterator[str]:
+def _list_entries(store: AuditOps, key: str) -> Iterator[str]:
     start = 0
     while page := store.list_page(key, start):
         yield from page
@@ -68,7 +68,7 @@ def _list_entries(store: JobStore, key: str) -> Iterator[str]:
         start += len(page)  # a push at the head meanwhile makes a page overlap, never skip
 
 
-def listed_job_ids(store: JobStore, app: Celery, queue: str) -> set[str]:
+def listed_job_ids(store: AuditOps, app: Celery, queue: str) -> set[str]:
     """The job ids of the messages waiting in `queue`'s lists."""
     ids: set[str] = set()
     for key in queue_list_keys(app, queue):
@@ -76,7 +76,7 @@ def listed_job_ids(store: JobStore, app: Celery, queue: str) -> set[str]:
     return ids
 
 
-def unacked_job_ids(store: JobStore, app: Celery) -> set[str]:
+def unacked_job_ids(store: AuditOps, app: Celery) -> set[str]:
     """The job ids of every delivery kombu holds unacknowledged (its hash, scanned in pages)."""
     _, hash_key = unacked_keys(app)
     ids: set[str] = set()
@@ -88,7 +88,7 @@ def unacked_job_ids(store: JobStore, app: Celery) -> set[str]:
             return ids
 
 
-def old_unlisted(store: JobStore, queue: str, before_s: float, listed: set[str]) -> set[str]:
+def old_unlisted(store: AuditOps, queue: str, before_s: float, listed: set[str]) -> set[str]:
     """The jobs of `queue`'s index that entered it before `before_s` and are not in `listed`.
 
     The index is in the order jobs entered the queue: the walk stops at the first younger one.
@@ -109,7 +109,7 @@ def old_unlisted(store: JobStore, queue: str, before_s: float, listed: set[str])
     return old
 
 
-def head_is_old(store: JobStore, queue: str, before_s: float) -> bool:
+def head_is_old(store: AuditOps, queue: str, before_s: float) -> bool:
     """Whether `queue`'s oldest queued job entered it before `before_s` (the cheap check)."""
     head = store.queued_page(queue, None)[:1]
     since = store.queued_since([job_id for job_id, _ in head])

@@ -18,6 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 from kiln.common.job_events import CanceledReason
 from kiln.storage.errors import IllegalTransition, JobNotFound
 from kiln.storage.job_store import JobRecord, JobStore
+from kiln.storage.queues import QueueOps
 from kiln.tasks.contract.schemas import PipelineName
 from kiln.tasks.queue.lanes import LANES, queue_name
 
@@ -59,7 +60,7 @@ class QueueState:
     paused_by: str = ""
 
 
-def pause(store: JobStore, queue: str, by: str = "") -> bool:
+def pause(store: QueueOps, queue: str, by: str = "") -> bool:
     """Pause `queue` on every node (durable); True if it was running before."""
     parse_queue(queue)
     paused = store.pause_queue(queue, by=by)
@@ -67,13 +68,13 @@ def pause(store: JobStore, queue: str, by: str = "") -> bool:
     return paused
 
 
-def resume(store: JobStore, queue: str) -> bool:
+def resume(store: QueueOps, queue: str) -> bool:
     """Resume `queue` on every node; True if it was paused."""
     parse_queue(queue)
     return store.resume_queue(queue)
 
 
-def queue_states(store: JobStore, pipelines: Iterable[str]) -> list[QueueState]:
+def queue_states(store: QueueOps, pipelines: Iterable[str]) -> list[QueueState]:
     """Every queue of `pipelines` (both lanes) and every paused queue, with its queued jobs."""
     paused = store.paused_queues()
     names = {queue_name(lane, p) for p in pipelines for lane in LANES} | set(paused)
@@ -126,12 +127,12 @@ def purge(
     return canceled
 
 
-def drain(store: JobStore, node_id: str, exit: bool, by: str = "") -> None:
+def drain(store: QueueOps, node_id: str, exit: bool, by: str = "") -> None:
     """Ask `node_id` to finish its running jobs and take no more; with `exit`, then exit."""
     store.request_drain(node_id, exit=exit, by=by)
     log.info("node %s asked to drain%s", node_id, " and exit" if exit else "")
 
 
-def undrain(store: JobStore, node_id: str) -> bool:
+def undrain(store: QueueOps, node_id: str) -> bool:
     """Withdraw a drain request: a node still up takes jobs again; True if there was one."""
     return store.withdraw_drain(node_id)
