@@ -8,7 +8,7 @@ its error), plus `checkpoint` (null until jobs write checkpoints). It lives
 `dead_letter_retention_s` (its job record only `retention_s`), and the set holds at most
 `dead_letter_max` of them: past the cap the oldest go, in the step that adds one.
 
-A redrive makes a new job of a dead letter (tasks/queue/redrive.py); `claim` marks the dead letter
+A redrive makes a new job of a dead letter (tasks/intake/redrive.py); `claim` marks the dead letter
 with that job's id first, once, so two redrives of one dead letter never make two jobs.
 """
 
