@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.tasks.cli.backends import remote_args
 from kiln.tasks.cli.exits import UsageError, print_json
+
+if TYPE_CHECKING:
+    from kiln.tasks.queue.process import ProcessParts
 
 ACTIONS = ("nodes", "queues", "pause", "resume", "purge", "drain", "undrain")
 
@@ -99,7 +102,7 @@ def _direct(args: argparse.Namespace) -> dict[str, Any]:
         changed = controls.resume(store, args.queue)
         return {"queue": args.queue, "paused": False, "changed": changed}
     if action == "purge":
-        job_ids = _purge(store, args.queue, settings, parts.storage_settings)
+        job_ids = _purge(parts, args.queue)
         return {"queue": args.queue, "canceled": len(job_ids), "job_ids": job_ids}
     if action == "drain":
         controls.drain(store, args.node_id, exit=args.exit)
@@ -108,13 +111,12 @@ def _direct(args: argparse.Namespace) -> dict[str, Any]:
     return {"node_id": args.node_id, "drain_requested": False, "exit": False}
 
 
-def _purge(store: Any, queue: str, settings: Any, storage_settings: Any) -> list[str]:
+def _purge(parts: ProcessParts, queue: str) -> list[str]:
     from kiln.storage.job_store import JobRecord
     from kiln.tasks.queue import controls
-    from kiln.tasks.queue.app import make_celery_app
     from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 
-    celery = make_celery_app(settings, storage_settings)
+    store, celery = parts.store, parts.celery_app
 
     def notify(record: JobRecord) -> None:
         enqueue_webhook_events(store, record.id, str(record.state), record=record, app=celery)

@@ -67,12 +67,12 @@ class DirectBackend:
         # Deferred: Redis, boto3 and Celery load only when the CLI talks to Redis directly.
         from kiln.tasks.intake.intake import Intake
         from kiln.tasks.queue.process import ProcessParts
-        from kiln.tasks.queue.submit import Submitter
+        from kiln.tasks.queue.submit import Submitter, celery_publisher
 
         parts = ProcessParts()  # the command's process: its environment, read once
         self.store = parts.store
         self.objects = parts.objects
-        self.submitter = Submitter(self.store, parts.settings)
+        self.submitter = Submitter(self.store, parts.settings, celery_publisher(parts.celery_app))
         self.intake = Intake(self.submitter, self.objects)  # the checks of POST /v1/jobs
 
     def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
