@@ -4,10 +4,10 @@ Requests are compatible when their `batch_key()` is equal (pipeline, size, frame
 guidance, inputs, adapters, speed mode: modes never share a forward); the pipelines generate
 every output from its own seeded generator, so in `exact` mode a request's pixels do not depend
 on its batch mates (in a faster mode the cache's skip decision is taken over the whole batch).
-A batch holds at most `max_batch` outputs (a request with more outputs than that runs alone),
-fewer when its pipeline's memory budget says so. The window only delays a batch that is not
-yet full and whose oldest request arrived less than `window_s` ago: requests that queued up while
-the group was busy go at once.
+A batch holds at most `max_batch` outputs (a request with more outputs than that runs alone, as
+does one with step checkpoints), fewer when its pipeline's memory budget says so. The window only
+delays a batch that is not yet full and whose oldest request arrived less than `window_s` ago:
+requests that queued up while the group was busy go at once.
 """
 
 from __future__ import annotations
@@ -49,7 +49,13 @@ def plan_batch(queue: Iterable[Q], max_batch: int) -> list[Q]:
         if key is None:
             key, outputs = request.batch_key(), request.num_outputs
             chosen.append(item)
-        elif request.batch_key() == key and outputs + request.num_outputs <= max_batch:
+            if request.checkpoint is not None:
+                break  # a checkpoint is one job's state: it runs alone
+        elif (
+            request.checkpoint is None
+            and request.batch_key() == key
+            and outputs + request.num_outputs <= max_batch
+        ):
             outputs += request.num_outputs
             chosen.append(item)
         if outputs >= max_batch:
@@ -64,8 +70,8 @@ def batch_outputs(batch: Sequence[Queued]) -> int:
 
 def window_remaining(batch: Sequence[Queued], max_batch: int, window_s: float, now: float) -> float:
     """Seconds to wait for more compatible requests before sending `batch`; 0 means send now."""
-    if not batch or batch_outputs(batch) >= max_batch:
-        return 0.0
+    if not batch or batch_outputs(batch) >= max_batch or batch[0].request.checkpoint is not None:
+        return 0.0  # full, or one that runs alone
     return max(0.0, batch[0].enqueued_at + window_s - now)
 
 

@@ -45,6 +45,7 @@ from kiln.gpu_worker.protocol import (
     GenerationResult,
     GroupAsleep,
     RunBatch,
+    StepCheckpoint,
     StepPreview,
     StepProgress,
     StopVerdict,
@@ -93,8 +94,12 @@ class Coordinator:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
+        on_checkpoint: Callable[[StepCheckpoint], None] | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request; `max_run_seconds` counts from this call.
+
+        `on_checkpoint` gets each step checkpoint rank 0 takes of a request with a
+        `CheckpointPlan` (on the monitor thread, like `on_progress`: hand it on, do not write).
 
         The future raises JobFailed (and subclasses), JobStopped or WorkerGroupDied.
         """
@@ -106,7 +111,13 @@ class Coordinator:
             )
             return future
         ticket = Ticket(
-            request, future, time.monotonic(), on_progress, should_stop, max_run_seconds
+            request,
+            future,
+            time.monotonic(),
+            on_progress,
+            should_stop,
+            max_run_seconds,
+            on_checkpoint=on_checkpoint,
         )
         with self._cond:
             if not self._started.is_set() or self._closing:
@@ -327,18 +338,34 @@ class Coordinator:
         if isinstance(message, StepPreview):
             self._on_preview(message)
             return
+        if isinstance(message, StepCheckpoint):
+            self._on_checkpoint(message)
+            return
         self._inflight.on_message(message)
 
     def _on_preview(self, message: StepPreview) -> None:
         """Hand a preview to its request's `on_progress` (as `StepProgress.preview`)."""
-        with self._cond:
-            batch = self._inflight.batch
-            current = batch is not None and batch.batch_id == message.batch_id
-            ticket = batch.tickets.get(message.request_id) if batch and current else None
-        if ticket is None or ticket.future.done():
+        ticket = self._running_ticket(message.batch_id, message.request_id)
+        if ticket is None:
             return
         progress = StepProgress("denoising", message.step, message.total, message.pixels)
         ticket.report(progress)
+
+    def _on_checkpoint(self, message: StepCheckpoint) -> None:
+        """Hand a step checkpoint to its request's `on_checkpoint` (the node writes it)."""
+        ticket = self._running_ticket(message.batch_id, message.request_id)
+        if ticket is not None:
+            ticket.hand_checkpoint(message)
+
+    def _running_ticket(self, batch_id: int, request_id: str) -> Ticket | None:
+        """The ticket of `request_id` while its batch `batch_id` runs and it is not done."""
+        with self._cond:
+            batch = self._inflight.batch
+            current = batch is not None and batch.batch_id == batch_id
+            ticket = batch.tickets.get(request_id) if batch and current else None
+        if ticket is None or ticket.future.done():
+            return None
+        return ticket
 
     def _on_group_death(self, generation: int, reason: str) -> None:
         with self._cond:

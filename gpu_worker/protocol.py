@@ -53,6 +53,21 @@ class PreviewSpec:
 
 
 @dataclass(frozen=True)
+class CheckpointPlan:
+    """A request's step checkpoints: the states it may resume from, and when rank 0 takes one.
+
+    `resume`: checkpoint objects (gpu_worker/pipelines/step_checkpoint.py), newest first; the
+    ranks resume from the first that is valid for this run and pass over the others with a
+    reason. A checkpoint is taken after a step when `every_steps` steps or `every_seconds`
+    seconds have passed since the last one (or since the run began); neither: none is taken.
+    """
+
+    resume: tuple[bytes, ...] = field(default=(), repr=False)
+    every_steps: int | None = None
+    every_seconds: float | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One job's compute parameters; everything the ranks need and nothing else."""
 
@@ -82,6 +97,9 @@ class GenerationRequest:
     preview: PreviewSpec | None = field(default=None, kw_only=True)
     # `exact`, `balanced` or `fast` (kiln.common.request.SPEED_MODES; gpu_worker/speed.py).
     speed: str = field(default="exact", kw_only=True)
+    # Step checkpoints (gpu_worker/step_checkpoints.py); None = none, as before. A request with
+    # a plan runs alone: a checkpoint is one job's state.
+    checkpoint: CheckpointPlan | None = field(default=None, kw_only=True)
 
     def batch_key(
         self,
@@ -145,6 +163,10 @@ class RunMetrics:
     # Time rank 0 spent waking its pipelines before this forward (0.0: the group was awake).
     wake_s: float = 0.0
     speed: SpeedReport | None = None  # from pipelines that report one (DiffusersPipeline)
+    # The step a checkpoint resumed the forward from (0: from the start), and why the
+    # checkpoints offered before it were passed over.
+    resumed_at_step: int = 0
+    checkpoint_refusals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -257,6 +279,17 @@ class StepPreview:
 
 
 @dataclass(frozen=True)
+class StepCheckpoint:
+    """Rank 0 -> coordinator: a request's checkpoint after `steps_done` of `total` steps."""
+
+    batch_id: int
+    request_id: str
+    steps_done: int
+    total: int
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class RequestRejected:
     """Rank 0 -> coordinator: the pipeline refused this request (`UnsupportedRequest`)."""
 
@@ -336,5 +369,13 @@ class RankOutcome:
 
 
 CoordinatorCommand = RunBatch | StopVerdict | ShutdownGroup | SleepGroup
-LeaderMessage = StepDone | StepPreview | RequestRejected | BatchDone | BatchFailed | GroupAsleep
+LeaderMessage = (
+    StepDone
+    | StepPreview
+    | StepCheckpoint
+    | RequestRejected
+    | BatchDone
+    | BatchFailed
+    | GroupAsleep
+)
 StatusMessage = RankReady | RankFailed | RankFault

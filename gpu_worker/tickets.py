@@ -15,12 +15,19 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kiln.common.stops import StopReason
 from kiln.gpu_worker.errors import DeadlineExceeded, GpuWorkerError, JobStopped
-from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+from kiln.gpu_worker.protocol import (
+    GenerationRequest,
+    GenerationResult,
+    StepCheckpoint,
+    StepProgress,
+)
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 # the caller's word, asked between steps: why to stop the request now (None or False: go on)
 ShouldStop = Callable[[], StopReason | bool | None]
 
@@ -36,6 +43,7 @@ class Ticket:
     should_stop: ShouldStop | None = None
     max_run_seconds: float | None = None
     stop_reason: StopReason | None = None
+    on_checkpoint: Callable[[StepCheckpoint], None] | None = None
 
     @property
     def deadline_at(self) -> float | None:
@@ -71,12 +79,19 @@ class Ticket:
 
     def report(self, progress: StepProgress) -> None:
         """Call on_progress; a failing callback is logged, never propagated."""
-        if self.on_progress is None:
+        self._call_quietly("on_progress", self.on_progress, progress)
+
+    def hand_checkpoint(self, checkpoint: StepCheckpoint) -> None:
+        """Call on_checkpoint; a failing callback is logged (a checkpoint never fails a job)."""
+        self._call_quietly("on_checkpoint", self.on_checkpoint, checkpoint)
+
+    def _call_quietly(self, name: str, callback: Callable[[T], None] | None, value: T) -> None:
+        if callback is None:
             return
         try:
-            self.on_progress(progress)
+            callback(value)
         except Exception:
-            logger.exception("on_progress of request %s failed", self.request.request_id)
+            logger.exception("%s of request %s failed", name, self.request.request_id)
 
     def wants_stop(self) -> StopReason | None:
         """Call should_stop: why to stop, or None; a failing callback is 'keep going' (logged)."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from kiln.gpu_worker.logs import forward_fields
 from kiln.gpu_worker.memory import PeakMemory
 from kiln.gpu_worker.pipelines.base import Pipeline, StopDenoising
+from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.pipelines.lora import adapter_state
 from kiln.gpu_worker.protocol import (
     AdapterState,
@@ -30,6 +31,11 @@ from kiln.gpu_worker.protocol import (
     RankOutcome,
     RunBatch,
     SpeedReport,
+)
+from kiln.gpu_worker.ranks.checkpoints import (
+    CheckpointSend,
+    ForwardCheckpoints,
+    forward_checkpoints,
 )
 from kiln.gpu_worker.ranks.process import send_quietly
 from kiln.gpu_worker.ranks.start import RankRuntime
@@ -79,12 +85,21 @@ class ForwardResult:
     run_s: float
     adapters: AdapterState | None = None  # the pipeline's adapter cache after the forward
     speed: SpeedReport | None = None  # how the forward ran its speed mode (gpu_worker/speed.py)
+    resumed_at_step: int = 0  # the checkpoint's step it resumed from (ranks/checkpoints.py)
+    checkpoint_refusals: tuple[str, ...] = ()
 
 
 def forward_batch(
-    runtime: RankRuntime, batch: RunBatch, sync: StepSync, status: Connection
+    runtime: RankRuntime,
+    batch: RunBatch,
+    sync: StepSync,
+    status: Connection,
+    send_checkpoint: CheckpointSend | None = None,
 ) -> ForwardResult:
-    """Run the batch on this rank; a failure here is also told to the group's owner at once."""
+    """Run the batch on this rank; a failure here is also told to the group's owner at once.
+
+    `send_checkpoint` (rank 0's) takes the step checkpoints this rank captures.
+    """
     pipeline = runtime.pipelines[batch.requests[0].pipeline]
     level = logging.INFO if runtime.args.rank == 0 else logging.DEBUG  # one line per forward
     with forward_fields(batch.batch_id, [request.request_id for request in batch.requests]):
@@ -95,7 +110,8 @@ def forward_batch(
             len(batch.requests),
             batch.requests[0].pipeline,
         )
-        result = run_forward(pipeline, batch, sync, runtime.args.rank, runtime.device)
+        checkpoints = forward_checkpoints(pipeline, batch, send_checkpoint)
+        result = run_forward(pipeline, batch, sync, runtime.args.rank, runtime.device, checkpoints)
         result = replace(result, adapters=adapter_state(pipeline))
         outcome = result.outcome
         logger.log(
@@ -117,7 +133,12 @@ def forward_batch(
 
 
 def run_forward(
-    pipeline: Pipeline, batch: RunBatch, sync: StepSync, rank: int, device: torch.device
+    pipeline: Pipeline,
+    batch: RunBatch,
+    sync: StepSync,
+    rank: int,
+    device: torch.device,
+    checkpoints: ForwardCheckpoints | None = None,
 ) -> ForwardResult:
     """Run the batch through the pipeline; never raises for the pipeline's own failures."""
     memory = PeakMemory(device)
@@ -126,7 +147,11 @@ def run_forward(
     outputs: list[list[np.ndarray]] | None = None
     status, kind, message = "ok", None, ""
     try:
-        outputs = pipeline.run(batch.requests, sync)
+        if checkpoints is not None:
+            assert isinstance(pipeline, DiffusersPipeline)  # forward_checkpoints checked
+            outputs = pipeline.run(batch.requests, sync, checkpointing=checkpoints.checkpointing)
+        else:
+            outputs = pipeline.run(batch.requests, sync)
         _check_shape(outputs, batch.requests)
     except StopDenoising:
         status = "stopped"
@@ -139,7 +164,16 @@ def run_forward(
     peak_mb = memory.measure().peak_mb
     outcome = RankOutcome(rank, status, kind, message, sync.steps_run, peak_mb)
     speed = speed_report(pipeline) if status == "ok" else None
-    return ForwardResult(outcome, outputs, run_s, speed=speed)
+    if checkpoints is None:
+        return ForwardResult(outcome, outputs, run_s, speed=speed)
+    return ForwardResult(
+        outcome,
+        outputs,
+        run_s,
+        speed=speed,
+        resumed_at_step=checkpoints.checkpointing.resumed_at,
+        checkpoint_refusals=checkpoints.all_refusals(),
+    )
 
 
 def _check_shape(outputs: list[list[np.ndarray]], requests: Sequence[object]) -> None:

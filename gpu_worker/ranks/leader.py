@@ -156,7 +156,7 @@ def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
         link.begin(batch.batch_id)
         decoder = decoders.get(batch.requests[0].pipeline)
         sync = step_sync(runtime, batch, link, decoder)
-        result = forward_batch(runtime, batch, sync, status)
+        result = forward_batch(runtime, batch, sync, status, link.send)
         outcome = replace(result.outcome, wake_s=wake_s)
         outcomes = exchange_outcomes(outcome, args.world_size, runtime.control_group)
         report_batch(link, batch, outcomes, result, sync.stopped)
@@ -231,6 +231,8 @@ def report_batch(
         batch_size=sum(request.num_outputs for request in batch.requests),
         wake_s=max(outcome.wake_s for outcome in outcomes),  # the group waits for its last
         speed=result.speed,  # rank 0's: every rank ran the same mode
+        resumed_at_step=result.resumed_at_step,  # alike on every rank (ranks/checkpoints.py)
+        checkpoint_refusals=result.checkpoint_refusals,
     )
     if result.outputs is None:  # every request stopped
         all_ids = frozenset(request.request_id for request in batch.requests)

@@ -1,0 +1,99 @@
+"""Step checkpoints through a real worker group: rank 0 takes them, every rank resumes from one.
+
+Real spawned CPU ranks (one, and two dividing the forward): a request with a `CheckpointPlan`
+hands its checkpoints to `on_checkpoint`; a later request offered them resumes from the newest
+valid one (passing over a damaged one, with the reason in its metrics), runs only the steps
+left, and ends byte-identical to a run never interrupted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from kiln.gpu_worker.batching import plan_batch, window_remaining
+from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.protocol import CheckpointPlan, GenerationResult, StepCheckpoint
+from tests.gpu_worker.conftest import GENEROUS_S, request, start_coordinator
+
+STEPS = 8
+EVERY = 3
+PIPELINES = {"tiny": "tiny", "video": "tiny-video"}
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module", params=["cpu:1", "cpu:2"])
+def group(request: pytest.FixtureRequest) -> Iterator[Coordinator]:
+    coordinator = start_coordinator(request.param, PIPELINES, node_name=f"ckpt-{request.param}")
+    yield coordinator
+    coordinator.shutdown()
+
+
+def run(
+    group: Coordinator, case: dict[str, object], plan: CheckpointPlan | None
+) -> tuple[GenerationResult, list[StepCheckpoint]]:
+    taken: list[StepCheckpoint] = []
+    job = request(f"r{next(_ids)}", steps=STEPS, checkpoint=plan, **case)  # type: ignore[arg-type]
+    result = group.submit(job, on_checkpoint=taken.append).result(timeout=GENEROUS_S)
+    return result, taken
+
+
+CASES = {
+    "image, Euler": {"pipeline": "tiny"},
+    "image, DPM-Solver": {
+        "pipeline": "tiny",
+        "extra_inputs": {"scheduler": "DPMSolverMultistepScheduler"},
+    },
+    "video, flow-matching Euler": {"pipeline": "video", "size": 32, "num_frames": 5},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_rank_0_checkpoints_and_a_later_run_resumes_byte_identical(
+    group: Coordinator, case: dict[str, object]
+) -> None:
+    uninterrupted, none_taken = run(group, case, None)
+    assert none_taken == []
+
+    checkpointed, taken = run(group, case, CheckpointPlan(every_steps=EVERY))
+    assert [(c.steps_done, c.total) for c in taken] == [(3, STEPS), (6, STEPS)]
+    assert checkpointed.outputs[0].tobytes() == uninterrupted.outputs[0].tobytes()
+
+    damaged = taken[-1].data[:-10]  # the newest, cut short: passed over for the one before
+    offered = CheckpointPlan(resume=(damaged, taken[0].data), every_steps=EVERY)
+    resumed, taken_again = run(group, case, offered)
+    assert resumed.metrics is not None
+    assert resumed.metrics.resumed_at_step == 3
+    assert resumed.metrics.steps_run == STEPS - 3  # only the steps left were computed
+    assert len(resumed.metrics.checkpoint_refusals) == 1
+    assert "truncated" in resumed.metrics.checkpoint_refusals[0]
+    assert resumed.outputs[0].tobytes() == uninterrupted.outputs[0].tobytes()
+    assert [c.steps_done for c in taken_again] == [6]  # the cadence counts from the resume
+    assert taken_again[0].data == taken[1].data  # the same state as the first run's step 6
+
+
+def test_a_checkpoint_of_another_request_is_refused_and_the_run_starts_at_0(
+    group: Coordinator,
+) -> None:
+    case: dict[str, object] = {"pipeline": "tiny"}
+    _, taken = run(group, case, CheckpointPlan(every_steps=EVERY))
+    other: dict[str, object] = {"pipeline": "tiny", "seed": 2}
+    uninterrupted, _ = run(group, other, None)
+    resumed, _ = run(group, other, CheckpointPlan(resume=(taken[0].data,)))
+    assert resumed.metrics is not None
+    assert resumed.metrics.resumed_at_step == 0
+    assert resumed.metrics.steps_run == STEPS
+    assert "another pipeline identity" in resumed.metrics.checkpoint_refusals[0]
+    assert resumed.outputs[0].tobytes() == uninterrupted.outputs[0].tobytes()
+
+
+def test_a_request_with_checkpoints_runs_alone() -> None:
+    plan = CheckpointPlan(every_steps=EVERY)
+    jobs = [request("a"), request("b", checkpoint=plan), request("c"), request("d")]
+    queued = [SimpleNamespace(request=job, enqueued_at=0.0) for job in jobs]
+    assert [q.request.request_id for q in plan_batch(queued, 8)] == ["a", "c", "d"]
+    assert [q.request.request_id for q in plan_batch(queued[1:], 8)] == ["b"]
+    assert window_remaining(plan_batch(queued[1:], 8), 8, window_s=5.0, now=0.0) == 0.0
