@@ -12,7 +12,9 @@ COLUMNS = ("node", "pipelines", "state", "running", "waiting", "heartbeat")
 
 
 def node_state(node: dict[str, Any], drain_requests: list[str]) -> str:
-    """What the node is doing: draining, asleep, warming, drain requested, or serving."""
+    """What the node is doing: quarantined, draining, asleep, warming, drain requested, serving."""
+    if node.get("quarantined"):
+        return "quarantined"
     if node.get("draining"):
         return "draining"
     if node.get("node_id") in drain_requests:

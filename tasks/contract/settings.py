@@ -32,6 +32,15 @@ class KilnSettings(BaseSettings):
         "(comma-separated).",
     )
     max_attempts: int = Field(default=3, description="Runs of a job before it is failed for good.")
+    quarantine_jobs: int = Field(
+        default=3,
+        ge=2,
+        description="Different jobs failing with device errors on one node within "
+        "quarantine_window_s that quarantine it: it takes no more work until restarted.",
+    )
+    quarantine_window_s: float = Field(
+        default=600.0, gt=0, description="The window quarantine_jobs are counted in (s)."
+    )
     retry_backoff_s: float = Field(
         default=2.0, description="First retry delay; doubles per attempt."
     )

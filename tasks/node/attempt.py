@@ -364,6 +364,7 @@ class LeasedAttempt:
             return
         token = self.tracked.lease_token
         attempts = self.record.attempts
+        self.node.quarantine.note(self.job_id, error)  # a device failing many jobs stops taking
         reason = poison_reason(error, lambda: self._dead_letters().attempt_log(self.job_id))
         if reason is not None:  # never tried again: a third run would break its group again
             error, retryable = poisoned(error, reason), False

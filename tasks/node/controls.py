@@ -146,7 +146,7 @@ class NodeControls:
         state.drain = drain
 
     def _wanted(self) -> list[str]:
-        if self.node.draining.is_set():
+        if self.node.draining.is_set() or self.node.quarantine.reason is not None:
             return []
         return [q for q in self.queues if q not in self.node.controls.paused]
 

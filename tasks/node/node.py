@@ -38,6 +38,7 @@ from kiln.tasks.node.event_sink import EventSink
 from kiln.tasks.node.held import HeldDeliveries
 from kiln.tasks.node.metrics import GroupCollector, NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
+from kiln.tasks.node.quarantine import Quarantine
 from kiln.tasks.node.waiting import WaitingInNode
 from kiln.tasks.queue.process import ProcessParts
 from kiln.tasks.queue.quotas import RunningCaps
@@ -173,6 +174,8 @@ class Node:
         self.progress = ProgressWriter(settings.progress_interval_s)
         self.waiting = WaitingInNode(self.node_id, self.progress, self.events)  # held, not started
         self.draining = threading.Event()
+        # a device failing different jobs stops the node taking work (tasks/node/quarantine.py)
+        self.quarantine = Quarantine(settings.quarantine_jobs, settings.quarantine_window_s)
         self.held = HeldDeliveries()  # job messages this worker holds, for its heartbeat
         # operator controls: pauses and this node's drain request (tasks/node/controls.py)
         self.controls = ControlState()
@@ -237,7 +240,9 @@ class Node:
                 tracked.stop_reason = StopReason.HANDED_BACK
 
     def holds_back(self, queue: str) -> str | None:
-        """Why a delivery from `queue` must not start here now (drain, pause); None if it may."""
+        """Why a delivery from `queue` must not start here now (quarantine, drain, pause)."""
+        if self.quarantine.reason is not None:
+            return "the node is quarantined"
         if self.controls.drain is not None:
             return "the node is draining"
         if queue in self.controls.paused:
@@ -344,6 +349,7 @@ class Node:
             "jobs_waiting": len(self.waiting),  # held, queued until the group starts them
             "last_progress_at": max((j.last_progress_at for j in jobs), default=None),
             "draining": self.draining.is_set(),
+            "quarantined": self.quarantine.health(),  # None, or {reason, since}
             # Sleep and warm-up (gpu_worker/sleep.py): idle memory released; (re)starting groups.
             "asleep": node_asleep(stats),
             "warming": node_warming(stats),
