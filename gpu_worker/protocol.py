@@ -97,7 +97,7 @@ class GenerationRequest:
     preview: PreviewSpec | None = field(default=None, kw_only=True)
     # `exact`, `balanced` or `fast` (kiln.common.request.SPEED_MODES; gpu_worker/speed.py).
     speed: str = field(default="exact", kw_only=True)
-    # Step checkpoints (gpu_worker/step_checkpoints.py); None = none, as before. A request with
+    # Step checkpoints (gpu_worker/ranks/checkpoints.py); None = none, as before. A request with
     # a plan runs alone: a checkpoint is one job's state.
     checkpoint: CheckpointPlan | None = field(default=None, kw_only=True)
 
