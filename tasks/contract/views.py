@@ -80,6 +80,11 @@ class ErrorView(BaseModel):
     type: str
     message: str
     retryable: bool = False
+    poison: str | None = Field(
+        default=None,
+        description="Why Kiln marked the job poison (failed at once, never retried: "
+        "group_broken_twice, out_of_memory, unusable_inputs); null otherwise.",
+    )
 
 
 class Metrics(BaseModel):

@@ -32,7 +32,7 @@ def test_a_failure_for_good_sends_job_dead_signed_beside_job_completed(
         assert by_type["job.dead"].headers["webhook-id"] == f"msg_{job_id}_dead"
         assert dead["data"]["id"] == job_id
         assert dead["data"]["status"] == "failed"
-        assert dead["data"]["error"]["type"] == "WorkerGroupDied"
+        assert dead["data"]["error"]["poison"] == "group_broken_twice"
     finally:
         receiver.close()
 
