@@ -26,8 +26,7 @@ from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import RankFailed, RankReady
 from kiln.gpu_worker.quiet import quiet_known_warnings
 from kiln.gpu_worker.rank_server import rank_launch, warm_rank_server
-from kiln.gpu_worker.ranks.entry import RankPipes
-from kiln.gpu_worker.ranks.start import RankArgs
+from kiln.gpu_worker.ranks.start import RankArgs, RankPipes
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 

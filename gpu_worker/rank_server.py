@@ -47,8 +47,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free to import: a node may start the server before it imports torch
-    from kiln.gpu_worker.ranks.entry import RankPipes
-    from kiln.gpu_worker.ranks.start import RankArgs
+    from kiln.gpu_worker.ranks.start import RankArgs, RankPipes
     from kiln.gpu_worker.settings import RankStart
 
 logger = logging.getLogger(__name__)
@@ -163,12 +162,14 @@ class RankLaunch:
 
     def process(self, args: RankArgs, pipes: RankPipes, name: str) -> BaseProcess:
         """An unstarted rank process running `rank_main(args, pipes)`."""
-        from kiln.gpu_worker.ranks.entry import rank_main
-
         if self.served:
             return self.context.Process(
                 target=served_rank_main, args=(NodeSide.now(), args, pipes), name=name
             )
+        # Only a spawning node imports the rank entry (and with it every pipeline library): it
+        # pickles `rank_main` by name. A served rank finds it imported by the server's boot.
+        from kiln.gpu_worker.ranks.entry import rank_main
+
         return self.context.Process(target=rank_main, args=(args, pipes), name=name)
 
     def started(self, process: BaseProcess) -> None:

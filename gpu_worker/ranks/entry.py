@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 from kiln.gpu_worker.limits import declared_limits
 from kiln.gpu_worker.logs import configure_rank_logging
@@ -25,19 +23,9 @@ from kiln.gpu_worker.ranks.process import (
     process_title,
     send_quietly,
 )
-from kiln.gpu_worker.ranks.start import RankArgs, start_rank
+from kiln.gpu_worker.ranks.start import RankArgs, RankPipes, start_rank
 
 EXIT_FATAL = 71
-
-
-@dataclass
-class RankPipes:
-    """The rank's pipes: status (every rank), commands/results (rank 0), death (read end)."""
-
-    status: Connection
-    death: Connection
-    commands: Connection | None = None
-    results: Connection | None = None
 
 
 def rank_main(args: RankArgs, pipes: RankPipes) -> None:

@@ -12,6 +12,7 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,21 @@ class RankArgs:
     settings: GpuWorkerSettings | None = None
     log_format: str = "text"
     log_level: str = "INFO"
+
+
+@dataclass
+class RankPipes:
+    """The rank's pipes: status (every rank), commands/results (rank 0), death (read end).
+
+    Here beside `RankArgs`, not in `ranks.entry`: the node builds both, and importing the entry
+    would load every pipeline library (diffusers, transformers, peft) into a node whose ranks
+    come from the rank server, which imported them already.
+    """
+
+    status: Connection
+    death: Connection
+    commands: Connection | None = None
+    results: Connection | None = None
 
 
 @dataclass
