@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 
 from kiln.storage.errors import StorageError
 from kiln.storage.job_store import JobRecord, JobStore, NewJob
-from kiln.tasks.contract.job_spec import JobSpec
+from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
 from kiln.tasks.contract.limits import declared_limits
 from kiln.tasks.contract.request_check import PipelineDecl
 from kiln.tasks.contract.settings import KilnSettings
@@ -54,7 +54,12 @@ def job_queue(record: JobRecord, spec: JobSpec | None = None) -> str:
     if record.queue:
         return record.queue
     # a record older than its `queue` field: the queue of its spec's pipeline
-    pipeline = (spec or JobSpec.decode(record.request)).pipeline
+    try:
+        pipeline = (spec or JobSpec.decode(record.request)).pipeline
+    except JobSpecRefused:
+        # not a spec this release reads: published all the same (never a crash of the reaper or
+        # the publisher), to the default pipeline's queue, where a node fails it by name
+        pipeline = JobSpec.model_fields["pipeline"].default
     return queue_name(record.lane, pipeline)
 
 
