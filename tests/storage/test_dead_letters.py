@@ -114,3 +114,22 @@ def test_a_dead_letter_is_claimed_for_one_redrive(job_store: JobStore) -> None:
     assert store.claim(job_id, "new-3")
     assert not store.claim("never-failed", "new-4")
     assert store.get("never-failed") is None
+
+
+def test_a_lapsed_lease_and_a_cancel_close_their_attempts_with_the_reason(
+    job_store: JobStore,
+) -> None:
+    record, _ = job_store.create_job(new_job())
+    job_id = record.id
+    run_once(job_store, job_id, "node-1")
+    job_store.redis.delete(job_store.keys.lease(job_id))  # its node died: the lease lapsed
+    assert job_store.reap(job_id)
+    token = run_once(job_store, job_id, "node-2")
+    job_store.cancel(job_id)
+    job_store.finish_canceled(job_id, token)
+    log = DeadLetterStore(job_store.redis, job_store.settings).attempt_log(job_id)
+    assert [(a["node"], a["outcome"], a["error"]) for a in log] == [
+        ("node-1", "queued", {"type": "lease_expired"}),
+        ("node-2", "canceled", {"type": "requested"}),
+    ]
+    assert dead_letters(job_store).get(job_id) is None  # canceled: no dead letter
