@@ -622,6 +622,7 @@
     if (document.hidden || $("app").hidden) return;
     refreshJobs().catch(() => {});
     refreshBatches().catch(() => {});
+    refreshDeadLetters().catch(() => {});
     refreshCluster().catch(() => {});
   }
 
@@ -715,11 +716,41 @@
     );
   }
 
+  // Jobs that failed for good (docs/contract.md §5a), the key's own or, for an admin key, all.
+  async function refreshDeadLetters() {
+    const page = await api("v1/dead-letters?limit=10");
+    const rows = page.dead_letters.map((letter) => {
+      const row = document.createElement("tr");
+      row.dataset.id = letter.id;
+      const error = letter.error || {};
+      const text = (error.type || "") + (error.message ? ": " + error.message : "");
+      const poison = letter.poison ? " [poison: " + letter.poison + "]" : "";
+      row.append(
+        cell(letter.id.slice(0, 8)),
+        cell(letter.pipeline),
+        cell(ago(letter.dead_at)),
+        cell(letter.attempts),
+        cell((text.length > 80 ? text.slice(0, 79) + "…" : text) + poison, "status failed"),
+        cell(letter.redriven_to ? letter.redriven_to.slice(0, 8) : ""),
+      );
+      return row;
+    });
+    if (rows.length === 0) {
+      const row = document.createElement("tr");
+      const td = cell("no dead letters");
+      td.colSpan = 6;
+      row.append(td);
+      rows.push(row);
+    }
+    $("dead-body").replaceChildren(...rows);
+  }
+
   async function refreshCluster() {
     const listing = await api("v1/nodes");
     $("nodes-body").replaceChildren(
       ...listing.nodes.map((node) => {
         const state = [
+          node.quarantined && "quarantined",
           node.draining && "draining",
           node.asleep && "asleep",
           node.warming && "warming",
