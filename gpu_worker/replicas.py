@@ -24,7 +24,12 @@ from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.coordinator import Coordinator
 from kiln.gpu_worker.counters import GroupCounters
 from kiln.gpu_worker.pipelines import prepare_pipeline
-from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+from kiln.gpu_worker.protocol import (
+    GenerationRequest,
+    GenerationResult,
+    StepCheckpoint,
+    StepProgress,
+)
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.gpu_worker.tickets import BatchStart, ShouldStop
 
@@ -106,6 +111,7 @@ class Replicas:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
+        on_checkpoint: Callable[[StepCheckpoint], None] | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request on the least busy group; the future is that group's."""
         request_id = request.request_id
@@ -120,7 +126,7 @@ class Replicas:
             self._where[request_id] = index
         try:
             future = self.coordinators[index].submit(
-                request, on_progress, should_stop, max_run_seconds
+                request, on_progress, should_stop, max_run_seconds, on_checkpoint
             )
         except BaseException:
             self._finished(index, request_id)

@@ -163,22 +163,38 @@ class Checkpoints:
     def latest(
         self, job_id: str, accept: Callable[[CheckpointRef, bytes], T]
     ) -> tuple[T | None, Resumed]:
-        """What `accept` makes of the newest valid recorded checkpoint, or None; and why not others.
+        """What `accept` makes of the newest valid recorded checkpoint, or None; why not others.
 
         `accept(ref, data)` raises ValueError (the node's CheckpointRefused) for a checkpoint it
         will not resume from.
         """
+        readable, refusals = self.readable(job_id)
+        for ref, data in readable:
+            try:
+                return accept(ref, data), Resumed(ref, refusals)
+            except ValueError as exc:
+                self._refuse(job_id, ref, str(exc), refusals)
+        return None, Resumed(None, refusals)
+
+    def readable(self, job_id: str) -> tuple[list[tuple[CheckpointRef, bytes]], list[str]]:
+        """The recorded checkpoints whose bytes are as recorded, newest first, with those bytes.
+
+        Also why the others were passed over (each one logged too).
+        """
+        readable: list[tuple[CheckpointRef, bytes]] = []
         refusals: list[str] = []
         for ref in recorded_checkpoints(self.store, job_id):
             reason, data = self._check(job_id, ref)
             if reason is None:
-                try:
-                    return accept(ref, data), Resumed(ref, refusals)
-                except ValueError as exc:
-                    reason = str(exc)
-            refusals.append(f"{ref.key}: {reason}")
-            log.warning("job %s: checkpoint %s refused: %s", job_id, ref.key, reason)
-        return None, Resumed(None, refusals)
+                readable.append((ref, data))
+            else:
+                self._refuse(job_id, ref, reason, refusals)
+        return readable, refusals
+
+    @staticmethod
+    def _refuse(job_id: str, ref: CheckpointRef, reason: str, refusals: list[str]) -> None:
+        refusals.append(f"{ref.key}: {reason}")
+        log.warning("job %s: checkpoint %s refused: %s", job_id, ref.key, reason)
 
     def _check(self, job_id: str, ref: CheckpointRef) -> tuple[str | None, bytes]:
         try:

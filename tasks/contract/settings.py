@@ -75,6 +75,12 @@ class KilnSettings(BaseSettings):
     )
     progress_interval_s: float = Field(default=0.25, description="Throttle for progress writes.")
     drain_grace_s: float = Field(default=30.0, description="SIGTERM: time to finish running jobs.")
+    checkpoint_every_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="A video job's step checkpoints: one at most this often (s); 0: none. A job "
+        "with recorded checkpoints resumes from them whatever this says.",
+    )
     bulk_share_every: int = Field(
         default=4,
         description="A node lets one bulk job through after this many interactive ones in a row.",

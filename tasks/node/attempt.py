@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,9 @@ from kiln.common.previews import DEFAULT_PREVIEW_FORMAT
 from kiln.common.states import JobState
 from kiln.common.stops import StopReason
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
-from kiln.gpu_worker.protocol import GenerationResult, StepProgress
+from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.storage.base import AcknowledgementLost, ReplicasBehind
+from kiln.storage.checkpoints import Checkpoints
 from kiln.storage.dead_letters import DeadLetterStore
 from kiln.storage.errors import IllegalTransition, StaleLease, StorageError
 from kiln.storage.job_store import JobRecord
@@ -36,6 +38,7 @@ from kiln.storage.objects import new_attempt_name
 from kiln.storage.transitions import Start
 from kiln.tasks.contract.events import OutputPayload, ProgressData
 from kiln.tasks.contract.views import output_url, with_storage_url
+from kiln.tasks.node.checkpoints import CheckpointWriter, checkpoint_plan
 from kiln.tasks.node.compute import DeliveredJob, run_metrics
 from kiln.tasks.node.image_inputs import (
     FetchedImage,
@@ -89,6 +92,8 @@ class LeasedAttempt:
         preview = job.spec.preview
         preview_format = preview.format if preview is not None else DEFAULT_PREVIEW_FORMAT
         self.previews = JobPreviews(node.objects, record.id, preview_format)
+        # this attempt's own folder in the object store: its outputs and its checkpoints
+        self.attempt = new_attempt_name(tracked.lease_token)
 
     def run(self) -> DeliveryOutcome:
         """Generate and store the outputs; any failure ends the job (it never raises for it)."""
@@ -131,7 +136,7 @@ class LeasedAttempt:
             self.job_id,
             self.job.spec,
             result.outputs,
-            attempt=new_attempt_name(tracked.lease_token),  # this attempt's own keys
+            attempt=self.attempt,  # this attempt's own keys
             retry_for_s=self.settings.upload_retry_s,
             on_stage=lambda stage, step, total: self._progress(
                 stage, step, total, on_task_thread=True
@@ -195,17 +200,36 @@ class LeasedAttempt:
             return tracked.stop_reason  # set by heartbeat, cancel watch or drain
 
         max_run = self.job.spec.max_run_seconds
+        request, writer = self._with_checkpoints(with_images(self.job.compute, images))
         submitted = time.monotonic()
-        with self.node.starting(self.job_id, self):  # its batch starts it (`start_request`)
-            future = self.node.submit(
-                with_images(self.job.compute, images),
-                on_progress=on_progress,
-                should_stop=should_stop,
-                max_run_seconds=max_run,
-            )
-            result = future.result()
+        try:
+            with self.node.starting(self.job_id, self):  # its batch starts it (`start_request`)
+                future = self.node.submit(
+                    request,
+                    on_progress=on_progress,
+                    should_stop=should_stop,
+                    max_run_seconds=max_run,
+                    on_checkpoint=writer.hand if writer is not None else None,
+                )
+                result = future.result()
+        finally:
+            if writer is not None:
+                writer.close()
         self._observe_compute(result, time.monotonic() - submitted, decoding_at)
         return result
+
+    def _with_checkpoints(
+        self, request: GenerationRequest
+    ) -> tuple[GenerationRequest, CheckpointWriter | None]:
+        """The request with its step checkpoints' plan, and their writer (node/checkpoints.py)."""
+        checkpoints = Checkpoints(self.store, self.node.objects)
+        readable, _ = checkpoints.readable(self.job_id)  # the others are logged
+        offered = tuple(data for _, data in readable)
+        plan = checkpoint_plan(self.job.spec, offered, self.settings.checkpoint_every_s)
+        if plan is None:
+            return request, None
+        writer = CheckpointWriter(checkpoints, self.job_id, self.tracked.lease_token, self.attempt)
+        return replace(request, checkpoint=plan), writer
 
     def start_request(self) -> Start | None:
         """This job's start as the group's batch takes it (the coordinator's dispatcher thread).

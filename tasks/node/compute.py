@@ -78,4 +78,9 @@ def run_metrics(
             metrics["wake_s"] = round(result.metrics.wake_s, 4)
         if result.metrics.speed is not None:  # the mode's effective configuration, skips
             metrics["speed"] = asdict(result.metrics.speed)
+        if result.metrics.resumed_at_step or result.metrics.checkpoint_refusals:
+            # a run that resumed from a step checkpoint, or was offered some (node/checkpoints.py)
+            metrics["steps_restored"] = result.metrics.resumed_at_step
+            metrics["steps_computed"] = result.metrics.steps_run
+            metrics["checkpoints_refused"] = list(result.metrics.checkpoint_refusals)
     return metrics

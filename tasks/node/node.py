@@ -22,7 +22,12 @@ from kiln.common.limits import DeclaredLimits
 from kiln.common.request import InputSchema
 from kiln.common.stops import StopReason
 from kiln.gpu_worker.config import GroupConfig
-from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+from kiln.gpu_worker.protocol import (
+    GenerationRequest,
+    GenerationResult,
+    StepCheckpoint,
+    StepProgress,
+)
 from kiln.gpu_worker.replicas import node_coordinator
 from kiln.gpu_worker.sleep import node_asleep, node_warming
 from kiln.gpu_worker.tickets import BatchStart, ShouldStop
@@ -62,6 +67,7 @@ class GroupCoordinator(Protocol):
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
+        on_checkpoint: Callable[[StepCheckpoint], None] | None = None,
     ) -> Future[GenerationResult]:
         """Queue a request; the future holds its result or the reason it failed or stopped."""
         ...
@@ -280,9 +286,12 @@ class Node:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
+        on_checkpoint: Callable[[StepCheckpoint], None] | None = None,
     ) -> Future[GenerationResult]:
         """Hand a request to the node's group (with replica groups: the least busy one)."""
-        return self.coordinator.submit(request, on_progress, should_stop, max_run_seconds)
+        return self.coordinator.submit(
+            request, on_progress, should_stop, max_run_seconds, on_checkpoint
+        )
 
     @contextlib.contextmanager
     def starting(self, job_id: str, job: StartingJob) -> Iterator[None]:

@@ -18,7 +18,12 @@ import pytest
 from kiln.common.limits import DeclaredLimits
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.errors import JobStopped
-from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
+from kiln.gpu_worker.protocol import (
+    GenerationRequest,
+    GenerationResult,
+    StepCheckpoint,
+    StepProgress,
+)
 from kiln.gpu_worker.tickets import BatchStart, ShouldStop
 from kiln.storage.job_store import JobEvent, JobStore, NewJob
 from kiln.storage.settings import StorageSettings
@@ -62,8 +67,10 @@ class FakeCoordinator:
         on_progress: Callable[[StepProgress], None] | None = None,
         should_stop: ShouldStop | None = None,
         max_run_seconds: float | None = None,
+        on_checkpoint: Callable[[StepCheckpoint], None] | None = None,
     ) -> Future[GenerationResult]:
         del max_run_seconds  # the fake runs at once; no deadline can pass
+        del on_checkpoint  # the fake takes no step checkpoints
         future: Future[GenerationResult] = Future()
         # as the real one as a batch of one takes it: stopped, or refused its start, it never runs
         if should_stop is not None and should_stop():

@@ -1,0 +1,103 @@
+"""A video job handed back mid-run resumes on another node from its last step checkpoint.
+
+Two real nodes on real Redis and a real local object store, each with its own worker group (one
+CPU rank, the tiny video pipeline). Node A runs the job, writing a checkpoint about every two
+steps, and is drained (`hand_back_all`) once one after step 10 is recorded; node B takes the job
+and resumes: it computes only the steps left, and the job's output has the same sha256 as the same
+request run uninterrupted.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kiln.common.states import JobState
+from kiln.gpu_worker.config import GroupConfig
+from kiln.storage.checkpoints import recorded_checkpoints
+from kiln.storage.job_store import JobStore, NewJob
+from kiln.storage.settings import StorageSettings
+from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.settings import KilnSettings
+from kiln.tasks.node.jobs import JobRunner
+from kiln.tasks.node.node import Node
+from kiln.tasks.queue.process import ProcessParts
+from tests.waiting import GENEROUS_S, wait_until
+
+PIPELINE = "tiny-video"
+STEPS = 40
+
+
+@pytest.fixture
+def nodes(storage_settings: StorageSettings) -> Iterator[dict[str, Node]]:
+    """Node `a` checkpoints often (0.05 s), `b` by default (30 s: this job writes none there)."""
+    made = {}
+    for name, every_s in (("a", 0.05), ("b", 30.0)):
+        settings = KilnSettings(checkpoint_every_s=every_s)
+        node = Node(
+            GroupConfig(devices=["cpu:1"], pipelines={PIPELINE: PIPELINE}, cpu_threads_per_rank=1),
+            ProcessParts(settings, storage_settings),
+            node_id=f"node-{name}",
+            publish=lambda *_args, **_kwargs: None,
+        )
+        node.start()
+        made[name] = node
+    yield made
+    for node in made.values():
+        node.shutdown()
+        node.celery_app.close()
+        node.store.redis.close()
+
+
+def new_job(store: JobStore) -> str:
+    fields: dict[str, Any] = {
+        "pipeline": PIPELINE,
+        "prompt": "a kiln at night",
+        "width": 64,
+        "height": 64,
+        "num_frames": 5,
+        "steps": STEPS,
+        "seed": 7,
+    }
+    job_id = uuid.uuid4().hex
+    store.create_job(NewJob(id=job_id, request=JobRequest(**fields).to_record()))
+    return job_id
+
+
+def test_a_handed_back_job_resumes_on_another_node_with_the_same_output(
+    nodes: dict[str, Node], job_store: JobStore
+) -> None:
+    uninterrupted = new_job(job_store)
+    JobRunner(nodes["b"], uninterrupted).run()
+    expected = job_store.get(uninterrupted)
+    assert expected.state == JobState.SUCCEEDED
+    assert "steps_restored" not in expected.metrics  # no checkpoints, none offered
+
+    job_id = new_job(job_store)
+    first = threading.Thread(target=JobRunner(nodes["a"], job_id).run)
+    first.start()
+    wait_until(
+        lambda: max((r.steps_done for r in recorded_checkpoints(job_store, job_id)), default=0),
+        lambda steps: steps >= 10,
+        timeout_s=GENEROUS_S,
+        what="a checkpoint after step 10",
+    )
+    nodes["a"].hand_back_all()  # a drain: the job stops at its next step and goes back
+    first.join(GENEROUS_S)
+    handed_back = job_store.get(job_id)
+    assert handed_back.state == JobState.QUEUED
+    latest = recorded_checkpoints(job_store, job_id)[0]
+    assert f"/{latest.attempt}/checkpoints/" in latest.key
+
+    JobRunner(nodes["b"], job_id).run()
+    record = job_store.get(job_id)
+    assert record.state == JobState.SUCCEEDED, record.error
+    assert record.attempts == 2
+    assert record.metrics["steps_restored"] == latest.steps_done
+    assert record.metrics["steps_computed"] == STEPS - latest.steps_done
+    assert record.metrics["checkpoints_refused"] == []
+    assert [o["sha256"] for o in record.outputs] == [o["sha256"] for o in expected.outputs]
