@@ -59,6 +59,7 @@ from kiln.storage.counters import (
     finished_counts,
     live_batches,
 )
+from kiln.storage.dead_letters import DeadLetterStore
 from kiln.storage.errors import StorageError
 from kiln.storage.gauges import job_counts, list_lengths
 from kiln.tasks.api.context import ApiContext
@@ -97,6 +98,7 @@ class ApiMetrics:
         self.registry.register(QueueCollector(ctx))
         self.registry.register(FinishedCollector(ctx))
         self.registry.register(BacklogCollector(ctx))
+        self.registry.register(DeadLetterCollector(ctx))
         if shared_dir:
             MultiProcessCollector(self.registry, path=shared_dir)  # type: ignore[no-untyped-call]
         else:
@@ -111,6 +113,26 @@ class ApiMetrics:
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""
         return generate_latest(self.registry)
+
+
+class DeadLetterCollector(Collector):
+    """`kiln_dead_letters`: the size of the dead-letter set (docs/contract.md §5a), at scrape."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self._letters = DeadLetterStore(ctx.store.redis, ctx.store.settings)
+
+    def collect(self) -> Iterable[Metric]:
+        """The gauge, or nothing while Redis does not answer."""
+        try:
+            count = self._letters.count()
+        except StorageError as exc:
+            log.warning("metrics: the dead-letter count left out: %s", exc)
+            return
+        yield GaugeMetricFamily(
+            "kiln_dead_letters",
+            "Failed jobs kept as dead letters (at most KILN_DEAD_LETTER_MAX).",
+            value=count,
+        )
 
 
 class QueueCollector(Collector):

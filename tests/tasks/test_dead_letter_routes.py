@@ -183,3 +183,9 @@ def test_hostile_reads_are_4xx_never_500(api: Api, path: str, params: dict[str, 
 def test_the_routes_need_a_key(api: Api) -> None:
     assert httpx.get(f"{api.url}/v1/dead-letters").status_code == 401
     assert httpx.post(f"{api.url}/v1/dead-letters/redrive", json={"ids": ["a"]}).status_code == 401
+
+
+def test_metrics_count_the_dead_letters(api: Api) -> None:
+    dead_jobs(api, 2)
+    text = httpx.get(f"{api.url}/metrics").text
+    assert "kiln_dead_letters 2.0" in text.splitlines()
