@@ -264,9 +264,9 @@ def cmd_api(args: argparse.Namespace) -> int:
     """`kiln api`: one API process, or with `--workers N` (N > 1) a supervisor of N."""
     # Deferred: the API loads FastAPI, uvicorn, Celery and Redis.
     from kiln.tasks.api.app import serve_api
-    from kiln.tasks.queue.process import this_process
+    from kiln.tasks.queue.process import start_process
 
-    parts = this_process()
+    parts = start_process()
     settings, storage_settings = parts.settings, parts.storage_settings
     require_supported_redis(storage_settings)  # one line, before anything starts
     if args.fd is not None:  # a child of the supervisor below

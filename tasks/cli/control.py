@@ -21,9 +21,9 @@ def run(args: argparse.Namespace) -> int:
     # Deferred: Redis, Celery and boto3 load only for this command.
     from kiln.storage.base import require_supported_redis
     from kiln.tasks.control.process import run_control
-    from kiln.tasks.queue.process import this_process
+    from kiln.tasks.queue.process import start_process
 
-    parts = this_process()
+    parts = start_process()
     require_supported_redis(parts.storage_settings)  # one line, before anything starts
     run_control(parts, args.loglevel)
     return 0

@@ -118,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
     # Deferred, all of them: `check_arguments` must refuse before any of it loads.
     from kiln.storage.base import require_supported_redis
     from kiln.tasks.node.worker import PipelineFailed, PipelineRefused, WorkerOptions, run_worker
-    from kiln.tasks.queue.process import this_process
+    from kiln.tasks.queue.process import start_process
 
-    # one line, before torch and Celery load (the settings are those run_worker takes)
-    require_supported_redis(this_process().storage_settings)
+    # one line, before torch and Celery load (run_worker takes the parts started here)
+    require_supported_redis(start_process().storage_settings)
     try:
         options = WorkerOptions(
             pipelines=parse_pipelines(args.pipeline),

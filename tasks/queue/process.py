@@ -1,11 +1,14 @@
 """What a process builds once: its settings, the job store, the object store, the Celery app.
 
-`ProcessParts` is the one place they are built; `this_process()` is the process's own, read from
-its environment. Every entry point takes its parts from there (`kiln api`, `kiln worker` and the
-webhook tasks it runs, `kiln control`, the CLI's commands on Redis, Celery's own command line), so
-a process reads its environment once and holds one Redis client. Each part is built on first use:
-a remote CLI command reads the settings and never loads Redis, Celery or boto3. Tests build their
-own `ProcessParts` from the settings they choose.
+`ProcessParts` is the one place they are built; `this_process()` is the process's own. A
+long-running command starts it first (`start_process()`: `kiln api`, `kiln worker`, `kiln
+control`), from the environment as it is then, and everything in the process takes its parts from
+there (the webhook tasks a worker runs, Celery's own command line, which starts none and gets
+them from the environment on first ask), so a process reads its environment once and holds one
+Redis client. A CLI command on Redis builds its own `ProcessParts` (in use, one command is one
+process; in tests, many run in one interpreter, each with its own environment). Each part is
+built on first use: a remote CLI command reads the settings and never loads Redis, Celery or
+boto3. Tests build their own `ProcessParts` from the settings they choose.
 """
 
 from __future__ import annotations
@@ -90,9 +93,26 @@ class ProcessParts:
         return self._once("celery", lambda: make_celery_app(self.settings, self.storage_settings))
 
 
-_THIS_PROCESS = ProcessParts()
+_this_process: ProcessParts | None = None
+_this_process_lock = threading.Lock()
+
+
+def start_process() -> ProcessParts:
+    """Make fresh parts, from the environment as it is now, this process's: a command's first step.
+
+    (A second start, as when tests run commands one after another in one interpreter, replaces
+    the first: what the previous command built is not the next one's.)
+    """
+    global _this_process
+    with _this_process_lock:
+        _this_process = ProcessParts()
+        return _this_process
 
 
 def this_process() -> ProcessParts:
-    """The parts of the running process, from its environment."""
-    return _THIS_PROCESS
+    """The parts of the running process: those it started, else built from its environment."""
+    global _this_process
+    with _this_process_lock:
+        if _this_process is None:
+            _this_process = ProcessParts()
+        return _this_process

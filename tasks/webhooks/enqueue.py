@@ -10,7 +10,6 @@ twice.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -164,7 +163,6 @@ def publish_delivery(app: Celery, delivery: Delivery, countdown: float) -> None:
     )
 
 
-@functools.cache
 def _worker_deps() -> WebhookDeps:
     # The webhook worker's entry point is this task: its process's parts (a node's, the same
     # settings and Redis client as the node).

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.queue.process import ProcessParts, this_process
+from kiln.tasks.queue import process
+from kiln.tasks.queue.process import ProcessParts, start_process, this_process
 
 
 def test_each_part_is_built_once_and_shares_the_one_client(
@@ -51,6 +54,13 @@ def test_threads_asking_at_once_get_one_store(storage_settings: StorageSettings)
         seen[0].redis.close()
 
 
+@pytest.fixture
+def no_process_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This interpreter's parts as before any start (and put back after the test)."""
+    monkeypatch.setattr(process, "_this_process", None)
+
+
+@pytest.mark.usefixtures("no_process_started")
 def test_the_webhook_tasks_take_the_process_parts() -> None:
     # (a node runs them in its own process: the same settings and Redis client as the node's)
     from kiln.tasks.webhooks.batch_hooks import _worker_settings
@@ -62,3 +72,19 @@ def test_the_webhook_tasks_take_the_process_parts() -> None:
     assert (deps.settings, deps.store, deps.objects) == (parts.settings, parts.store, parts.objects)
     assert deps.store is parts.store
     assert _worker_settings() is parts.settings
+
+
+@pytest.mark.usefixtures("no_process_started")
+def test_a_started_process_reads_the_environment_as_it_is_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # commands run one after another in one interpreter (tests): each its own environment
+    monkeypatch.setenv("KILN_REDIS_NAMESPACE", "first")
+    first = start_process()
+    assert this_process() is first
+    assert first.storage_settings.redis_namespace == "first"
+    monkeypatch.setenv("KILN_REDIS_NAMESPACE", "second")
+    assert this_process().storage_settings.redis_namespace == "first"  # read once
+    second = start_process()
+    assert this_process() is second
+    assert second.storage_settings.redis_namespace == "second"
