@@ -35,8 +35,9 @@ class KilnSettings(BaseSettings):
     quarantine_jobs: int = Field(
         default=3,
         ge=2,
-        description="Different jobs failing with device errors on one node within "
-        "quarantine_window_s that quarantine it: it takes no more work until restarted.",
+        description="Separate device failures (jobs failing together count once) of as many "
+        "different jobs on one node within quarantine_window_s that quarantine it: it takes "
+        "no more work until restarted.",
     )
     quarantine_window_s: float = Field(
         default=600.0, gt=0, description="The window quarantine_jobs are counted in (s)."

@@ -2,10 +2,11 @@
 
 One job failing again and again says the job is bad (tasks/node/poison.py makes it poison); many
 different jobs failing with device errors on one node say the device is. Once
-`KILN_QUARANTINE_JOBS` different jobs have ended an attempt here with a device error within
-`KILN_QUARANTINE_WINDOW_S`, the node is quarantined for the rest of its life: it stops consuming
-its queues, hands back any delivery it is given, and its heartbeat says `quarantined` (`kiln admin
-nodes` shows it). A restart, once the device is looked at, brings it back.
+`KILN_QUARANTINE_JOBS` separate device failures (the jobs one group death fails together count as
+one) have failed as many different jobs within `KILN_QUARANTINE_WINDOW_S`, the node is
+quarantined for the rest of its life: it stops consuming its queues, hands back any delivery it
+is given, and its heartbeat says `quarantined` (`kiln admin nodes` shows it). A restart, once the
+device is looked at, brings it back.
 
 Device errors: the worker group died under the job (`WorkerGroupDied`, `RankStartupFailed`), or
 the job failed with what the device or its driver raised (CUDA, cuDNN, cuBLAS, NCCL errors, a
@@ -39,8 +40,18 @@ def is_device_error(error: Mapping[str, Any]) -> bool:
     return bool(_DEVICE_MESSAGE.search(str(error.get("message", ""))))
 
 
+# failures this close together are one incident: a group's death fails every job of its batch
+# at once, and that is one failure of the device, not several
+INCIDENT_S = 10.0
+
+
 class Quarantine:
-    """Counts the different jobs device errors ended here lately; quarantines past the limit."""
+    """Counts the device failures of different jobs here lately; quarantines past the limit.
+
+    A failure within `INCIDENT_S` of the first of the current incident joins it (the jobs a group
+    death failed together); the node is quarantined once `jobs` incidents within `window_s`
+    failed at least `jobs` different jobs between them.
+    """
 
     def __init__(
         self, jobs: int, window_s: float, clock: Callable[[], float] = time.monotonic
@@ -49,7 +60,7 @@ class Quarantine:
         self.window_s = window_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._failed: dict[str, float] = {}  # job id -> when a device error last ended it here
+        self._incidents: list[tuple[float, set[str]]] = []  # (first failure, jobs it failed)
         self.reason: str | None = None  # set once, for good: why the node is quarantined
         self.since: float | None = None  # wall-clock time it was (epoch s)
 
@@ -59,12 +70,17 @@ class Quarantine:
             return False
         now = self._clock()
         with self._lock:
-            self._failed[job_id] = now
-            self._failed = {j: t for j, t in self._failed.items() if now - t <= self.window_s}
-            if self.reason is not None or len(self._failed) < self.jobs:
+            incidents = [(t, jobs) for t, jobs in self._incidents if now - t <= self.window_s]
+            if incidents and now - incidents[-1][0] <= INCIDENT_S:
+                incidents[-1][1].add(job_id)
+            else:
+                incidents.append((now, {job_id}))
+            self._incidents = incidents
+            different = set().union(*(jobs for _, jobs in incidents))
+            if self.reason is not None or min(len(incidents), len(different)) < self.jobs:
                 return False
             self.reason = (
-                f"{len(self._failed)} different jobs failed with device errors within "
+                f"{len(incidents)} device failures of {len(different)} different jobs within "
                 f"{self.window_s:g} s (last: {error.get('type')}: {error.get('message')})"
             )
             self.since = time.time()

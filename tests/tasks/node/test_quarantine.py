@@ -35,18 +35,29 @@ def test_one_job_failing_again_and_again_never_quarantines() -> None:
     assert quarantine.health() is None
 
 
+def test_one_group_death_failing_a_whole_batch_is_one_failure() -> None:
+    clock = Clock()
+    quarantine = Quarantine(jobs=3, window_s=600, clock=clock)
+    assert not any(quarantine.note(job, DIED) for job in "abcdef")  # one batch, one death
+    clock.now = 30
+    assert not any(quarantine.note(job, DIED) for job in "abc")  # the same batch, again
+    assert quarantine.reason is None
+
+
 def test_different_jobs_within_the_window_quarantine_for_good() -> None:
     clock = Clock()
     quarantine = Quarantine(jobs=3, window_s=60, clock=clock)
     assert not quarantine.note("a", DIED)
     clock.now = 61  # a's failure is out of the window now
     assert not quarantine.note("b", DIED)
+    clock.now = 72
     assert not quarantine.note("c", {"type": "OutOfMemory", "message": "oom"})
     assert not quarantine.note("d", DIED)
+    clock.now = 83
     assert quarantine.note("e", DIED)
     health = quarantine.health()
     assert health is not None
-    assert "3 different jobs" in health["reason"]
+    assert "3 device failures of 3 different jobs" in health["reason"]
     clock.now = 10_000  # no way back but a restart
     assert not quarantine.note("f", {"type": "JobFailed", "message": "fine"})
     assert quarantine.reason is not None
@@ -55,7 +66,10 @@ def test_different_jobs_within_the_window_quarantine_for_good() -> None:
 def test_a_quarantined_node_takes_no_more_work_and_says_so(make_node: NodeFactory) -> None:
     harness = make_node(quarantine_jobs=2, max_attempts=1)
     node = harness.node
-    for _ in range(2):
+    clock = Clock()
+    node.quarantine = Quarantine(jobs=2, window_s=600, clock=clock)
+    for n in range(2):
+        clock.now = 100.0 * n  # two separate deaths of the group, each under another job
         job_id = harness.submit()
         harness.coordinator.fail_with = WorkerGroupDied("rank 0 died")
         harness.deliver(job_id)
