@@ -133,3 +133,21 @@ def test_a_lapsed_lease_and_a_cancel_close_their_attempts_with_the_reason(
         ("node-2", "canceled", {"type": "requested"}),
     ]
     assert dead_letters(job_store).get(job_id) is None  # canceled: no dead letter
+
+
+def test_a_dead_letter_lives_its_own_retention_and_goes_from_the_lists_after(
+    storage_settings: StorageSettings,
+) -> None:
+    settings = storage_settings.model_copy(
+        update={"dead_letter_retention_s": 5000, "retention_s": 60}
+    )
+    store = JobStore.from_settings(settings)
+    letters = dead_letters(store)
+    kept, gone = (job_in_state(store, JobState.FAILED, owner="key-a")[0] for _ in range(2))
+    assert 4990 < store.redis.ttl(store.keys.dead_letter(kept)) <= 5000
+    assert store.redis.ttl(store.keys.job(kept)) <= 60  # the job record keeps its own
+    store.redis.delete(store.keys.dead_letter(gone))  # as its retention ends
+    for owner in (None, "key-a"):
+        page, _ = letters.page(owner, None, 10)
+        assert [d.id for d in page] == [kept]
+        assert letters.count(owner) == 1  # the listing dropped the expired one's entry
