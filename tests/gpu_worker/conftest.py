@@ -7,6 +7,7 @@ tests only read from them; tests that kill or rebuild groups use their own.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.coordinator import Coordinator
 from kiln.gpu_worker.protocol import GenerationRequest
+from kiln.gpu_worker.rank_server import NodeSide, rank_launch
 from tests.gpu_worker.fixtures import spec
 from tests.waiting import GENEROUS_S as GENEROUS_S
 
@@ -68,6 +70,39 @@ def process_gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return state == "Z"
+
+
+def _served(node: NodeSide, target: Callable[..., None], rank: int, *args: object) -> None:
+    node.apply()  # the test's environment and stderr, not the server's
+    target(rank, *args)
+
+
+def run_served_ranks(
+    target: Callable[..., None], args: tuple[object, ...], world: int, timeout_s: float
+) -> None:
+    """Run `target(rank, *args)` in `world` processes forked by the rank server, to the end.
+
+    As a node's ranks start (gpu_worker/rank_server.py): torch and the pipeline code are imported
+    once per test process, not once per rank as spawned interpreters import them.
+    """
+    launch = rank_launch("forkserver")
+    processes = [
+        launch.context.Process(target=_served, args=(NodeSide.now(), target, rank, *args))
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+        launch.started(process)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    if any(process.is_alive() for process in processes):
+        for process in processes:
+            process.kill()
+        pytest.fail(f"ranks did not finish within {timeout_s} s")
+    exits = [process.exitcode for process in processes]
+    if exits != [0] * world:
+        pytest.fail(f"ranks exited with {exits} (their tracebacks are in the captured stderr)")
 
 
 def start_coordinator(devices: str, pipelines: dict[str, str], **options: object) -> Coordinator:

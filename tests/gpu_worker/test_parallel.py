@@ -1,4 +1,4 @@
-"""Parallelism across real ranks: 2 spawned processes, gloo over 127.0.0.1, the tiny pipelines.
+"""Parallelism across real ranks: 2 from the rank server, gloo over 127.0.0.1, the tiny pipelines.
 
 Each rank runs the image cases with an explicit batch split and with `auto` (the default), and the
 video cases with explicit context parallel and with `auto`, counting what its denoiser computed.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
 from kiln.gpu_worker.parallel import (
     ContextKind,
@@ -37,6 +35,7 @@ from kiln.gpu_worker.parallel import (
 from kiln.gpu_worker.pipelines import Pipeline, load_pipeline
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
+from tests.gpu_worker.conftest import run_served_ranks
 
 CPU = torch.device("cpu")
 WORLD = 2
@@ -153,20 +152,8 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _spawn_group(cache: Path, out_dir: Path) -> None:
-    context = torch_mp.start_processes(
-        _rank_main,
-        args=(_free_port(), str(cache), str(out_dir)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"ranks did not finish within {SPAWN_TIMEOUT_S} s")
+def _run_group(cache: Path, out_dir: Path) -> None:
+    run_served_ranks(_rank_main, (_free_port(), str(cache), str(out_dir)), WORLD, SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +174,7 @@ def group_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         video_frames, video_counts = _run_cases(video, cases)
         reference.update(video_frames)
         reference_counts.update(video_counts)
-        _spawn_group(cache, out_dir)
+        _run_group(cache, out_dir)
     finally:
         torch.set_num_threads(threads)
     ranks = [dict(np.load(out_dir / f"rank{rank}.npz")) for rank in range(WORLD)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,17 @@ class LatentsAtEnd:
         self.latents = latents.detach().clone()
 
 
+@functools.cache
+def tiny_pipeline() -> DiffusersPipeline:
+    """The tiny pipeline, loaded once for the tests that run it here (each run is seeded)."""
+    pipeline = load_pipeline("tiny", torch.device("cpu"))
+    assert isinstance(pipeline, DiffusersPipeline)
+    return pipeline
+
+
 def final_step(seed: int) -> tuple[DiffusersPipeline, torch.Tensor, np.ndarray]:
     """The tiny pipeline, the latents of its last step (4 steps) and its decoded output."""
-    pipeline = load_pipeline("tiny", torch.device("cpu"))
+    pipeline = tiny_pipeline()
     assert isinstance(pipeline, DiffusersPipeline)
     observer = LatentsAtEnd()
     outputs = pipeline.run([request("fit", "tiny", steps=4, seed=seed)], observer)

@@ -1,4 +1,4 @@
-"""Speed modes on a group that divides the forward: 2 spawned ranks, gloo over 127.0.0.1.
+"""Speed modes on a group that divides the forward: 2 ranks from the rank server, gloo on 127.0.0.1.
 
 Under context parallelism each rank's first block sees half the sequence, so the change First
 Block Cache measures differs between the ranks. The ranks first run `fast` with a zero threshold
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +30,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 
 from kiln.gpu_worker.parallel import ParallelSpec, apply_parallel, denoiser_counters
 from kiln.gpu_worker.pipelines import load_pipeline
@@ -39,6 +37,7 @@ from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.protocol import GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.gpu_worker.speed import cache_blocks
+from tests.gpu_worker.conftest import run_served_ranks
 
 CPU = torch.device("cpu")
 WORLD = 2
@@ -175,20 +174,8 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _spawn_group(cache: Path, out_dir: Path) -> None:
-    context = torch_mp.start_processes(
-        _rank_main,
-        args=(_free_port(), str(cache), str(out_dir)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"ranks did not finish within {SPAWN_TIMEOUT_S} s")
+def _run_group(cache: Path, out_dir: Path) -> None:
+    run_served_ranks(_rank_main, (_free_port(), str(cache), str(out_dir)), WORLD, SPAWN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +190,7 @@ def group_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         whole = load_pipeline("tiny-dit", CPU, settings)  # builds the cache before the ranks
         assert isinstance(whole, DiffusersPipeline)
         apply_parallel(whole, ParallelSpec("none"))
-        _spawn_group(cache, out_dir)
+        _run_group(cache, out_dir)
         reports = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
         whole.speed_thresholds["fast"] = reports[0]["threshold"]
         reference = {
