@@ -196,6 +196,15 @@ class Checkpoints:
         refusals.append(f"{ref.key}: {reason}")
         log.warning("job %s: checkpoint %s refused: %s", job_id, ref.key, reason)
 
+    def discard(self, job_id: str) -> None:
+        """Delete the objects of the job's recorded checkpoints (once it succeeded: none is needed).
+
+        The record keeps naming them; only a later attempt reads them, and a finished job has
+        none. A delete that fails is logged: it costs space, never correctness.
+        """
+        for ref in recorded_checkpoints(self.store, job_id):
+            self._delete(ref.key)
+
     def _check(self, job_id: str, ref: CheckpointRef) -> tuple[str | None, bytes]:
         try:
             expected = checkpoint_key(self.objects.prefix, job_id, ref.attempt, ref.steps_done)

@@ -155,6 +155,7 @@ class LeasedAttempt:
         outputs = with_storage_url(report.outputs, self.node.storage_settings.storage_url)
         if not self._commit(outputs, metrics):
             return
+        Checkpoints(self.store, self.node.objects).discard(self.job_id)  # none is needed now
         self.outcome = DeliveryOutcome(Delivery.SUCCEEDED)
         # the timings as fields of a JSON line (queue_s, run_s, ...), not a dict in its text
         log.info("job %s succeeded", self.job_id, extra=metrics)

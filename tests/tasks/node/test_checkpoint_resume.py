@@ -19,6 +19,7 @@ import pytest
 from kiln.common.states import JobState
 from kiln.gpu_worker.config import GroupConfig
 from kiln.storage.checkpoints import recorded_checkpoints
+from kiln.storage.errors import ObjectNotFound
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.schemas import JobRequest
@@ -101,3 +102,7 @@ def test_a_handed_back_job_resumes_on_another_node_with_the_same_output(
     assert record.metrics["steps_computed"] == STEPS - latest.steps_done
     assert record.metrics["checkpoints_refused"] == []
     assert [o["sha256"] for o in record.outputs] == [o["sha256"] for o in expected.outputs]
+    # a succeeded job needs none of its checkpoints: their objects are gone
+    for ref in recorded_checkpoints(job_store, job_id):
+        with pytest.raises(ObjectNotFound):
+            nodes["b"].objects.get(ref.key)
