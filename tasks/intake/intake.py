@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -97,13 +97,6 @@ def spec_job(
         lane=chosen,
         queue=queue_name(chosen, spec.pipeline),
     )
-
-
-def new_job(
-    stored: Mapping[str, Any], *, job_id: str, owner: str | None, lane: str | None = None
-) -> NewJob:
-    """The job of a stored spec (a dead letter's), decoded; JobSpecRefused if unreadable."""
-    return spec_job(JobSpec.decode(stored), job_id=job_id, owner=owner, lane=lane)
 
 
 def line_job(spec: JobSpec, job_id: str, batch_id: str, owner: str | None, lane: str) -> NewJob:

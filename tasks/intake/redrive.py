@@ -23,7 +23,8 @@ from kiln.tasks.contract.dead_letters import (
     RedriveItem,
     RedriveResult,
 )
-from kiln.tasks.intake.intake import new_job
+from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
+from kiln.tasks.intake.intake import spec_job
 from kiln.tasks.queue.submit import Submitter, new_job_id
 
 # the metadata entry of a redriven job naming the job it was made from
@@ -113,6 +114,10 @@ def redrive(
             refusal = f"not redriven: {exc}"
             results.append(RedriveItem(id=job_id, outcome="refused", message=refusal))
             continue
+        except JobSpecRefused as exc:  # its spec is not one this release reads: this one only
+            unread = f"not redriven: {exc}"
+            results.append(RedriveItem(id=job_id, outcome="refused", message=unread))
+            continue
         if new_id is None:
             results.append(RedriveItem(id=job_id, outcome="already_redriven"))
             continue
@@ -141,7 +146,8 @@ def _make_job(
     max_depth: int | None,
 ) -> str | None:
     """The new job's id, written and published; None if another redrive claimed it first."""
-    new = new_job(letter.request, job_id=new_job_id(), owner=letter.owner, lane=letter.lane)
+    spec = JobSpec.decode(letter.request)
+    new = spec_job(spec, job_id=new_job_id(), owner=letter.owner, lane=letter.lane)
     new = dataclasses.replace(new, metadata={**new.metadata, REDRIVE_OF: letter.id})
     if not letters.claim(letter.id, new.id):
         return None

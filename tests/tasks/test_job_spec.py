@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
+import httpx
 import pytest
 
 from kiln.common.states import JobState
-from kiln.storage.job_store import JobRecord
+from kiln.storage.job_store import JobRecord, NewJob
 from kiln.tasks.batches.lines import item_line, parse_item
 from kiln.tasks.contract.job_spec import JOB_SPEC_ERROR, JOB_SPEC_VERSION, JobSpec, JobSpecRefused
 from kiln.tasks.contract.loras import LoraSpec
 from kiln.tasks.contract.schemas import JobRequest, PreviewRequest, WebhookSpec
 from kiln.tasks.contract.views import job_view
+from tests.tasks.helpers import Api
 
 # A record's `request` as the release before the spec's version wrote it (Intake.accept stored
 # the effective request's full dump, no `version`), read back from Redis as JSON.
@@ -137,3 +140,17 @@ def test_the_view_shows_the_spec_without_its_version_and_a_newer_one_without_fai
     # a newer release's spec (another API replica wrote it): shown as far as it is known
     newer = job_view(record_of({**stored, "version": 2, "a_new_field": True}))
     assert (newer.parameters.pipeline, newer.parameters.seed) == ("tiny", 3)
+
+
+def test_a_dead_letter_whose_spec_is_newer_is_refused_by_redrive_not_a_500(api: Api) -> None:
+    newer = {**spec(pipeline="tiny").encode(), "version": 2}
+    owner = api.key_ids["alice"]
+    record, _ = api.store.create_job(NewJob(id=uuid.uuid4().hex, request=newer, owner=owner))
+    api.store.fail(record.id, None, JobSpecRefused("newer", 2).error())  # as a node fails it
+    body = {"ids": [record.id], "rate": 100}
+    got = httpx.post(f"{api.url}/v1/dead-letters/redrive", json=body, headers=api.auth())
+    assert got.status_code == 200, got.text
+    (item,) = got.json()["results"]
+    assert item["outcome"] == "refused"
+    assert "version 2, newer than this release" in item["message"]
+    assert got.json()["redriven"] == 0
