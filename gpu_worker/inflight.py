@@ -42,6 +42,10 @@ from kiln.gpu_worker.tickets import Ticket
 
 logger = logging.getLogger(__name__)
 
+# Stops after which the request runs again elsewhere: rank 0 checkpoints the step it stops at
+# (a drain hands the job back; it resumes on its next attempt having lost no step).
+CHECKPOINTED_STOPS = frozenset({StopReason.HANDED_BACK})
+
 
 @dataclass(eq=False)
 class InflightBatch:
@@ -174,6 +178,7 @@ class InflightRequests:
             tickets = batch.open_tickets()
         step, total = message.step, message.total
         stop: set[str] = set()
+        checkpoint: set[str] = set()
         for ticket in tickets:
             ticket.report(StepProgress("denoising", step, total))
             if step >= total:
@@ -182,9 +187,11 @@ class InflightRequests:
                 ticket.stop_reason = ticket.wants_stop()
             if ticket.stop_reason is not None:
                 stop.add(ticket.request.request_id)
+            if ticket.stop_reason in CHECKPOINTED_STOPS:
+                checkpoint.add(ticket.request.request_id)
         # Sent every step, stop or not: rank 0 waits for the verdict on step k before it
         # decides at the end of step k+1.
-        self._send(StopVerdict(message.batch_id, step, frozenset(stop)))
+        self._send(StopVerdict(message.batch_id, step, frozenset(stop), frozenset(checkpoint)))
 
     def _finish(self, batch_id: int) -> InflightBatch | None:
         """Take the batch rank 0 reported the end of (None if it is no longer in flight)."""

@@ -208,11 +208,16 @@ class StopVerdict:
     stops a request on its own (deadline). Rank 0 waits for the verdict of step k-1 before it
     decides at the end of step k, so a request whose `should_stop` turned true when step k was
     reported runs at most k+1 steps.
+
+    `checkpoint_ids` (a subset of `stop_ids`): requests that go back to the queue to resume
+    elsewhere (a drain): rank 0 takes a step checkpoint of the step they stop at, whatever the
+    cadence of their `CheckpointPlan` (a request without one stops as any other).
     """
 
     batch_id: int
     after_step: int
     stop_ids: frozenset[str] = frozenset()
+    checkpoint_ids: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

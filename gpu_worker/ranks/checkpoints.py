@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # rank 0's way to the coordinator (LeaderLink.send)
 CheckpointSend = Callable[[StepCheckpoint], None]
+# rank 0's: the requests that stop after this step and checkpoint it first, whatever the cadence
+# (LeaderLink.checkpoint_first: a drain hands them back to resume elsewhere)
+CheckpointFirst = Callable[[int], frozenset[str]]
 
 
 @dataclass
@@ -71,10 +74,30 @@ def cadence(plan: CheckpointPlan) -> Callable[[int, int], bool]:
     return due
 
 
+def _due(
+    plan: CheckpointPlan, request_id: str, checkpoint_first: CheckpointFirst | None
+) -> Callable[[int, int], bool]:
+    """The plan's cadence, or the request stopping after this step to resume elsewhere."""
+    by_cadence = cadence(plan)
+
+    def due(done: int, total: int) -> bool:
+        stopping = checkpoint_first is not None and request_id in checkpoint_first(done)
+        return by_cadence(done, total) or stopping
+
+    return due
+
+
 def forward_checkpoints(
-    pipeline: Pipeline, batch: RunBatch, send: CheckpointSend | None
+    pipeline: Pipeline,
+    batch: RunBatch,
+    send: CheckpointSend | None,
+    checkpoint_first: CheckpointFirst | None = None,
 ) -> ForwardCheckpoints | None:
-    """The batch's checkpointing on this rank (`send` on rank 0 only); None: it has none."""
+    """The batch's checkpointing on this rank (`send` on rank 0 only); None: it has none.
+
+    Rank 0 captures when the plan's cadence says so, and at the step the request stops at when
+    `checkpoint_first` names it (a drain): it goes back to the queue having lost no step.
+    """
     request = batch.requests[0]
     plan = request.checkpoint
     if plan is None:
@@ -87,7 +110,7 @@ def forward_checkpoints(
         logger.info("request %s: no step checkpoints: %s", request.request_id, refusal)
         return None
     identity = pipeline.checkpoint_identity(request)
-    found = ForwardCheckpoints(Checkpointing(due=cadence(plan)))
+    found = ForwardCheckpoints(Checkpointing(due=_due(plan, request.request_id, checkpoint_first)))
     for data in plan.resume:
         try:
             found.checkpointing.resume = decode(data, identity)

@@ -33,6 +33,7 @@ from kiln.gpu_worker.protocol import (
     SpeedReport,
 )
 from kiln.gpu_worker.ranks.checkpoints import (
+    CheckpointFirst,
     CheckpointSend,
     ForwardCheckpoints,
     forward_checkpoints,
@@ -95,10 +96,12 @@ def forward_batch(
     sync: StepSync,
     status: Connection,
     send_checkpoint: CheckpointSend | None = None,
+    checkpoint_first: CheckpointFirst | None = None,
 ) -> ForwardResult:
     """Run the batch on this rank; a failure here is also told to the group's owner at once.
 
-    `send_checkpoint` (rank 0's) takes the step checkpoints this rank captures.
+    `send_checkpoint` (rank 0's) takes the step checkpoints this rank captures;
+    `checkpoint_first` (rank 0's) names the requests stopping after a step that checkpoint it.
     """
     pipeline = runtime.pipelines[batch.requests[0].pipeline]
     level = logging.INFO if runtime.args.rank == 0 else logging.DEBUG  # one line per forward
@@ -110,7 +113,7 @@ def forward_batch(
             len(batch.requests),
             batch.requests[0].pipeline,
         )
-        checkpoints = forward_checkpoints(pipeline, batch, send_checkpoint)
+        checkpoints = forward_checkpoints(pipeline, batch, send_checkpoint, checkpoint_first)
         result = run_forward(pipeline, batch, sync, runtime.args.rank, runtime.device, checkpoints)
         result = replace(result, adapters=adapter_state(pipeline))
         outcome = result.outcome

@@ -66,6 +66,8 @@ class LeaderLink:
         self._batch_id: int | None = None
         self._answered_step = 0
         self._stop_ids: set[str] = set()
+        self._checkpoint_ids: set[str] = set()
+        self._decided: tuple[int, frozenset[str]] | None = None  # (step, its stops), taken early
 
     def next_command(self) -> RunBatch | ShutdownGroup | SleepGroup:
         """Block (in the kernel, no polling) until the coordinator sends a batch or shutdown."""
@@ -76,6 +78,7 @@ class LeaderLink:
     def begin(self, batch_id: int) -> None:
         """Verdicts from now on are about this batch; earlier ones are stale."""
         self._batch_id, self._answered_step, self._stop_ids = batch_id, 0, set()
+        self._checkpoint_ids, self._decided = set(), None
 
     def send(self, message: LeaderMessage) -> None:
         """Send one message to the coordinator."""
@@ -87,8 +90,21 @@ class LeaderLink:
         self.send(StepDone(self._batch_id, step, total))
         return self.stop_ids(step)
 
+    def checkpoint_first(self, step: int) -> frozenset[str]:
+        """Requests that stop at the end of `step` and take a step checkpoint of it first.
+
+        Called before the step's checkpoint hook decides (ranks/checkpoints.py): it takes the
+        step's stop decision now and `decide_stops` keeps it, so a verdict arriving in between
+        cannot stop a request whose checkpoint was not taken (it counts at the next step).
+        """
+        stops = self.stop_ids(step)
+        self._decided = (step, stops)
+        return stops & self._checkpoint_ids
+
     def stop_ids(self, step: int) -> frozenset[str]:
         """Requests to stop at the end of `step`, once the verdict on `step - 1` is in."""
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
         deadline = time.monotonic() + self._verdict_wait_s
         while True:
             while self._commands.poll(0):
@@ -104,6 +120,7 @@ class LeaderLink:
         if isinstance(command, StopVerdict):
             if command.batch_id == self._batch_id:
                 self._stop_ids |= command.stop_ids
+                self._checkpoint_ids |= command.checkpoint_ids
                 self._answered_step = max(self._answered_step, command.after_step)
         else:
             self._queued.append(command)
@@ -156,7 +173,7 @@ def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
         link.begin(batch.batch_id)
         decoder = decoders.get(batch.requests[0].pipeline)
         sync = step_sync(runtime, batch, link, decoder)
-        result = forward_batch(runtime, batch, sync, status, link.send)
+        result = forward_batch(runtime, batch, sync, status, link.send, link.checkpoint_first)
         outcome = replace(result.outcome, wake_s=wake_s)
         outcomes = exchange_outcomes(outcome, args.world_size, runtime.control_group)
         report_batch(link, batch, outcomes, result, sync.stopped)

@@ -14,8 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from kiln.common.stops import StopReason
 from kiln.gpu_worker.batching import plan_batch, window_remaining
 from kiln.gpu_worker.coordinator import Coordinator
+from kiln.gpu_worker.errors import JobStopped
 from kiln.gpu_worker.protocol import CheckpointPlan, GenerationResult, StepCheckpoint
 from tests.gpu_worker.conftest import GENEROUS_S, request, start_coordinator
 
@@ -97,3 +99,36 @@ def test_a_request_with_checkpoints_runs_alone() -> None:
     assert [q.request.request_id for q in plan_batch(queued, 8)] == ["a", "c", "d"]
     assert [q.request.request_id for q in plan_batch(queued[1:], 8)] == ["b"]
     assert window_remaining(plan_batch(queued[1:], 8), 8, window_s=5.0, now=0.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("reason", "checkpoints"), [(StopReason.HANDED_BACK, 1), (StopReason.CANCELED, 0)]
+)
+def test_a_handed_back_request_checkpoints_the_step_it_stops_at_whatever_the_cadence(
+    group: Coordinator, reason: StopReason, checkpoints: int
+) -> None:
+    """A drain: the stop's own step is captured (the plan has no cadence); a cancel takes none."""
+    case: dict[str, object] = {"pipeline": "video", "size": 32, "num_frames": 5}
+    uninterrupted, _ = run(group, case, None)
+    steps: list[int] = []
+    taken: list[StepCheckpoint] = []
+    job = request(f"r{next(_ids)}", steps=STEPS, checkpoint=CheckpointPlan(), **case)  # type: ignore[arg-type]
+    future = group.submit(
+        job,
+        on_progress=lambda p: steps.append(p.step) if p.stage == "denoising" else None,
+        should_stop=lambda: reason if steps and steps[-1] >= 3 else None,
+        on_checkpoint=taken.append,
+    )
+    with pytest.raises(JobStopped):
+        future.result(timeout=GENEROUS_S)
+    assert len(taken) == checkpoints
+    if not taken:
+        return
+    stopped_at = steps[-1]  # rank 0 reports the step it stops after, then stops
+    assert 3 < stopped_at < STEPS
+    assert taken[0].steps_done == stopped_at  # nothing it computed is lost
+    resumed, _ = run(group, case, CheckpointPlan(resume=(taken[0].data,)))
+    assert resumed.metrics is not None
+    assert resumed.metrics.resumed_at_step == stopped_at
+    assert resumed.metrics.steps_run == STEPS - stopped_at
+    assert resumed.outputs[0].tobytes() == uninterrupted.outputs[0].tobytes()
