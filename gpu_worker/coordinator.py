@@ -21,10 +21,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from kiln.common.limits import DeclaredLimits
-from kiln.common.request import InputSchema
+from kiln.common.request import InputSchema, pipeline_takes_checkpoints
 from kiln.gpu_worker.batching import WaitingRequests
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.counters import (
@@ -104,6 +105,9 @@ class Coordinator:
         The future raises JobFailed (and subclasses), JobStopped or WorkerGroupDied.
         """
         future: Future[GenerationResult] = Future()
+        if request.checkpoint is not None and not self.takes_checkpoints(request.pipeline):
+            # its pipeline's loop cannot resume: no plan, so it batches with others as before
+            request = replace(request, checkpoint=None)
         if request.pipeline not in self.config.pipelines:
             served = sorted(self.config.pipelines)
             future.set_exception(
@@ -150,6 +154,10 @@ class Coordinator:
         """Input schemas of the pipelines that declare one, as rank 0 loaded them."""
         with self._cond:
             return dict(self._slot.input_schemas)
+
+    def takes_checkpoints(self, pipeline: str) -> bool:
+        """Whether `pipeline` announced step checkpoints (`x-kiln-checkpoints`) on rank 0."""
+        return pipeline_takes_checkpoints(self.pipeline_inputs(), pipeline)
 
     def stats(self) -> dict[str, Any]:
         """Counters for heartbeats and health checks."""

@@ -4,15 +4,18 @@ The schema the pipeline declares (`input_schema()`; without one, no properties) 
 the API reads from the heartbeat: `x-kiln-fields`, the request fields it honours
 (`supported_fields()`), which `GET /v1/pipelines/{name}` shows and the console turns into form
 fields; `x-kiln-previews`, whether rank 0 can decode its previews (a decoder it names, or a VAE),
-without which a request for previews is refused before it is queued.
+without which a request for previews is refused before it is queued; `x-kiln-checkpoints`,
+whether its denoising loop takes step checkpoints and resumes from them (the node plans
+checkpoints only for such a pipeline's jobs: tasks/node/checkpoints.py).
 """
 
 from __future__ import annotations
 
 from kiln.common.previews import PREVIEWS_KEY
-from kiln.common.request import FIELDS_KEY, InputSchema
+from kiln.common.request import CHECKPOINTS_KEY, FIELDS_KEY, InputSchema
 from kiln.gpu_worker.inputs import declared_input_schema
 from kiln.gpu_worker.pipelines.base import Pipeline
+from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.previews import can_preview
 
 
@@ -21,4 +24,10 @@ def announced_schema(pipeline: Pipeline) -> InputSchema:
     schema = declared_input_schema(pipeline) or {"type": "object", "properties": {}}
     schema[FIELDS_KEY] = sorted(pipeline.supported_fields())
     schema[PREVIEWS_KEY] = can_preview(pipeline)
+    schema[CHECKPOINTS_KEY] = takes_checkpoints(pipeline)
     return schema
+
+
+def takes_checkpoints(pipeline: Pipeline) -> bool:
+    """Whether a run of one job on `pipeline` can take step checkpoints and resume from them."""
+    return isinstance(pipeline, DiffusersPipeline) and pipeline.takes_checkpoints()

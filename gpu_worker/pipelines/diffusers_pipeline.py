@@ -42,6 +42,7 @@ from kiln.gpu_worker.pipelines.diffusers_limits import (
     temporal_factor,
 )
 from kiln.gpu_worker.pipelines.diffusers_resume import (
+    RESUMABLE_PIPELINES,
     Checkpointing,
     capture_state,
     request_digest,
@@ -219,6 +220,10 @@ class DiffusersPipeline:
     def denoiser(self) -> torch.nn.Module | None:
         """The per-step module: the pipeline's transformer, else its unet."""
         return find_denoiser(self.pipe)
+
+    def takes_checkpoints(self) -> bool:
+        """Whether its loop is one Kiln resumes (a run of one job then takes checkpoints)."""
+        return type(self.pipe).__name__ in RESUMABLE_PIPELINES
 
     def checkpoint_refusal(self, requests: Sequence[GenerationRequest]) -> str | None:
         """Why a run of `requests` cannot take step checkpoints; None when it can."""

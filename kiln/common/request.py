@@ -70,6 +70,15 @@ IMAGE_KEY = "x-kiln-image"
 # A node marks the schema it announces with the request fields the pipeline honours (its
 # `supported_fields()`, sorted), which the console turns into form fields.
 FIELDS_KEY = "x-kiln-fields"
+# ... and with whether its denoising loop takes step checkpoints and resumes from them: only such
+# a pipeline's jobs get a checkpoint plan (and so run unbatched); the others batch as before.
+CHECKPOINTS_KEY = "x-kiln-checkpoints"
+
+
+def pipeline_takes_checkpoints(schemas: Mapping[str, Mapping[str, Any]], pipeline: str) -> bool:
+    """Whether the schema announced for `pipeline` says its loop takes step checkpoints."""
+    return (schemas.get(pipeline) or {}).get(CHECKPOINTS_KEY) is True
+
 
 # Pipeline argument names (and the fields' own names) that are request fields: a request's
 # `inputs` may give them instead of the top-level field, and a pipeline's schema marks them.

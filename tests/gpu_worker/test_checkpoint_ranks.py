@@ -9,11 +9,12 @@ left, and ends byte-identical to a run never interrupted.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import pytest
 
+from kiln.common.request import CHECKPOINTS_KEY
 from kiln.common.stops import StopReason
 from kiln.gpu_worker.batching import plan_batch, window_remaining
 from kiln.gpu_worker.coordinator import Coordinator
@@ -132,3 +133,29 @@ def test_a_handed_back_request_checkpoints_the_step_it_stops_at_whatever_the_cad
     assert resumed.metrics.resumed_at_step == stopped_at
     assert resumed.metrics.steps_run == STEPS - stopped_at
     assert resumed.outputs[0].tobytes() == uninterrupted.outputs[0].tobytes()
+
+
+def test_only_a_pipeline_that_resumes_announces_checkpoints_and_the_others_still_batch(
+    coordinator_factory: Callable[..., Coordinator],
+) -> None:
+    """A plan on a pipeline whose loop cannot resume is dropped: its requests batch as before."""
+    pipelines = {"tiny": "tiny", "painted": "python:tests.e2e.painted_pipelines:painted"}
+    group = coordinator_factory("cpu:1", pipelines, node_name="ckpt-mixed", max_batch=4)
+    assert group.pipeline_inputs()["tiny"][CHECKPOINTS_KEY] is True  # StableDiffusionPipeline
+    assert group.pipeline_inputs()["painted"][CHECKPOINTS_KEY] is False  # a `python:` one
+    assert group.takes_checkpoints("tiny")
+    assert not group.takes_checkpoints("painted")
+    plan = CheckpointPlan(every_seconds=0.01)
+    # the busy one resumes (tiny): its plan is kept and it runs alone while the others queue up
+    busy = group.submit(request("busy", "tiny", steps=20, checkpoint=plan))
+    painted = [
+        group.submit(request(f"painted-{n}", "painted", steps=4, seed=n, checkpoint=plan))
+        for n in range(3)
+    ]
+    busy_result = busy.result(GENEROUS_S)
+    assert busy_result.metrics is not None
+    assert busy_result.metrics.batch_size == 1
+    for future in painted:
+        result = future.result(GENEROUS_S)
+        assert result.metrics is not None
+        assert result.metrics.batch_size == 3  # one forward for the three, plans or not
