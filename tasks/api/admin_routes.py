@@ -10,7 +10,6 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Query
 
-from kiln.storage.job_store import JobRecord
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.deps import Admin, Ctx, admin, api_router, error_docs, field_error
 from kiln.tasks.contract.responses import (
@@ -21,7 +20,7 @@ from kiln.tasks.contract.responses import (
     QueueView,
 )
 from kiln.tasks.queue import controls
-from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
+from kiln.tasks.webhooks.event_sink import EventSink
 
 router = api_router()
 router.dependencies.append(Depends(admin))  # every route: 403 unless the key is an admin's
@@ -94,12 +93,8 @@ def resume_queue(ctx: Ctx, queue: QueueName) -> QueueControl:
 )
 def purge_queue(ctx: Ctx, queue: QueueName) -> PurgeResult:
     """Cancel every job queued in the queue now (events, webhooks); running jobs go on."""
-
-    def notify(record: JobRecord) -> None:
-        state = str(record.state)
-        enqueue_webhook_events(ctx.store, record.id, state, record=record, app=ctx.celery)
-
-    job_ids = controls.purge(ctx.store, _queue(queue), on_canceled=notify)
+    events = EventSink(ctx.store, ctx.celery)
+    job_ids = controls.purge(ctx.store, _queue(queue), on_canceled=events.changed)
     return PurgeResult(queue=queue, canceled=len(job_ids), job_ids=job_ids)
 
 

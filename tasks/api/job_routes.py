@@ -36,7 +36,7 @@ from kiln.tasks.contract.views import JobView, QueueEstimate, job_view
 from kiln.tasks.intake.refusal import Caller as IntakeCaller
 from kiln.tasks.intake.refusal import Refusal
 from kiln.tasks.queue.positions import estimate_from, placement, queue_estimate
-from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
+from kiln.tasks.webhooks.event_sink import EventSink
 
 router = api_router()
 JSON_TYPE = "application/json"
@@ -165,7 +165,7 @@ def cancel_job(ctx: Ctx, caller: Caller, job_id: JobId) -> CancelResult:
         return CancelResult(effect="already_finished", job=job_view(record, ctx.objects))
     after = ctx.store.cancel(job_id)
     if after.state == JobState.CANCELED:
-        enqueue_webhook_events(ctx.store, job_id, str(after.state), record=after, app=ctx.celery)
+        EventSink(ctx.store, ctx.celery).changed(after)  # its listeners and webhooks
         return CancelResult(effect="canceled", job=job_view(after, ctx.objects))
     if after.state == JobState.RUNNING:
         return CancelResult(effect="cancel_requested", job=job_view(after, ctx.objects))

@@ -72,7 +72,7 @@ from kiln.tasks.intake.intake import line_job
 from kiln.tasks.queue.policy import public_message
 from kiln.tasks.queue.quotas import QueuedCaps
 from kiln.tasks.queue.submit import Submitter
-from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
+from kiln.tasks.webhooks.event_sink import EventSink
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class BatchFeeder:
         self.owner = owner
         # the Celery app job and batch webhooks go out through (None: the current one)
         self.app = app
+        self.events = EventSink(store, app)  # the jobs it stops end through it (`_stop_job`)
         self.results = ResultWriter(store, self.stores, self.feeding, settings)
         self.notifier = BatchNotifier(settings, app)
         self.pace = Pace(settings.batch_feed_interval_s)
@@ -375,10 +376,9 @@ class BatchFeeder:
         except StorageError as exc:
             log.info("batch job %s: could not stop it (%s)", job_id, exc)
             return
-        # the job's own webhook, if its spec has one (enqueue reads it from `after`)
+        # its listeners and its own webhook, if its spec has one (read from `after`)
         if after.state in TERMINAL_STATES:
-            event = str(after.state)
-            enqueue_webhook_events(store, job_id, event, record=after, app=self.app)
+            self.events.changed(after)
 
     def _finish_if_done(self, batch: FedBatch, lease: Lease) -> bool:
         """End the batch if every line has its result (summary, status, webhook); True if so."""

@@ -112,17 +112,12 @@ def _direct(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _purge(parts: ProcessParts, queue: str) -> list[str]:
-    from kiln.storage.job_store import JobRecord
     from kiln.tasks.queue import controls
-    from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
+    from kiln.tasks.webhooks.event_sink import EventSink
 
     store, celery = parts.store, parts.celery_app
-
-    def notify(record: JobRecord) -> None:
-        enqueue_webhook_events(store, record.id, str(record.state), record=record, app=celery)
-
     try:
-        return controls.purge(store, queue, on_canceled=notify)
+        return controls.purge(store, queue, on_canceled=EventSink(store, celery).changed)
     finally:
         celery.close()
 

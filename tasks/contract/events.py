@@ -3,12 +3,13 @@
 Every entry of a job's event stream is `{seq, type, time, payload}`; `type` says what the payload
 holds. `Event` is the discriminated union of every kind: the state changes (`queued`, `running`,
 `succeeded`, `failed`, `canceled`, `expired`), `progress`, `preview` and `output`. The node builds
-the payloads it writes from these models and hands them to its one `EventSink`
-(tasks/node/event_sink.py), so a malformed event is refused where it is made, not where it is read;
-the state changes' payloads (kiln/common/job_events.py, below storage, which writes them) are
-built by storage's transitions from the same models. Readers (the
-SSE route, webhooks, the client) parse a stored entry with `parse_event` and hand it on with
-`event_json`, which gives back the entry as written: the wire format is the stream's.
+the payloads it writes from these models and hands them to its `EventSink` (tasks/webhooks/
+event_sink.py: every process's one way from an event to its listeners and webhooks), so a
+malformed event is refused where it is made, not where it is read; the state changes' payloads
+(kiln/common/job_events.py, below storage, which writes them) are built by storage's transitions
+from the same models. Readers (the SSE route, webhooks, the client) parse a stored entry with
+`parse_event` and hand it on with `event_json`, which gives back the entry as written: the wire
+format is the stream's.
 
 Payloads keep fields they do not name (`extra="allow"`), so an entry written by a newer node
 passes through an older reader unchanged. A new kind (a checkpoint) is one more member here.

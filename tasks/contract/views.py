@@ -189,15 +189,17 @@ def job_view(
     objects: ObjectStore | None = None,
     served: Collection[str] | None = None,
     estimate: QueueEstimate | None = None,
+    spec: JobSpec | None = None,
 ) -> JobView:
     """Build the view of a stored record; output URLs are presigned at read time.
 
     `served`: the pipelines live nodes serve now; a queued job whose pipeline is not among them
     says so in `waiting_for` (it waits in its queue until such a node starts). `estimate`: the
-    queued job's position and expected start (tasks.queue.positions).
+    queued job's position and expected start (tasks.queue.positions). `spec`: the record's spec,
+    when the caller has decoded it already (it is not decoded twice).
     """
     queued = estimate if record.state == JobState.QUEUED else None
-    parameters = _parameters(record)
+    parameters = _parameters(record, spec)
     return JobView(
         id=record.id,
         status=record.state,
@@ -224,10 +226,10 @@ def job_view(
     )
 
 
-def _parameters(record: JobRecord) -> JobParameters:
-    """The job's parameters: its decoded spec, shown without the version."""
+def _parameters(record: JobRecord, spec: JobSpec | None) -> JobParameters:
+    """The job's parameters: its decoded spec (given, or decoded here), shown without version."""
     try:
-        spec = JobSpec.decode(record.request)
+        spec = spec if spec is not None else JobSpec.decode(record.request)
     except JobSpecRefused:
         # a newer release's spec: shown as far as this release knows its fields, never a 500
         return JobParameters.model_validate(record.request)

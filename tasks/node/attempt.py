@@ -72,9 +72,8 @@ class LeasedAttempt:
         record: JobRecord,
         job: DeliveredJob,
         tracked: TrackedJob,
-        notify: Callable[[str], None],
         *,
-        progress_webhooks: bool,
+        webhooks: bool,
     ) -> None:
         self.node = node
         self.store = node.store
@@ -84,9 +83,7 @@ class LeasedAttempt:
         self.job = job  # its spec, decoded once by the delivery (tasks/node/jobs.py)
         self.tracked = tracked
         # every event of this attempt goes through the node's sink; the job's webhooks hear them
-        self.events = node.events.job(
-            record.id, tracked.lease_token, notify if progress_webhooks else None
-        )
+        self.events = node.events.job(record.id, tracked.lease_token, webhooks)
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
         self.expired_here = False  # `start_request` found its start_by passed and expired it
         preview = job.spec.preview

@@ -39,7 +39,6 @@ from kiln.tasks.node.node import Node
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, JobFailedError, settle_task
 from kiln.tasks.queue.app import RUN_JOB_TASK
 from kiln.tasks.queue.submit import job_queue
-from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class JobRunner:
         self.store = node.store
         self.settings = node.settings
         self.job_id = job_id
-        self.webhook: object = None
+        self.webhooks = False  # whether the job's spec asks for any (read once it is decoded)
         self.job: DeliveredJob | None = None  # the record's spec, decoded once (`_decoded`)
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
 
@@ -120,7 +119,7 @@ class JobRunner:
         except JobSpecRefused as exc:
             self._refuse(exc.error())
             return False
-        self.webhook = job.spec.webhook
+        self.webhooks = job.spec.webhook is not None
         return True
 
     def _refused_before_start(self, record: JobRecord) -> bool:
@@ -215,8 +214,7 @@ class JobRunner:
                     record,
                     self._job(),
                     tracked,
-                    self._notify,
-                    progress_webhooks=bool(self.webhook),
+                    webhooks=self.webhooks,
                 )
                 self.outcome = attempt.run()
             finally:
@@ -238,28 +236,17 @@ class JobRunner:
         self.outcome = DeliveryOutcome(Delivery.DEFERRED)
         log.info("job %s not started now (%s); re-published", self.job_id, reason)
 
-    def _transition_quietly(self, transition: Callable[[], object]) -> bool:
-        """Run a transition out of `queued`; False when someone else moved the job first."""
+    def _transition_quietly(self, transition: Callable[[], JobRecord]) -> bool:
+        """Run a transition out of `queued`; False when someone else moved the job first.
+
+        The end goes through the node's sink like any other (its metrics, the job's webhooks).
+        """
         try:
-            transition()
+            after = transition()
         except IllegalTransition:
             return False  # someone else moved it first; nothing to do
-        self._notify("completed")
+        self.node.events.changed(after)
         return True
-
-    def _notify(self, event: str) -> None:
-        if self.webhook is None:
-            return
-        try:
-            enqueue_webhook_events(
-                self.store,
-                self.job_id,
-                event,
-                app=self.node.celery_app,
-                progress_interval_s=self.settings.webhook_progress_interval_s,
-            )
-        except Exception:  # a webhook problem never changes a job's outcome
-            log.exception("webhook enqueue for %s (%s) failed", self.job_id, event)
 
 
 def register_run_job(app: Celery, node: Node) -> None:

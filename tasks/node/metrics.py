@@ -47,7 +47,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kiln.gpu_worker.counters import GroupCounters
-from kiln.tasks.node.event_sink import EventNote
+from kiln.tasks.webhooks.event_sink import EventNote
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class NodeMetrics:
         self.lease_renewal_failures.labels(self.node_id).inc()
 
     def count_event(self, note: EventNote) -> None:
-        """A job event went through the node's sink (its listener: tasks/node/event_sink.py)."""
+        """A job event went through the node's sink (its listener: tasks/webhooks/event_sink.py)."""
         self.job_events.labels(self.node_id, note.type).inc()
 
     def count_upload_retry(self) -> None:

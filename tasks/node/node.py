@@ -39,7 +39,6 @@ from kiln.storage.transitions import Start
 from kiln.tasks.contract.inputs import InputViolation, first_input_violation
 from kiln.tasks.contract.limits import LimitViolation, PipelineLimits, RequestShape
 from kiln.tasks.node.adapters import AdapterSources
-from kiln.tasks.node.event_sink import EventSink
 from kiln.tasks.node.held import HeldDeliveries
 from kiln.tasks.node.metrics import GroupCollector, NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
@@ -48,6 +47,7 @@ from kiln.tasks.node.waiting import WaitingInNode
 from kiln.tasks.queue.process import ProcessParts
 from kiln.tasks.queue.quotas import RunningCaps
 from kiln.tasks.queue.submit import Publish, Submitter, celery_publisher
+from kiln.tasks.webhooks.event_sink import EventSink
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Node:
         self.group_size = group_size or len(group.world())
         self.coordinator: GroupCoordinator = coordinator or node_coordinator(group, group_size)
         # every job event this node writes or announces goes through its one sink
-        self.events = EventSink(self.store)
+        self.events = EventSink(self.store, self.celery_app, settings.webhook_progress_interval_s)
         self.progress = ProgressWriter(settings.progress_interval_s)
         self.waiting = WaitingInNode(self.node_id, self.progress, self.events)  # held, not started
         self.draining = threading.Event()

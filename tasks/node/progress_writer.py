@@ -15,7 +15,7 @@ overlaps the work it announces instead of delaying it, and every stage still get
 `settle` waits for them before the job's terminal transition, so no stage or output event can
 follow the terminal one.
 
-Every write goes through the job's `JobEvents` (tasks/node/event_sink.py): the node's one sink
+Every write goes through the job's `JobEvents` (tasks/webhooks/event_sink.py): the node's one sink
 writes the typed payload to Redis and tells its listeners (metrics, the job's webhooks).
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kiln.storage.errors import StorageError
 from kiln.tasks.contract.events import OutputPayload, PreviewPayload, ProgressData
-from kiln.tasks.node.event_sink import JobEvents
+from kiln.tasks.webhooks.event_sink import JobEvents
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 
 from kiln.storage.leases import waiting_progress
-from kiln.tasks.node.event_sink import EventSink
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
+from kiln.tasks.webhooks.event_sink import EventSink
 
 
 class WaitingInNode:

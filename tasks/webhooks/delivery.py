@@ -21,6 +21,7 @@ from kiln.storage.errors import JobNotFound
 from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import ObjectStore
 from kiln.tasks.contract.backoff import scheduled_delay
+from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
 from kiln.tasks.contract.responses import WebhookOutcome
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.webhooks.message import find_event, signed_headers, webhook_payload
@@ -149,7 +150,9 @@ def endpoint_gone(store: JobStore, job_id: str, url: str) -> bool:
     )
 
 
-def with_body(deps: WebhookDeps, delivery: Delivery, record: JobRecord) -> Delivery | None:
+def with_body(
+    deps: WebhookDeps, delivery: Delivery, record: JobRecord, spec: JobSpec
+) -> Delivery | None:
     """The delivery with its body fixed: kept if an earlier attempt fixed it, else built now.
 
     None when there is no event to report (a message from before events were pinned whose event
@@ -161,15 +164,25 @@ def with_body(deps: WebhookDeps, delivery: Delivery, record: JobRecord) -> Deliv
     source = delivery.source or find_event(deps.store, delivery.job_id, delivery.event)
     if source is None:
         return None
-    body = webhook_payload(record, delivery.event, source, deps.objects)
+    body = webhook_payload(record, spec, delivery.event, source, deps.objects)
     return replace(delivery, source=source, body=body)
 
 
-def _attempt_once(
-    deps: WebhookDeps, delivery: Delivery, record: JobRecord, body: str
-) -> AttemptResult:
-    url = str(record.request["webhook"]["url"])
-    if endpoint_gone(deps.store, record.id, url):
+def readable_spec(record: JobRecord) -> JobSpec | None:
+    """The job's decoded spec; None (logged) when this release cannot read it.
+
+    A newer release's spec names no webhook this worker may trust: guessing at the raw dict is
+    what the spec ends, so such a job has no webhook here (its own nodes run it and report it).
+    """
+    try:
+        return JobSpec.decode(record.request)
+    except JobSpecRefused as exc:
+        log.warning("job %s: its webhook is not read (%s)", record.id, exc)
+        return None
+
+
+def _attempt_once(deps: WebhookDeps, delivery: Delivery, url: str, body: str) -> AttemptResult:
+    if endpoint_gone(deps.store, delivery.job_id, url):
         return AttemptResult("skipped", error="endpoint answered 410 Gone earlier")
     secret = deps.settings.webhook_secret
     if secret is None or not secret.get_secret_value():
@@ -208,23 +221,27 @@ def deliver_once(
     except JobNotFound:
         log.warning("webhook %s: job %s is gone", delivery.webhook_id, delivery.job_id)
         return None
-    if not record.request.get("webhook"):
+    # the job's spec, decoded once per message; one this release cannot read (a newer release
+    # wrote it) names no URL this worker may trust, so the message is dropped, logged, unsent
+    spec = readable_spec(record)
+    webhook = None if spec is None else spec.webhook
+    if spec is None or webhook is None:
         return None
-    fixed = with_body(deps, delivery, record)
+    fixed = with_body(deps, delivery, record, spec)
     if fixed is None or fixed.body is None:
         log.warning("webhook %s: no %s event to report", delivery.webhook_id, delivery.event)
         return None
-    result = _attempt_once(deps, fixed, record, fixed.body)
+    result = _attempt_once(deps, fixed, webhook.url, fixed.body)
     outcome, following = _schedule(deps.settings, fixed, result, rng or random.Random())
     if outcome != "skipped":
-        _record(deps.store, fixed, record, replace(result, outcome=outcome), following)
+        _record(deps.store, fixed, webhook.url, replace(result, outcome=outcome), following)
     return following
 
 
 def _record(
     store: JobStore,
     delivery: Delivery,
-    record: JobRecord,
+    url: str,
     result: AttemptResult,
     following: Delivery | None,
 ) -> None:
@@ -232,7 +249,7 @@ def _record(
         "webhook_id": delivery.webhook_id,
         "event": delivery.event,
         "attempt": delivery.attempt,
-        "url": str(record.request["webhook"]["url"]),
+        "url": url,
         "time": time.time(),
         "status_code": result.status_code,
         "latency_ms": None if result.latency_ms is None else round(result.latency_ms, 3),

@@ -19,7 +19,7 @@ from celery import Celery, current_app, shared_task
 
 from kiln.common.states import JobState, is_terminal
 from kiln.storage.job_store import JobEvent, JobRecord, JobStore
-from kiln.tasks.contract.schemas import WebhookEvent
+from kiln.tasks.contract.schemas import WebhookEvent, WebhookSpec
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
 from kiln.tasks.queue.process import this_process
@@ -32,6 +32,7 @@ from kiln.tasks.webhooks.delivery import (
     deliver_once,
     event_from_kwargs,
     hop_seconds,
+    readable_spec,
 )
 from kiln.tasks.webhooks.message import find_event
 
@@ -111,8 +112,9 @@ def enqueue_webhook_events(
     if kind is None or not _throttle_allows(job_id, kind, progress_interval_s):
         return None
     record = record if record is not None else store.get(job_id)
-    spec = record.request.get("webhook")
-    if not spec:
+    job_spec = readable_spec(record)
+    spec = None if job_spec is None else job_spec.webhook
+    if spec is None:
         return None
     if kind is WebhookEvent.completed and record.state == JobState.FAILED:
         # a failure for good also has its own event, for receivers of dead letters only
@@ -121,10 +123,10 @@ def enqueue_webhook_events(
 
 
 def _queue_webhook(
-    store: JobStore, job_id: str, kind: WebhookEvent, spec: dict[str, Any], app: Celery | None
+    store: JobStore, job_id: str, kind: WebhookEvent, spec: WebhookSpec, app: Celery | None
 ) -> str | None:
     """Queue the `kind` webhook of the job if its `spec` subscribes to it; its id, or None."""
-    if str(kind) not in spec.get("events", []):
+    if kind not in spec.events:
         return None
     try:
         delivery = pinned_delivery(store, job_id, kind)

@@ -24,6 +24,7 @@ from kiln.tasks.contract.events import (
     preview_of,
     progress_view,
 )
+from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.contract.schemas import WebhookEvent
 from kiln.tasks.contract.views import JobView, Metrics, Progress, job_view
 
@@ -47,13 +48,15 @@ def find_event(store: JobStore, job_id: str, event: str) -> JobEvent | None:
     return next((e for e in store.latest_events(job_id, EVENT_LOOKBACK) if e.type in types), None)
 
 
-def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) -> JobView:
+def view_at(
+    record: JobRecord, spec: JobSpec, source: JobEvent, objects: ObjectStore | None
+) -> JobView:
     """The job's view as of `source`: from the event, the record only for what it cannot change.
 
     A finished job's record is final, so a terminal event takes it whole; a start or a progress
     write is reported as the running job it was then, whatever the job has become since.
     """
-    view = job_view(record, objects)
+    view = job_view(record, objects, spec=spec)
     event = parse_event(source)
     if is_terminal(event.type):
         return view.model_copy(update={"status": JobState(event.type)})
@@ -75,7 +78,7 @@ def view_at(record: JobRecord, source: JobEvent, objects: ObjectStore | None) ->
 
 
 def webhook_payload(
-    record: JobRecord, event: str, source: JobEvent, objects: ObjectStore | None
+    record: JobRecord, spec: JobSpec, event: str, source: JobEvent, objects: ObjectStore | None
 ) -> str:
     """The JSON body: `{type: job.<event>, timestamp, seq, data: <job view>}`, all as of `source`.
 
@@ -86,7 +89,7 @@ def webhook_payload(
         "type": f"job.{event}",
         "timestamp": datetime.fromtimestamp(source.time, tz=UTC).isoformat(),
         "seq": source.seq,
-        "data": view_at(record, source, objects).model_dump(mode="json"),
+        "data": view_at(record, spec, source, objects).model_dump(mode="json"),
     }
     if source.type == "preview":  # the preview event's own data: its image inline or by URL
         body["preview"] = preview_of(source).wire()

@@ -45,9 +45,9 @@ from kiln.storage.settings import StorageSettings  # noqa: E402
 from kiln.tasks.api.auth import Authenticator, hash_api_key, new_api_key  # noqa: E402
 from kiln.tasks.contract.events import ProgressData  # noqa: E402
 from kiln.tasks.contract.job_spec import JobSpec  # noqa: E402
-from kiln.tasks.node.event_sink import EventSink  # noqa: E402
 from kiln.tasks.node.output_uploads import UploadVerify, encode_and_upload, put_verified  # noqa: E402
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter  # noqa: E402
+from kiln.tasks.webhooks.event_sink import EventSink  # noqa: E402
 
 Timed = Callable[[int], object]
 

@@ -1,4 +1,4 @@
-"""The typed event union (tasks/contract/events.py) and the node's one sink (node/event_sink.py).
+"""The typed event union (tasks/contract/events.py) and the one sink (webhooks/event_sink.py).
 
 Every kind round-trips as its real writer (a transition script, or the sink) stored it; a
 malformed event is refused by its writer, before Redis; the sink's one write reaches the job's
@@ -27,11 +27,10 @@ from kiln.tasks.contract.events import (
     parse_event,
     preview_of,
 )
-from kiln.tasks.node.event_sink import EventNote, EventSink
 from kiln.tasks.node.metrics import NodeMetrics
 from kiln.tasks.queue.controls import PURGED
 from kiln.tasks.webhooks.delivery import WebhookDeps, deliver_once
-from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
+from kiln.tasks.webhooks.event_sink import EventNote, EventSink
 from tests.tasks.helpers import Receiver, finish_with_success, queued_job, start_job
 from tests.tasks.test_webhooks import RecordingProducer, deps, verify, webhook_job
 
@@ -182,7 +181,7 @@ def test_the_sink_fans_out_to_redis_listeners_metrics_and_webhooks(
 ) -> None:
     store, producer = deps.store, RecordingProducer()
     send: Any = producer
-    sink = EventSink(store)
+    sink = EventSink(store, send, progress_interval_s=0)
     metrics = NodeMetrics("node-1", ["tiny"], NothingScraped())
     heard: list[EventNote] = []
 
@@ -195,10 +194,7 @@ def test_the_sink_fans_out_to_redis_listeners_metrics_and_webhooks(
     job_id = webhook_job(store, receiver.url, hooks)
     token = start_job(store, job_id)
 
-    def webhooks(kind: str) -> None:
-        enqueue_webhook_events(store, job_id, kind, app=send, progress_interval_s=0)
-
-    events = sink.job(job_id, token, webhooks)
+    events = sink.job(job_id, token, webhooks=True)
     events.changed(JobState.RUNNING)
     events.write(ProgressData(stage="denoising", step=1, total=8))
     events.write(PREVIEW)

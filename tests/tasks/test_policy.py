@@ -9,10 +9,10 @@ import pytest
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.tasks.contract.events import ProgressData
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.node.event_sink import EventNote, EventSink, JobEvents
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
 from kiln.tasks.node.worker import parse_lanes, parse_pipelines
 from kiln.tasks.queue.policy import error_dict, retry_delay
+from kiln.tasks.webhooks.event_sink import EventNote, EventSink, JobEvents
 
 
 def test_retry_delay_doubles_and_is_capped() -> None:

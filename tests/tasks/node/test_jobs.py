@@ -18,6 +18,7 @@ from kiln.storage.job_store import JobStore
 from kiln.tasks.node import jobs
 from kiln.tasks.node.maintenance import renew_leases, watch_cancels
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
+from kiln.tasks.webhooks import event_sink
 from tests.tasks.node.conftest import QUEUE, STEPS, NodeFactory, NodeHarness, wait_until_expired
 
 # held first: still queued, its progress `waiting_in_node`; running once the group starts it;
@@ -369,7 +370,8 @@ def test_a_webhook_enqueue_that_raises_never_changes_the_outcome(
         attempted.append(event)
         raise RuntimeError("webhook queue down")
 
-    monkeypatch.setattr(jobs, "enqueue_webhook_events", broken_enqueue)
+    # every webhook of a node's job, a pre-attempt end's included, is queued by its sink
+    monkeypatch.setattr(event_sink, "enqueue_webhook_events", broken_enqueue)
     hook = {"url": "https://hooks.example.com/kiln", "events": ["started", "completed"]}
     if path == "succeeds":
         job_id = harness.submit(webhook=hook)

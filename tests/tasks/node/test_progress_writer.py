@@ -6,8 +6,8 @@ import threading
 
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.tasks.contract.events import ProgressData
-from kiln.tasks.node.event_sink import EventNote, EventSink, JobEvents
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
+from kiln.tasks.webhooks.event_sink import EventNote, EventSink, JobEvents
 
 
 def running_job(store: JobStore, job_id: str, sink: EventSink | None = None) -> JobEvents:
