@@ -16,9 +16,9 @@ from kiln.common.states import TERMINAL_STATES
 from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_records import FedBatch
 from kiln.storage.errors import StorageError
-from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import batch_object_key
 from kiln.storage.objects import StoresByUrl
+from kiln.storage.queries import QueryOps
 from kiln.tasks.batches.lines import custom_id_of
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, job_line
 from kiln.tasks.contract.settings import KilnSettings
@@ -35,7 +35,7 @@ class ResultWriter:
     """Writes a batch's result parts for its feeder (at least every `batch_results_flush_s`)."""
 
     def __init__(
-        self, store: JobStore, stores: StoresByUrl, feeding: BatchFeeding, settings: KilnSettings
+        self, store: QueryOps, stores: StoresByUrl, feeding: BatchFeeding, settings: KilnSettings
     ) -> None:
         self.store = store
         self.stores = stores

@@ -20,6 +20,7 @@ import httpx
 from kiln.storage.errors import JobNotFound
 from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import ObjectStore
+from kiln.storage.webhook_attempts import WebhookAttemptOps
 from kiln.tasks.contract.backoff import scheduled_delay
 from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
 from kiln.tasks.contract.responses import WebhookOutcome
@@ -143,7 +144,7 @@ def send(url: str, headers: dict[str, str], payload: str, settings: KilnSettings
     )
 
 
-def endpoint_gone(store: JobStore, job_id: str, url: str) -> bool:
+def endpoint_gone(store: WebhookAttemptOps, job_id: str, url: str) -> bool:
     """Whether this job's endpoint already answered 410 (then nothing more is sent to it)."""
     return any(
         a.get("outcome") == "gone" and a.get("url") == url for a in store.webhook_attempts(job_id)
@@ -239,7 +240,7 @@ def deliver_once(
 
 
 def _record(
-    store: JobStore,
+    store: WebhookAttemptOps,
     delivery: Delivery,
     url: str,
     result: AttemptResult,

@@ -18,7 +18,8 @@ from typing import Any
 from celery import Celery, current_app, shared_task
 
 from kiln.common.states import JobState, is_terminal
-from kiln.storage.job_store import JobEvent, JobRecord, JobStore
+from kiln.storage.job_store import JobEvent, JobRecord
+from kiln.storage.queries import QueryOps
 from kiln.tasks.contract.schemas import WebhookEvent, WebhookSpec
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
@@ -94,7 +95,7 @@ _throttle = ProgressThrottle()
 
 
 def enqueue_webhook_events(
-    store: JobStore,
+    store: QueryOps,
     job_id: str,
     event: str,
     *,
@@ -123,7 +124,7 @@ def enqueue_webhook_events(
 
 
 def _queue_webhook(
-    store: JobStore, job_id: str, kind: WebhookEvent, spec: WebhookSpec, app: Celery | None
+    store: QueryOps, job_id: str, kind: WebhookEvent, spec: WebhookSpec, app: Celery | None
 ) -> str | None:
     """Queue the `kind` webhook of the job if its `spec` subscribes to it; its id, or None."""
     if kind not in spec.events:
@@ -146,7 +147,7 @@ def _throttle_allows(job_id: str, kind: WebhookEvent, interval_s: float) -> bool
     return kind is not WebhookEvent.progress or _throttle.allow(job_id, interval_s)
 
 
-def pinned_delivery(store: JobStore, job_id: str, kind: WebhookEvent) -> Delivery | None:
+def pinned_delivery(store: QueryOps, job_id: str, kind: WebhookEvent) -> Delivery | None:
     """The first delivery of the webhook reporting the job's newest `kind` event, if any."""
     source = find_event(store, job_id, str(kind))
     if source is None:

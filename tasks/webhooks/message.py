@@ -14,8 +14,9 @@ from typing import Any
 from standardwebhooks import Webhook
 
 from kiln.common.states import TERMINAL_STATES, JobState, is_terminal
-from kiln.storage.job_store import JobEvent, JobRecord, JobStore
+from kiln.storage.job_store import JobEvent, JobRecord
 from kiln.storage.objects import ObjectStore
+from kiln.storage.queries import QueryOps
 from kiln.tasks.contract.events import (
     ProgressEvent,
     RunningEvent,
@@ -42,7 +43,7 @@ EVENT_TYPES: dict[str, frozenset[str]] = {
 EVENT_LOOKBACK = 32
 
 
-def find_event(store: JobStore, job_id: str, event: str) -> JobEvent | None:
+def find_event(store: QueryOps, job_id: str, event: str) -> JobEvent | None:
     """The job's newest event that webhook `event` (started|progress|completed) reports."""
     types = EVENT_TYPES.get(event, frozenset())
     return next((e for e in store.latest_events(job_id, EVENT_LOOKBACK) if e.type in types), None)
