@@ -13,10 +13,9 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from kiln.storage.creation import QueueFull
+from kiln.storage.creation import CreationOps, QueueFull
 from kiln.storage.dead_letters import DeadLetter, DeadLetterFilter, DeadLetterStore
 from kiln.storage.errors import QuotaExceeded
-from kiln.storage.job_store import JobStore
 from kiln.tasks.contract.dead_letters import (
     AttemptView,
     DeadLetterView,
@@ -71,7 +70,7 @@ def pick(
 
 
 def redrive(
-    store: JobStore,
+    store: CreationOps,
     letters: DeadLetterStore,
     submitter: Submitter,
     targets: Sequence[tuple[str, DeadLetter | None]],
@@ -139,7 +138,7 @@ def _unavailable(
 
 
 def _make_job(
-    store: JobStore,
+    store: CreationOps,
     letters: DeadLetterStore,
     submitter: Submitter,
     letter: DeadLetter,
