@@ -4,7 +4,7 @@ The failing transition writes the dead letter in the same script (storage/lua/tr
 _dead_letters.lua), so every failed job is recorded exactly once: a job fails once, and a record
 already there is kept. A dead letter copies the job's request, owner, lane, queue, metadata, final
 error, metrics and `attempt_log` (each run: number, node, start, end, the state it went to and
-its error), plus `checkpoint` (null until jobs write checkpoints). It lives
+its error), plus `checkpoint` (the newest entry of the record's `checkpoints`, or null). It lives
 `dead_letter_retention_s` (its job record only `retention_s`), and the set holds at most
 `dead_letter_max` of them: past the cap the oldest go, in the step that adds one.
 

@@ -23,13 +23,23 @@ local function trim_dead_letters(d)
   redis.call('ZREMRANGEBYRANK', d.index, 0, over - 1)
 end
 
+-- the job's last checkpoint as JSON: the newest entry of its record's `checkpoints` (newest
+-- first: checkpoint.lua), or null; a record that does not parse gives null, never an error (the
+-- job must fail all the same)
+local function last_checkpoint(job_key)
+  local text = redis.call('HGET', job_key, 'checkpoints')
+  if not text then return 'null' end
+  local ok, entries = pcall(cjson.decode, text)
+  if not ok or type(entries) ~= 'table' or type(entries[1]) ~= 'table' then return 'null' end
+  return cjson.encode(entries[1])
+end
+
 -- record the failed job `job` (load_job's table) read from `job_key`; `seq` is the creation
 -- sequence counter. A job fails once (terminal), and a record already there is kept: never twice.
 local function bury(d, job_key, seq, job, time)
   if redis.call('EXISTS', d.record) == 1 then return end
   local values = redis.call('HMGET', job_key, unpack(DEAD_FIELDS))
-  -- `checkpoint` stays null until jobs write checkpoints; `redrives` lists the jobs made from it
-  local flat = {'id', job.id, 'dead_at', time, 'checkpoint', 'null', 'redrives', '[]'}
+  local flat = {'id', job.id, 'dead_at', time, 'checkpoint', last_checkpoint(job_key)}
   for i, name in ipairs(DEAD_FIELDS) do
     if values[i] then flat[#flat + 1], flat[#flat + 2] = name, values[i] end
   end

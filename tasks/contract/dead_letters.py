@@ -50,7 +50,8 @@ class DeadLetterView(BaseModel):
     started_at: float | None
     finished_at: float | None
     checkpoint: dict[str, Any] | None = Field(
-        description="The job's last checkpoint; null where it wrote none."
+        description="The job's last step checkpoint as recorded (key, sha256, size, "
+        "steps_done, lease_token, attempt, written_at); null where it wrote none."
     )
     redriven_to: str | None = Field(description="The job a redrive made of it, if any.")
     redriven_at: float | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.common.states import JobState
+from kiln.storage.checkpoints import record_checkpoint
 from kiln.storage.dead_letters import DeadLetterStore
 from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
@@ -151,3 +152,29 @@ def test_a_dead_letter_lives_its_own_retention_and_goes_from_the_lists_after(
         page, _ = letters.page(owner, None, 10)
         assert [d.id for d in page] == [kept]
         assert letters.count(owner) == 1  # the listing dropped the expired one's entry
+
+
+def test_a_dead_letter_holds_the_jobs_last_checkpoint(job_store: JobStore) -> None:
+    record, _ = job_store.create_job(new_job())
+    job_id = record.id
+    token = run_once(job_store, job_id, "node-1")
+    for steps in (10, 20):
+        entry = {"key": f"ckpt/{steps}", "sha256": "0" * 64, "size": 5, "steps_done": steps,
+                 "lease_token": token, "attempt": "a1"}  # fmt: skip
+        written_at, _ = record_checkpoint(job_store, job_id, token, entry)
+    job_store.fail(job_id, token, FINAL)
+    letter = dead_letters(job_store).get(job_id)
+    assert letter is not None
+    assert letter.checkpoint == {**entry, "written_at": written_at}
+
+
+def test_a_damaged_checkpoint_record_still_fails_the_job_its_letter_says_none(
+    job_store: JobStore,
+) -> None:
+    record, _ = job_store.create_job(new_job())
+    token = run_once(job_store, record.id, "node-1")
+    job_store.redis.hset(job_store.keys.job(record.id), "checkpoints", "{not json")
+    assert job_store.fail(record.id, token, FINAL).state == JobState.FAILED
+    letter = dead_letters(job_store).get(record.id)
+    assert letter is not None
+    assert letter.checkpoint is None
