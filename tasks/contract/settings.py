@@ -75,7 +75,26 @@ class KilnSettings(BaseSettings):
         "`head` always reads the object back.",
     )
     progress_interval_s: float = Field(default=0.25, description="Throttle for progress writes.")
-    drain_grace_s: float = Field(default=30.0, description="SIGTERM: time to finish running jobs.")
+    drain_grace_s: float = Field(
+        default=30.0,
+        description="SIGTERM: time a running job that takes no step checkpoints gets to finish "
+        "(one that takes them is handed back at its next step, checkpointed).",
+    )
+    preemption_notice_url: str | None = Field(
+        default=None,
+        description="Off when unset. A node polls this metadata URL and drains as on SIGTERM once "
+        "it announces the machine's preemption: AWS's spot `instance-action` "
+        "(http://169.254.169.254/latest/meta-data/spot/instance-action) or GCE's `preempted` "
+        "(http://metadata.google.internal/computeMetadata/v1/instance/preempted).",
+    )
+    preemption_notice_kind: Literal["aws", "gce"] = Field(
+        default="aws",
+        description="How to read the notice URL: `aws` (a JSON `instance-action` document; 404: "
+        "none) or `gce` (`TRUE`/`FALSE`, asked with `Metadata-Flavor: Google`).",
+    )
+    preemption_poll_s: float = Field(
+        default=2.0, gt=0.0, description="How often a node polls its preemption notice URL (s)."
+    )
     checkpoint_every_s: float = Field(
         default=30.0,
         ge=0.0,

@@ -26,12 +26,21 @@ from kiln.tasks.contract.job_spec import JobSpec
 log = logging.getLogger(__name__)
 
 
+def takes_checkpoints(spec: JobSpec, every_s: float) -> bool:
+    """Whether a job's run takes checkpoints on the node's cadence (a video, `every_s` > 0)."""
+    return spec.num_frames > 1 and every_s > 0
+
+
 def checkpoint_plan(
-    spec: JobSpec, offered: tuple[bytes, ...], every_s: float
+    spec: JobSpec, offered: tuple[bytes, ...], every_s: float, *, resumable: bool = True
 ) -> CheckpointPlan | None:
-    """The plan of a job's run: None when it neither resumes nor takes checkpoints."""
-    takes = spec.num_frames > 1 and every_s > 0
-    if not takes and not offered:
+    """The plan of a job's run: None when it neither resumes nor takes checkpoints.
+
+    `resumable`: whether its pipeline announced step checkpoints (`x-kiln-checkpoints`); a job
+    of one that did not gets none (its group would drop the plan anyway) and batches as before.
+    """
+    takes = resumable and takes_checkpoints(spec, every_s)
+    if not takes and not (resumable and offered):
         return None
     return CheckpointPlan(resume=offered, every_seconds=every_s if takes else None)
 

@@ -2,8 +2,10 @@
 
 The node (coordinator + GPU group) starts and warms up before the worker consumes anything, and
 stops after the worker has finished. SIGTERM: Celery stops consuming and waits for the running
-tasks; after `drain_grace_s` Kiln hands the ones still running back to the queue, so the
-worker exits within the grace and no job is lost.
+tasks; Kiln hands back at once the jobs that take step checkpoints (each checkpoints its next
+step first) and, after `drain_grace_s`, the others still running (tasks/node/drain.py), so the
+worker exits within the grace and no job is lost. With `preemption_notice_url` set, a spot
+machine's notice sends the process that SIGTERM (tasks/node/preemption.py).
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def _start_node(
     worker_ready.connect(lambda sender, **_: consumers.ready(str(sender.hostname)), weak=False)
     maintenance = Maintenance(node, controls)
     maintenance.start()
-    _hand_back_after_grace_on_shutdown(node, settings.drain_grace_s)
+    _drain_on_shutdown(node, settings)
     log.info("node %s serving %s on %s", node.node_id, sorted(options.pipelines), options.devices)
     return node, maintenance
 
@@ -247,12 +249,24 @@ def _whole_node_parallel(options: WorkerOptions) -> str:
     return options.parallel
 
 
-def _hand_back_after_grace_on_shutdown(node: Node, grace_s: float) -> None:
+def _drain_on_shutdown(node: Node, settings: KilnSettings) -> None:
+    """SIGTERM drains the node (tasks/node/drain.py); a preemption notice sends that SIGTERM."""
+    from kiln.tasks.node.drain import start_drain
+    from kiln.tasks.node.preemption import PreemptionWatcher, terminate_this_process
+
+    watcher = None
+    if settings.preemption_notice_url:
+        watcher = PreemptionWatcher(
+            settings.preemption_notice_url,
+            settings.preemption_notice_kind,
+            settings.preemption_poll_s,
+            lambda _notice: terminate_this_process(),
+        )
+        watcher.start()
+
     def on_shutting_down(**_: Any) -> None:
-        node.controls.shutting_down = True  # an operator's undrain cannot undo this one
-        node.draining.set()
-        timer = threading.Timer(grace_s, node.hand_back_all)
-        timer.daemon = True
-        timer.start()
+        if watcher is not None:
+            watcher.stop()
+        start_drain(node, settings.drain_grace_s)
 
     worker_shutting_down.connect(on_shutting_down, weak=False)
