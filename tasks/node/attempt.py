@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kiln.common.previews import DEFAULT_PREVIEW_FORMAT
+from kiln.common.request import pipeline_takes_checkpoints
 from kiln.common.states import JobState
 from kiln.common.stops import StopReason
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
@@ -223,7 +224,9 @@ class LeasedAttempt:
         checkpoints = Checkpoints(self.store, self.node.objects)
         readable, _ = checkpoints.readable(self.job_id)  # the others are logged
         offered = tuple(data for _, data in readable)
-        plan = checkpoint_plan(self.job.spec, offered, self.settings.checkpoint_every_s)
+        spec = self.job.spec
+        resumable = pipeline_takes_checkpoints(self.node.pipeline_inputs(), spec.pipeline)
+        plan = checkpoint_plan(spec, offered, self.settings.checkpoint_every_s, resumable=resumable)
         if plan is None:
             return request, None
         writer = CheckpointWriter(checkpoints, self.job_id, self.tracked.lease_token, self.attempt)
