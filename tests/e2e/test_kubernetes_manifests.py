@@ -6,8 +6,8 @@ kiln-secrets.env.example, the pod name from the downward API, Service links unle
 The Redis StatefulSet's command runs as a private redis-server (password, AOF, noeviction);
 moto's S3 server stands in for MinIO. Readiness is each pod's own readiness probe command. A job
 goes in through the kiln-api Service's port, the node's liveness probe fails while its process is
-frozen and passes again after, the node's preStop hook drains it with a job running, and every pod
-exits 0 on SIGTERM.
+frozen and passes again after, SIGTERM drains the node with a job running (no preStop hook), and
+every pod exits 0 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -225,22 +222,18 @@ def test_a_frozen_node_fails_its_liveness_probe(stack: Stack) -> None:
     assert stack.wait_for(job_id, FINAL)["status"] == "succeeded"
 
 
-def test_the_prestop_hook_drains_the_node_and_it_exits_0(stack: Stack) -> None:
-    """A running job finishes (not handed back) and the node exits 0, as a scale-down would."""
+def test_sigterm_drains_the_node_and_it_exits_0(stack: Stack) -> None:
+    """The kubelet's SIGTERM, no preStop hook: a running image job finishes and the node exits 0.
+
+    An image job takes no step checkpoints: it gets KILN_DRAIN_GRACE_S to finish, not handed back.
+    """
     job_id = stack.submit(prompt="long", steps=40, width=64, height=64)
     stack.wait_for(job_id, {"running"})
     node = stack.pods[NODE]
     container = stack.cluster.workload(NODE)["spec"]["template"]["spec"]["containers"][0]
-    hook = stack.cluster.localizer.argv(container["lifecycle"]["preStop"]["exec"]["command"])
-    # The image's PATH (/opt/kiln/bin first) is this virtual environment's here.
-    path = f"{Path(sys.executable).parent}{os.pathsep}{node.env['PATH']}"
-    prestop = subprocess.Popen(hook, env={**node.env, "PATH": path})
-    try:
-        assert node.process.wait(120) == 0, node.log()
-    finally:
-        # The kubelet ends the hook with the container; here it is a process of its own.
-        prestop.kill()
-        prestop.wait(10)
+    assert "lifecycle" not in container  # SIGTERM itself is the drain (docs/operations.md §4)
+    node.process.send_signal(signal.SIGTERM)
+    assert node.process.wait(120) == 0, node.log()
     # The only node is gone: a job it had handed back would stay queued. It finished there.
     view = stack.call("GET", f"/v1/jobs/{job_id}").json()
     assert view["status"] == "succeeded", view
