@@ -54,7 +54,9 @@ logger = logging.getLogger(__name__)
 
 BOOT_MODULE = "kiln.gpu_worker.rank_server_boot"
 # Set by pytest for each test phase: it changes all the time and no library reads it at import.
-VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+# The test pipelines' log files (kiln/settings_check.py lists them) are read as a pipeline loads,
+# in the rank, never at import: a test process that names new ones keeps its warm server.
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "KILN_TEST_STEP_LOG", "KILN_TEST_COUNT_LOG"})
 
 
 def environment_key(environ: dict[str, str]) -> str:
