@@ -6,8 +6,9 @@ node gets SIGTERM, or its fake metadata server (a real HTTP server here, AWS's s
 `instance-action` shape, IMDSv2 token and all) starts announcing the machine's reclaim. The node
 checkpoints the job's next step, hands it back and exits within a step or two plus a few seconds;
 a second node resumes it from that step and the output has the sha256 of the same request run
-uninterrupted. The `before` case runs with checkpoints off (`KILN_CHECKPOINT_EVERY_S=0`): the job
-runs through the drain grace (5 s in these tests, 30 s by default) and restarts from step 0.
+uninterrupted. The `before` case runs with checkpoints off (`KILN_CHECKPOINT_EVERY_S=0`), as every
+job ran before step checkpoints: an 80-step job runs through the drain grace (1 s here, 30 s by
+default), is handed back and restarts from step 0.
 Marked slow (`make test-slow`). Each case prints its figures (docs/operations.md §4).
 """
 
@@ -55,16 +56,22 @@ def test_a_drained_node_hands_its_job_back_checkpointed_and_another_resumes_it(
     cluster_factory: Callable[..., Cluster], spot_metadata: FakeMetadata, how: str
 ) -> None:
     cluster = cluster_factory()
-    env = {"KILN_CHECKPOINT_EVERY_S": "0" if how.startswith("before") else "30"}
+    before = how.startswith("before")
+    env = {"KILN_CHECKPOINT_EVERY_S": "0" if before else "30"}
+    # before: a job still running at the end of a 1 s grace (80 steps: it outlasts it)
+    steps = 80 if before else STEPS
+    request = REQUEST | {"steps": steps}
+    if before:
+        env["KILN_DRAIN_GRACE_S"] = "1"
     if how == "spot notice":
         url = spot_metadata.base + AWS_PATH
         env |= {"KILN_PREEMPTION_NOTICE_URL": url, "KILN_PREEMPTION_POLL_S": "0.2"}
     first = cluster.start_worker(VIDEO, extra_env=env)
-    reference = cluster.wait_for(cluster.submit(**REQUEST), timeout_s=180)
+    reference = cluster.wait_for(cluster.submit(**request), timeout_s=180)
     assert str(reference.state) == "succeeded", reference.error
-    step_s = float(reference.metrics["run_s"]) / STEPS
+    step_s = float(reference.metrics["run_s"]) / steps
 
-    job_id = cluster.submit(**REQUEST)
+    job_id = cluster.submit(**request)
 
     def drain() -> None:
         if how == "spot notice":
@@ -80,6 +87,7 @@ def test_a_drained_node_hands_its_job_back_checkpointed_and_another_resumes_it(
     # at may go unreported as it stops) or the step its drain checkpointed, which it ran
     computed_first = max([*denoising_steps(cluster, job_id), *(c.steps_done for c in checkpoints)])
 
+    spot_metadata.notice = False  # the second node's machine is not the reclaimed one
     cluster.start_worker(VIDEO, extra_env=env)
     record = cluster.wait_for(job_id, timeout_s=180)
     assert str(record.state) == "succeeded", record.error
@@ -92,7 +100,7 @@ def test_a_drained_node_hands_its_job_back_checkpointed_and_another_resumes_it(
         f"{computed_first}, exited {exit_s:.1f} s after the drain; resumed at {restored}; "
         f"steps lost {lost}"
     )
-    if how.startswith("before"):
+    if before:
         assert checkpoints == []
         assert restored == 0  # the whole run again
         assert lost == computed_first
