@@ -107,7 +107,9 @@ def test_a_drained_node_hands_its_job_back_checkpointed_and_another_resumes_it(
         return
     assert len(checkpoints) == 1  # the drain's own: the 30 s cadence took none
     assert checkpoints[0].steps_done == computed_first  # the step it stopped at: none lost
-    assert at_drain <= computed_first <= at_drain + 2  # it stopped at its next step boundary
+    assert computed_first >= at_drain
+    if how == "sigterm":  # a notice is seen at the next poll (0.2 s: a few tiny steps later)
+        assert computed_first <= at_drain + 2  # the stop is decided one step behind its report
     assert lost == 0
     assert record.metrics["steps_computed"] == STEPS - restored
     assert exit_s < 2 * step_s + 10  # a step or two, the write, the ranks' stop
