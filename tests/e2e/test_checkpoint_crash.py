@@ -24,9 +24,9 @@ EVERY_S = 0.2
 REQUEST = {
     "pipeline": "video",
     "prompt": "a kiln at night",
-    "width": 64,
-    "height": 64,
-    "num_frames": 17,
+    "width": 128,
+    "height": 128,
+    "num_frames": 49,
     "steps": STEPS,
     "seed": 3,
 }
@@ -73,7 +73,10 @@ def test_a_node_killed_at_60_percent_resumes_on_the_other_node_with_the_same_out
     assert [o["sha256"] for o in record.outputs] == [o["sha256"] for o in reference.outputs]
     assert record.metrics["steps_restored"] == restorable
     assert record.metrics["steps_computed"] == STEPS - restorable
-    # what the kill cost: the steps the first attempt ran past its last recorded checkpoint
-    recomputed = reported_before - restorable
+    # what the kill cost: the steps the first attempt ran past its last recorded checkpoint.
+    # Progress is reported on the writer's own throttled thread, so the newest checkpoint may name
+    # a step whose progress event never went out: the first attempt ran at least that far.
+    ran_to = max(reported_before, restorable)
+    recomputed = ran_to - restorable
     print(f"restored {restorable}, recomputed {recomputed} (reported up to {reported_before})")
-    assert 0 <= recomputed <= 5  # at most the steps of one 0.2 s cadence, plus the kill's lag
+    assert recomputed <= 5  # at most the steps of one 0.2 s cadence, plus the kill's lag
