@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import HTTPException, Query
 
-from kiln.storage.dead_letters import DeadLetterFilter, DeadLetterStore
+from kiln.storage.dead_letters import DeadLetterStore
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.deps import (
     JOB_ERRORS,
@@ -30,7 +30,7 @@ from kiln.tasks.contract.dead_letters import (
     RedriveRequest,
     RedriveResult,
 )
-from kiln.tasks.intake.redrive import dead_letter_view, pick, redrive
+from kiln.tasks.intake.redrive import chosen_letters, dead_letter_view, redrive
 
 router = api_router()
 
@@ -101,22 +101,9 @@ def get_dead_letter(ctx: Ctx, caller: Caller, job_id: JobId) -> DeadLetterView:
 def redrive_dead_letters(ctx: Ctx, caller: Caller, body: RedriveRequest) -> RedriveResult:
     """A new job for each chosen dead letter, `rate` per second; `dry_run` lists them only."""
     letters = dead_letter_store(ctx)
-    if body.ids is not None:
-        targets = list(zip(body.ids, letters.get_many(body.ids), strict=True))
-    else:
-        assert body.filter is not None  # the request's validator: ids or filter
-        chosen = body.filter
-        scope = _scope(caller, chosen.owner)
-        taking = DeadLetterFilter(
-            error_type=chosen.error_type,
-            pipeline=chosen.pipeline,
-            since=chosen.since,
-            until=chosen.until,
-            include_redriven=chosen.include_redriven,
-            poison=chosen.poison,
-        )
-        found = [] if scope == "" else pick(letters, scope, taking, body.limit)
-        targets = [(letter.id, letter) for letter in found]
+    # ids are checked against the caller as each is redriven (may_see); a filter reads its scope
+    scope = None if body.filter is None else _scope(caller, body.filter.owner)
+    targets = [] if scope == "" else chosen_letters(letters, body, scope)
     seconds = len(targets) / body.rate
     if not body.dry_run and seconds > MAX_REDRIVE_SECONDS:
         msg = (

@@ -168,21 +168,13 @@ def _direct_show(job_id: str) -> DeadLetterView:
 
 
 def _direct_redrive(request: RedriveRequest) -> RedriveResult:
-    from kiln.storage.dead_letters import DeadLetterFilter
-    from kiln.tasks.intake.redrive import pick, redrive
+    from kiln.tasks.intake.redrive import chosen_letters, redrive
     from kiln.tasks.queue.submit import Submitter
 
     parts, letters = _direct_parts()
     store = parts.store
-    if request.ids is not None:
-        targets = list(zip(request.ids, letters.get_many(request.ids), strict=True))
-    else:
-        assert request.filter is not None
-        f = request.filter
-        taking = DeadLetterFilter(
-            f.error_type, f.pipeline, f.since, f.until, f.include_redriven, f.poison
-        )
-        targets = [(d.id, d) for d in pick(letters, f.owner, taking, request.limit)]
+    owner = None if request.filter is None else request.filter.owner
+    targets = chosen_letters(letters, request, owner)
     submitter = Submitter(store, parts.settings, publish=None)
     return redrive(
         store,

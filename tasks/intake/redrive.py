@@ -20,6 +20,7 @@ from kiln.tasks.contract.dead_letters import (
     AttemptView,
     DeadLetterView,
     RedriveItem,
+    RedriveRequest,
     RedriveResult,
 )
 from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
@@ -67,6 +68,28 @@ def pick(
         if cursor is None:
             break
     return found
+
+
+def chosen_letters(
+    letters: DeadLetterStore, request: RedriveRequest, owner: str | None
+) -> list[tuple[str, DeadLetter | None]]:
+    """The dead letters a redrive names: its ids (None where none is left), or its filter's.
+
+    A filter takes up to the request's limit of `owner`'s letters (None: everyone's).
+    """
+    if request.ids is not None:
+        return list(zip(request.ids, letters.get_many(request.ids), strict=True))
+    chosen = request.filter
+    assert chosen is not None  # the request's validator: ids or filter
+    taking = DeadLetterFilter(
+        error_type=chosen.error_type,
+        pipeline=chosen.pipeline,
+        since=chosen.since,
+        until=chosen.until,
+        include_redriven=chosen.include_redriven,
+        poison=chosen.poison,
+    )
+    return [(letter.id, letter) for letter in pick(letters, owner, taking, request.limit)]
 
 
 def redrive(
