@@ -185,6 +185,16 @@ class InflightRequests:
                 ticket.report(StepProgress("decoding", total, total))
             if ticket.stop_reason is None:
                 ticket.stop_reason = ticket.wants_stop()
+                if ticket.stop_reason is not None and step < total:
+                    # The operator's record of a stop (a drain's "which step did it stop at"):
+                    # rank 0 reads this verdict at the end of the next step and stops there.
+                    logger.info(
+                        "request %s stops at the end of step %d of %d (%s)",
+                        ticket.request.request_id,
+                        step + 1,
+                        total,
+                        ticket.stop_reason,
+                    )
             if ticket.stop_reason is not None:
                 stop.add(ticket.request.request_id)
             if ticket.stop_reason in CHECKPOINTED_STOPS:
