@@ -19,9 +19,14 @@ from collections.abc import Sequence
 from enum import Enum
 
 from kiln.common.job_events import ProgressData
+from kiln.common.stops import StopReason
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.settings import StorageSettings
+
+# a running job's stop request that asks for a pause (storage/lua/_machine.lua STOP_PAUSE); any
+# other value is a cancel
+_STOP_PAUSE = "pause"
 
 # the reaper looks at this many overdue jobs per call; it runs every few seconds
 _REAPER_BATCH = 1000
@@ -125,20 +130,29 @@ class LeaseOps(StoreBase):
 
     @redis_boundary
     def cancel_requested(self, job_id: str) -> bool:
-        """True while a cancel of the running job is pending (one EXISTS; cheap)."""
+        """True while a cancel of the running job is pending (one GET; cheap)."""
         self._require_id(job_id)
-        return bool(self.redis.exists(self.keys.cancel(job_id)))
+        flag = self.redis.get(self.keys.cancel(job_id))
+        return bool(flag) and flag != _STOP_PAUSE
 
     @redis_boundary
-    def cancels_requested(self, job_ids: Sequence[str]) -> set[str]:
-        """Which of these running jobs have a pending cancel: one pipelined round trip."""
+    def stops_requested(self, job_ids: Sequence[str]) -> dict[str, StopReason]:
+        """Which of these running jobs were asked to stop, and why (a cancel or a pause).
+
+        One pipelined round trip: the job's stop request (`keys.cancel`, storage/lua/_machine.lua
+        `STOP_CANCEL`/`STOP_PAUSE`) read for each.
+        """
         if not job_ids:
-            return set()
+            return {}
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.exists(self.keys.cancel(job_id))
+            pipe.get(self.keys.cancel(job_id))
         flags = pipe.execute()
-        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
+        return {
+            job_id: StopReason.PAUSED if flag == _STOP_PAUSE else StopReason.CANCELED
+            for job_id, flag in zip(job_ids, flags, strict=True)
+            if flag
+        }
 
 
 class FeederLeaseOps(StoreBase):

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 ScriptName = Literal[
     "transition",
     "cancel",
+    "pause",
+    "resume",
+    "paused_past",
     "reap",
     "progress",
     "live_event",

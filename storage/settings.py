@@ -202,6 +202,11 @@ class StorageSettings(BaseSettings):
     retention_s: int = Field(
         default=7 * 24 * 3600, gt=0, description="How long finished job records and events stay."
     )
+    paused_retention_s: int = Field(
+        default=7 * 24 * 3600,
+        gt=0,
+        description="How long a job stays paused; then it expires and its checkpoints go.",
+    )
     event_stream_maxlen: int = Field(
         default=1000, ge=1, description="Events kept per job (older ones are trimmed)."
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from redis.exceptions import NoScriptError, RedisError
 
@@ -13,6 +13,7 @@ from kiln.common.job_events import (
     CanceledReason,
     ExpiredData,
     FailedData,
+    PausedData,
     Payload,
     QueuedData,
     StartData,
@@ -35,12 +36,20 @@ _REQUEUE = edge_sources((R,), Q)
 _FINISH_CANCELED = edge_sources((R,), JobState.CANCELED)
 _EXPIRE = edge_sources((Q,), JobState.EXPIRED)
 _CANCEL_QUEUED = edge_sources((Q,), JobState.CANCELED)
+P = JobState.PAUSED
+_PAUSE_STOPPED = edge_sources((R,), P)
+_EXPIRE_PAUSED = edge_sources((P,), JobState.EXPIRED)
 # the edges cancel.lua (queued -> canceled) and reap.lua (running -> queued or canceled) take
 # without reading the table: asserted in TRANSITIONS at import, so dropping one from the table
 # fails here (the scripts themselves are not read: a script changed to take another edge is not)
 edge_sources((Q,), JobState.CANCELED)
 edge_sources((R,), Q)
 edge_sources((R,), JobState.CANCELED)
+# and those pause.lua (queued -> paused), resume.lua (paused -> queued), cancel.lua (paused ->
+# canceled) and a pending pause (reap.lua, transition.lua's honor_cancel: running -> paused) take
+edge_sources((Q, R), P)
+edge_sources((P,), Q)
+edge_sources((P,), JobState.CANCELED)
 # how far back a queue's completion window reaches (s): its runs finished in that time give the
 # queue's recent completion rate (storage.queues reads it)
 COMPLETION_WINDOW_S = 600
@@ -340,11 +349,70 @@ class TransitionOps(StoreBase):
 
     @redis_boundary
     def cancel(self, job_id: str) -> JobRecord:
-        """Cancel: queued → canceled at once; running → cancel flag set, record unchanged."""
+        """Cancel: queued or paused → canceled at once; running → cancel flag set; else as is."""
+        return self._machine_call("cancel", job_id)
+
+    @redis_boundary
+    def pause(self, job_id: str) -> JobRecord:
+        """Pause: queued → paused at once; running → pause requested; others unchanged.
+
+        A running job's node stops it at its next step with a checkpoint (`pause_stopped`);
+        one with a cancel pending keeps it (a cancel replaces a pause, never the reverse).
+        Returns the record after the call.
+        """
+        return self._machine_call("pause", job_id)
+
+    @redis_boundary
+    def resume(self, job_id: str) -> JobRecord:
+        """Resume: paused → queued at the back of its lane; a pending pause is withdrawn.
+
+        The resumed job has a `resumed` event and is unpublished: the caller publishes it. Any
+        other record is left unchanged.
+        """
+        return self._machine_call("resume", job_id)
+
+    def _machine_call(self, name: Literal["cancel", "pause", "resume"], job_id: str) -> JobRecord:
+        """Run cancel.lua, pause.lua or resume.lua on one job: the record after it."""
         self._require_id(job_id)
         args = [job_id, *self._machine_settings()]
         keys = self._machine_keys(job_id)
-        return self._record(job_id, self._run_acknowledged("cancel", keys, args, strict=False))
+        return self._record(job_id, self._run_acknowledged(name, keys, args, strict=False))
+
+    @redis_boundary
+    def pause_stopped(self, job_id: str, lease_token: int) -> JobRecord:
+        """Running → paused (fenced), once its node stopped the run its pause asked to stop.
+
+        A cancel requested meanwhile wins: → canceled.
+        """
+        return self._transition(
+            job_id,
+            _PAUSE_STOPPED,
+            P,
+            fence="token",
+            token=lease_token,
+            payload=PausedData(reason="pause_requested"),
+            honor_cancel=True,
+        )
+
+    @redis_boundary
+    def expire_paused(self, job_id: str) -> JobRecord:
+        """Paused → expired (it stayed paused past KILN_PAUSED_RETENTION_S)."""
+        return self._transition(
+            job_id,
+            _EXPIRE_PAUSED,
+            JobState.EXPIRED,
+            fence="none",
+            token=None,
+            payload=ExpiredData(reason="paused_retention"),
+        )
+
+    @redis_boundary
+    def paused_past(self, retention_s: int, limit: int = 1000) -> list[str]:
+        """Ids of jobs paused for more than `retention_s` (by the Redis clock), at most `limit`."""
+        k = self.keys
+        keys = [k.state_index(JobState.PAUSED)]
+        due: list[str] = self._run("paused_past", keys, [k.job_prefix, retention_s, limit])
+        return due
 
     @redis_boundary
     def cancel_queued(self, job_id: str, reason: CanceledReason) -> JobRecord:

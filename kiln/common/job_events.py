@@ -4,7 +4,8 @@ They live here, below every package, because their writer (storage/transitions.p
 scripts) may not import the contract; tasks/contract/events.py puts them in its one typed union
 beside the kinds a node writes (progress, preview, output), and readers parse every entry with
 that union. The Lua scripts spell four reasons themselves (`created`, `requested`,
-`cancel_requested`, `lease_expired`): the union's Literals below are what they may write, and the
+`cancel_requested`, `lease_expired`, and a pause's `requested`, `pause_requested`, `resumed`,
+`paused_retention`): the union's Literals below are what they may write, and the
 round-trip test reads every kind back as its real writer stored it.
 """
 
@@ -105,7 +106,32 @@ class ProgressData(Payload):
     position: int | None = None  # waiting_in_node only: jobs that node starts before it
 
 
+ExpiredReason = Literal["paused_retention"]
+
+
 class ExpiredData(Payload):
-    """`expired`: its start_by passed before it started (no fields)."""
+    """`expired`: its start_by passed before it started (no reason), or it stayed paused too long.
+
+    `paused_retention`: paused `KILN_PAUSED_RETENTION_S`; its step checkpoints were deleted.
+    """
 
     kind = JobState.EXPIRED.value
+    reason: ExpiredReason | None = None
+
+
+# `requested`: asked while queued; `pause_requested`: its run stopped at a step boundary for it
+# (or a retry, a drain or a lapsed lease found the pause pending)
+PausedReason = Literal["requested", "pause_requested"]
+
+
+class PausedData(Payload):
+    """`paused`: it holds no GPU and no place in line; its step checkpoints are kept."""
+
+    kind = JobState.PAUSED.value
+    reason: PausedReason
+
+
+class ResumedData(Payload):
+    """`resumed`: a paused job is `queued` again, at the back of its lane (no fields)."""
+
+    kind = "resumed"

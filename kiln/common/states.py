@@ -18,15 +18,19 @@ class JobState(StrEnum):
     FAILED = "failed"
     CANCELED = "canceled"
     EXPIRED = "expired"
+    # asked to pause: no GPU, its step checkpoints kept; resumed to `queued`, or expired once it
+    # has been paused `KILN_PAUSED_RETENTION_S` (docs/contract.md §4a)
+    PAUSED = "paused"
 
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset(
-        {JobState.RUNNING, JobState.CANCELED, JobState.EXPIRED, JobState.FAILED}
+        {JobState.RUNNING, JobState.CANCELED, JobState.EXPIRED, JobState.FAILED, JobState.PAUSED}
     ),
     JobState.RUNNING: frozenset(
-        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED, JobState.QUEUED}
+        {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED, JobState.QUEUED, JobState.PAUSED}
     ),
+    JobState.PAUSED: frozenset({JobState.QUEUED, JobState.CANCELED, JobState.EXPIRED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELED: frozenset(),

@@ -18,6 +18,7 @@ class StopReason(StrEnum):
     EXPIRED = "expired"  # its start_by passed before it started: queued → expired
     LEASE_LOST = "lease_lost"  # another node holds the job now: its record is left to it
     HANDED_BACK = "handed_back"  # the node drains: running → queued, published again
+    PAUSED = "paused"  # a pause was requested: running → paused, its checkpoint kept
     DEADLINE = "deadline"  # it ran past max_run_seconds: failed with DeadlineExceeded
     START_REFUSED = "start_refused"  # its caller refused its start (a batch's `batch_start`)
     REQUESTED = "requested"  # its caller's `should_stop` said stop without a reason of its own

@@ -1,8 +1,8 @@
 -- machine: the writes of one state change, included by transition, cancel and reap.
 -- Every function takes `m`, the keys and settings of one job, which each of those scripts builds
 -- from its KEYS and ARGV:
---   m.job, m.events, m.lease, m.cancel, m.hooks: the job's record, events, lease, cancel flag
---     and webhook attempts;
+--   m.job, m.events, m.lease, m.cancel, m.hooks: the job's record, events, lease, stop request
+--     (STOP_CANCEL or STOP_PAUSE: what the running job's node stops it for) and webhook attempts;
 --   m.running, m.unpublished, m.depth, m.retired: the namespace's running set, unpublished set,
 --     queue depth counter and retired set;
 --   m.seq, m.owner_queued, m.owner_running: the creation sequence (a job entering `queued` draws
@@ -17,6 +17,19 @@
 
 -- finished runs kept per queue's completion window, at most (the rate needs no more)
 local COMPLETIONS_KEPT = 1000
+
+-- a running job's stop request (m.cancel), as its node reads it (storage/leases.py
+-- `stops_requested`): a cancel ('1', as it always was) or a pause; a cancel replaces a pause
+local STOP_CANCEL, STOP_PAUSE = '1', 'pause'
+
+-- what a pending stop request turns the end of a run into (a retry, a drain's hand-back, a
+-- lapsed lease): canceled or paused, with its event's payload; nil when none is pending
+local function requested_end(m)
+  local flag = redis.call('GET', m.cancel)
+  if flag == STOP_CANCEL then return S.canceled, cjson.encode({reason = 'cancel_requested'}) end
+  if flag == STOP_PAUSE then return S.paused, cjson.encode({reason = 'pause_requested'}) end
+  return nil, nil
+end
 
 local function move_batch(m, job, target)
   if job.batch == '' then return end
@@ -134,16 +147,28 @@ local function enter_queued(m, job, time)
   redis.call('ZADD', m.unpublished, time, job.id)
 end
 
--- the one place a state changes; `fields` is a flat list of field/value pairs
-local function transition(m, job, target, payload, fields)
+-- paused: no lease, no GPU, no place in line, no message to publish; its step checkpoints stay
+-- (storage/checkpoints.py), and `paused_at` starts its KILN_PAUSED_RETENTION_S
+local function enter_paused(m, job, time)
+  redis.call('HSET', m.job, 'lease_token', '0', 'published', '0', 'progress', 'null',
+    'paused_at', time)
+  redis.call('DEL', m.lease, m.cancel)
+  redis.call('ZREM', m.running, job.id)
+  redis.call('ZREM', m.unpublished, job.id)
+end
+
+-- the one place a state changes; `fields` is a flat list of field/value pairs; the event's type
+-- is the target state unless `event_type` names another (a resume's `resumed`: queued again)
+local function transition(m, job, target, payload, fields, event_type)
   local time, now_ms = clock()
   if #fields > 0 then redis.call('HSET', m.job, unpack(fields)) end
   redis.call('HSET', m.job, 'state', target)
   if job.state == S.running and target ~= S.running then close_attempt(m, time, target, payload) end
   if target == S.running then payload = enter_running(m, job, time, now_ms, payload)
   elseif target == S.queued then enter_queued(m, job, time)
+  elseif target == S.paused then enter_paused(m, job, time)
   elseif TERMINAL[target] then finish(m, job, time, now_ms, target) end
   move_counters(m, job, target)
-  append_event(m.job, m.events, m.maxlen, target, time, payload)
+  append_event(m.job, m.events, m.maxlen, event_type or target, time, payload)
   return time
 end

@@ -1,4 +1,4 @@
--- cancel: a queued job is canceled now; a running one gets its cancel flag (the worker stops it
+-- cancel: a queued or paused job is canceled now; a running one gets its cancel flag (the worker stops it
 -- and calls finish_canceled); a finished one is left as it is. Returns the record (flat HGETALL).
 -- Errors: NOTFOUND.
 -- include: _machine
@@ -34,9 +34,9 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   maxlen = ARGV[8], retention = ARGV[9], window = ARGV[10]}
 
 local job = load_job(m.job, job_id)
-if job.state == S.queued then
+if job.state == S.queued or job.state == S.paused then
   transition(m, job, S.canceled, cjson.encode({reason = 'requested'}), {})
 elseif job.state == S.running then
-  redis.call('SET', m.cancel, '1', 'EX', m.retention)
+  redis.call('SET', m.cancel, STOP_CANCEL, 'EX', m.retention)  -- replaces a pending pause
 end
 return redis.call('HGETALL', m.job)

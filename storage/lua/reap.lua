@@ -1,5 +1,5 @@
--- reap: a running job whose lease is gone goes back to queued (to canceled if a cancel is
--- pending); a job that is not running leaves the running set. Returns 1 if the job moved, else 0.
+-- reap: a running job whose lease is gone goes back to queued (to canceled or paused if a cancel
+-- or a pause is pending); a job that is not running leaves the running set. Returns 1 if the job moved, else 0.
 -- include: _machine
 -- KEYS[1] = job record (hash)
 -- KEYS[2] = job events (stream)
@@ -38,8 +38,9 @@ if redis.call('HGET', m.job, 'state') ~= S.running then
 end
 if redis.call('EXISTS', m.lease) == 1 then return 0 end
 local job = load_job(m.job, job_id)
-if redis.call('EXISTS', m.cancel) == 1 then
-  transition(m, job, S.canceled, cjson.encode({reason = 'cancel_requested'}), {})
+local requested, payload = requested_end(m)
+if requested then
+  transition(m, job, requested, payload, {})
 else
   transition(m, job, S.queued, cjson.encode({reason = 'lease_expired'}), {})
 end

@@ -1,6 +1,6 @@
 -- transition: move a job along one edge of the state machine (kiln/common/states.py), fenced by
--- its lease. A pending cancel turns a retry into `canceled` when honor_cancel is '1' (the job
--- would only be stopped again). Returns the record after the change as a flat HGETALL.
+-- its lease. A pending cancel (pause) turns a retry or a hand-back into `canceled` (`paused`)
+-- when honor_cancel is '1' (the job would only be stopped again). Returns the record after the change as a flat HGETALL.
 -- Errors: NOTFOUND, ILLEGAL (terminal, or not in a source state, or a move into running of a job
 -- whose batch was asked to stop), STALE (fence), QUOTA (a move into running while the job's owner
 -- has `running cap` running jobs already).
@@ -71,8 +71,9 @@ if target == S.running and running_cap ~= '' and job.job_owner ~= ''
     and owner_count(m.owner_running, job.job_owner) >= tonumber(running_cap) then
   raise('QUOTA', job.job_owner .. ' running ' .. running_cap)
 end
-if honor_cancel == '1' and redis.call('EXISTS', m.cancel) == 1 then
-  target, payload, fields = S.canceled, cjson.encode({reason = 'cancel_requested'}), {}
+if honor_cancel == '1' then
+  local requested, requested_payload = requested_end(m)
+  if requested then target, payload, fields = requested, requested_payload, {} end
 end
 local time = transition(m, job, target, payload, fields)
 if target == S.failed then bury(d, m.job, m.seq, job, time) end

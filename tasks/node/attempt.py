@@ -61,7 +61,9 @@ log = logging.getLogger(__name__)
 # how often an end whose acknowledgement was lost with the primary runs again (each one waits
 # for the new primary through the store's retry window)
 _END_RERUNS = 3
-_REQUEUED = frozenset({JobState.QUEUED, JobState.CANCELED})  # `requeue` honors a pending cancel
+# `requeue` honors a pending cancel or pause
+_REQUEUED = frozenset({JobState.QUEUED, JobState.CANCELED, JobState.PAUSED})
+_PAUSE_ENDS = frozenset({JobState.PAUSED, JobState.CANCELED})  # `pause_stopped` honors one too
 
 
 class LeasedAttempt:
@@ -373,14 +375,43 @@ class LeasedAttempt:
             self.outcome = DeliveryOutcome(Delivery.CANCELED)
             log.info("job %s canceled while running", self.job_id)
             self.events.changed(JobState.CANCELED)
+        elif reason == StopReason.PAUSED:
+            self._paused(token)
         elif reason == StopReason.HANDED_BACK:
             error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
-            self.node.submitter.publish(self._requeue(token, error))
+            self._publish_requeued(self._requeue(token, error))
             self.outcome = DeliveryOutcome(Delivery.HANDED_BACK, error)
             log.info("job %s handed back to the queue (the node is draining)", self.job_id)
         else:
             log.warning("job %s stopped after its lease was lost", self.job_id)
             self.outcome = DeliveryOutcome(Delivery.LEASE_LOST)
+
+    def _publish_requeued(self, record: JobRecord, countdown: float = 0.0) -> None:
+        """Publish a job its attempt sent back to the queue.
+
+        A pending cancel or pause ended it canceled or paused instead (`requeue`): no message, its
+        change is announced.
+        """
+        if record.state == JobState.QUEUED:
+            self.node.submitter.publish(record, countdown=countdown)
+        else:
+            self.events.changed(record.state)
+
+    def _paused(self, token: int) -> None:
+        """Its pause stopped the run at a step boundary: running → paused, lease and GPU free.
+
+        The stop took a checkpoint of that step when the run takes them (gpu_worker/inflight.py
+        CHECKPOINTED_STOPS); a cancel requested meanwhile ends it canceled instead.
+        """
+        record = self._end(
+            lambda: self.store.pause_stopped(self.job_id, token),
+            lambda record: record.state in _PAUSE_ENDS,
+        )
+        state = record.state if record.state in _PAUSE_ENDS else JobState.PAUSED
+        kind = Delivery.CANCELED if state == JobState.CANCELED else Delivery.PAUSED
+        self.outcome = DeliveryOutcome(kind)
+        log.info("job %s %s while running", self.job_id, state)
+        self.events.changed(state)
 
     def _failed(self, error: dict[str, Any], *, retryable: bool) -> None:
         self.node.progress.settle(self.job_id)
@@ -396,7 +427,7 @@ class LeasedAttempt:
         if retryable and attempts < self.settings.max_attempts:
             requeued = self._requeue(token, error)
             delay = retry_delay(attempts, self.settings)
-            self.node.submitter.publish(requeued, countdown=delay)
+            self._publish_requeued(requeued, countdown=delay)
             self.outcome = DeliveryOutcome(Delivery.RETRYING, error, delay)
             log.info("job %s: retryable failure, retry %d in %.1fs", self.job_id, attempts, delay)
             return

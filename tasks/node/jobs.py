@@ -51,6 +51,7 @@ ENDED_WITH_A_TRANSITION = frozenset(
         Delivery.CANCELED,
         Delivery.RETRYING,
         Delivery.HANDED_BACK,
+        Delivery.PAUSED,
     }
 )
 
@@ -84,6 +85,9 @@ class JobRunner:
                 self._delivered_when_finished(record)
             elif record.state == JobState.RUNNING:
                 self._delivered_while_running(record)
+            elif record.state == JobState.PAUSED:
+                # a message of a job paused while queued: its resume publishes a new one
+                log.info("job %s is paused; delivery dropped", self.job_id)
             elif not self._refused_before_start(record):
                 self._lease_and_run(record)
 

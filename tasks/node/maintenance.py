@@ -3,7 +3,7 @@
 The node's components (`node_components`; some only for a `kiln worker` node):
 
 - heartbeat (every `heartbeat_interval_s`): renew held leases, then publish the node's health;
-- cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel to stop;
+- cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel or pause to stop;
 - controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
   drain request (tasks/node/controls.py);
 - surplus (every `heartbeat_interval_s`, for a `kiln worker` node with `KILN_SURPLUS_EXIT`): an
@@ -83,10 +83,14 @@ def announce(node: Node) -> None:
 
 
 def watch_cancels(node: Node) -> None:
-    """Tell running jobs whose cancel was requested to stop (one pipelined read for all)."""
+    """Tell running jobs asked to stop (a cancel, a pause) to stop: one pipelined read for all.
+
+    A pause and a cancel take one path: the job's stop request, read here, ends its run at its
+    next step; a pause's stop takes a step checkpoint there (gpu_worker/inflight.py).
+    """
     running = {t.job_id: t for t in node.tracked_jobs() if t.stop_reason is None}
-    for job_id in node.store.cancels_requested(list(running)):
-        running[job_id].stop_reason = StopReason.CANCELED
+    for job_id, reason in node.store.stops_requested(list(running)).items():
+        running[job_id].stop_reason = reason
 
 
 def node_context(node: Node) -> ControlContext:

@@ -8,6 +8,7 @@
 | ended the job `expired`, or found it expired         | REVOKED      | the same, `expired=True`  |
 | ran an attempt that failed, job queued again         | RETRY        | raises `Retry`            |
 | handed the job back while draining                   | RETRY        | raises `Retry`            |
+| stopped the job for its pause (the job is `paused`)  | SUCCESS      | returns `"paused"`        |
 | re-published it (leased elsewhere), lost its lease,  | SUCCESS      | returns what it did       |
 | or found it finished already                         |              |                           |
 
@@ -43,6 +44,7 @@ class Delivery(StrEnum):
     EXPIRED = StopReason.EXPIRED.value
     RETRYING = "retrying"  # this attempt failed retryably; the job is queued again
     HANDED_BACK = StopReason.HANDED_BACK.value  # the node drained; the job is queued again
+    PAUSED = StopReason.PAUSED.value  # its pause stopped it; the job is paused, checkpoint kept
     DEFERRED = "deferred"  # leased by another live owner: re-published for later
     LEASE_LOST = StopReason.LEASE_LOST.value  # another node took the job over mid-run
     DROPPED = "dropped"  # the job had finished already (or no longer exists)

@@ -39,6 +39,8 @@ def job_in_state(store: JobStore, state: JobState, **overrides: Any) -> tuple[st
         store.cancel(job_id)
     elif state == JobState.EXPIRED:
         store.expire(job_id)
+    elif state == JobState.PAUSED:
+        store.pause(job_id)
     assert store.get(job_id).state == state
     return job_id, token
 
@@ -52,6 +54,12 @@ def perform(store: JobStore, job_id: str, token: int, target: JobState) -> JobRe
         return store.succeed(job_id, token, [{"key": "k"}], {"run_s": 1.0})
     if target == JobState.FAILED:
         return store.fail(job_id, token, {"type": "Boom", "message": "boom", "retryable": False})
+    if target == JobState.PAUSED:
+        return (
+            store.pause(job_id) if state == JobState.QUEUED else store.pause_stopped(job_id, token)
+        )
+    if state == JobState.PAUSED:  # its own operations: resume, expire_paused, cancel
+        return _perform_paused(store, job_id, target)
     if target == JobState.QUEUED:
         return store.requeue(job_id, token, {"type": "Flaky", "message": "x", "retryable": True})
     if target == JobState.EXPIRED:
@@ -59,6 +67,15 @@ def perform(store: JobStore, job_id: str, token: int, target: JobState) -> JobRe
     if state == JobState.QUEUED:
         return store.cancel(job_id)
     return store.finish_canceled(job_id, token)
+
+
+def _perform_paused(store: JobStore, job_id: str, target: JobState) -> JobRecord:
+    """A paused job's way into queued, expired or canceled: resume, expire_paused, cancel."""
+    if target == JobState.QUEUED:
+        return store.resume(job_id)
+    if target == JobState.EXPIRED:
+        return store.expire_paused(job_id)
+    return store.cancel(job_id)
 
 
 def event_types(store: JobStore, job_id: str) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.common.states import JobState
+from kiln.common.stops import StopReason
 from kiln.storage.errors import JobNotFound, LeaseHeld, StaleLease
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.leases import Renewal
@@ -119,14 +120,24 @@ def test_reap_with_pending_cancel_cancels(job_store: JobStore) -> None:
     assert job_store.queue_depth() == 0
 
 
-def test_cancels_requested_reads_many_flags_in_one_call(job_store: JobStore) -> None:
+def test_stops_requested_reads_many_requests_in_one_call(job_store: JobStore) -> None:
     ids = []
     for index in range(3):
         job_id = f"many{index}"
         job_store.create_job(NewJob(id=job_id, request={"pipeline": "tiny"}))
         job_store.start(job_id, job_store.acquire_lease(job_id, f"w{index}"))
         ids.append(job_id)
-    assert job_store.cancels_requested(ids) == set()
+    assert job_store.stops_requested(ids) == {}
     job_store.cancel("many1")
-    assert job_store.cancels_requested(ids) == {"many1"}
-    assert job_store.cancels_requested([]) == set()
+    job_store.pause("many2")
+    assert job_store.stops_requested(ids) == {
+        "many1": StopReason.CANCELED,
+        "many2": StopReason.PAUSED,
+    }
+    assert job_store.cancel_requested("many1")
+    assert not job_store.cancel_requested("many2")  # a pause is no cancel
+    job_store.cancel("many2")  # a cancel replaces a pending pause
+    assert job_store.stops_requested(ids)["many2"] == StopReason.CANCELED
+    job_store.pause("many1")  # never the reverse
+    assert job_store.stops_requested(ids)["many1"] == StopReason.CANCELED
+    assert job_store.stops_requested([]) == {}

@@ -38,7 +38,10 @@ def test_transition_matrix(job_store: JobStore, source: JobState, target: JobSta
         record = perform(job_store, job_id, token, target)
         assert record.state == target
         assert job_store.get(job_id).state == target
-        assert event_types(job_store, job_id) == [*events_before, target.value]
+        # a resume (paused -> queued) says so: its event is `resumed`
+        resumed = source == JobState.PAUSED and target == JobState.QUEUED
+        expected = "resumed" if resumed else target.value
+        assert event_types(job_store, job_id) == [*events_before, expected]
     else:
         with pytest.raises(IllegalTransition):
             perform(job_store, job_id, token, target)
