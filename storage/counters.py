@@ -1,4 +1,4 @@
-"""Counts of finished jobs, batch lines and batches, and of live batches per status.
+"""Counts of finished jobs, batch lines and batches, of live batches, and the steps' sums.
 
 `finished_counts` reads `keys.finished_counts`: the terminal transition of a job
 (storage/lua/_machine.lua, `finish`) and the end of a fed batch (batch_finish.lua) add 1 there in
@@ -9,6 +9,8 @@ job (batch_fed.lua: canceled, expired or failed before it was fed); or, refused 
 (`INVALID_LINES`), the batch's creation (batch_submit.lua). The hash has no TTL: the counts
 stay right after the records they count have expired, and every API process or node reading it
 sees the same numbers. `live_batches` counts the batches still being fed or finished by status.
+The transition that closes an attempt adds its step accounting there too (`steps/<queue>/<figure>`,
+kiln/common/accounting.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class FinishedCounts:
     jobs: dict[tuple[str, JobState], int] = field(default_factory=dict)
     lines: dict[str, int] = field(default_factory=dict)  # by LINE_STATUSES
     batches: dict[str, int] = field(default_factory=dict)
+    # step accounting (kiln/common/accounting.py), per (queue, figure): steps_computed,
+    # steps_restored, steps_recomputed and seconds_lost, added by the transition that closes an
+    # attempt (storage/lua/_machine.lua `account_attempt`)
+    steps: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 @redis_boundary
@@ -45,6 +51,9 @@ def finished_counts(store: StoreBase) -> FinishedCounts:
             counts.batches[rest] = int(value)
             continue
         queue, _, state = rest.rpartition("/")
+        if kind == "steps":
+            counts.steps[queue, state] = float(value)
+            continue
         if kind == "line" and not queue and state in LINE_STATUSES:
             counts.lines[state] = int(value)
         elif kind == "job" and state in TERMINAL_STATES:

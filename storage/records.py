@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.common.accounting import ACCOUNTING_FIELD, StepAccounting
 from kiln.common.request import Lane
 from kiln.common.states import JobState
 from kiln.storage.keys import valid_id, valid_queue
@@ -26,6 +27,9 @@ class NewJob:
     # the queue it waits in (`<lane>.<pipeline>`): its place in that queue's index, the per-queue
     # completion window of its runs; None: no queue index entry (positions unknown)
     queue: str | None = None
+    # the job's W3C trace context (`traceparent`, `tracestate`): given at its entrance or started
+    # there (kiln/common/tracing.py); {} for none
+    trace: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not valid_id(self.id):
@@ -57,6 +61,9 @@ class JobRecord:
     metadata: dict[str, str]
     published: bool
     queue: str | None = None
+    trace: dict[str, str] = field(default_factory=dict)  # as `NewJob.trace`
+    # the steps its attempts computed, restored and recomputed (kiln/common/accounting.py)
+    accounting: StepAccounting = field(default_factory=StepAccounting)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,8 @@ def job_from_hash(data: dict[str, str]) -> JobRecord:
         metadata=json.loads(data.get("metadata", "{}")),
         published=data.get("published") == "1",
         queue=data.get("queue") or None,
+        trace=json.loads(data.get("trace", "{}")),
+        accounting=StepAccounting.from_field(data.get(ACCOUNTING_FIELD)),
     )
 
 

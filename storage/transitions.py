@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from redis.exceptions import NoScriptError, RedisError
 
+from kiln.common.accounting import ATTEMPT_STEPS_FIELD, AttemptSteps
 from kiln.common.job_events import (
     CanceledData,
     CanceledReason,
@@ -295,9 +296,19 @@ class TransitionOps(StoreBase):
 
     @redis_boundary
     def succeed(
-        self, job_id: str, lease_token: int, outputs: list[dict[str, Any]], metrics: dict[str, Any]
+        self,
+        job_id: str,
+        lease_token: int,
+        outputs: list[dict[str, Any]],
+        metrics: dict[str, Any],
+        steps: AttemptSteps | None = None,
     ) -> JobRecord:
-        """Running → succeeded (fenced) with the verified outputs and the run's metrics."""
+        """Running → succeeded (fenced) with the verified outputs and the run's metrics.
+
+        `steps`: what the attempt ran (its step accounting, kiln/common/accounting.py), as with
+        `fail`, `requeue` and `finish_canceled`.
+        """
+        fields = {"outputs": dumps(outputs), "metrics": dumps(metrics), "error": "null"}
         return self._transition(
             job_id,
             _SUCCEED,
@@ -305,7 +316,7 @@ class TransitionOps(StoreBase):
             fence="token",
             token=lease_token,
             payload=SucceededData(outputs=outputs, metrics=metrics),
-            fields={"outputs": dumps(outputs), "metrics": dumps(metrics), "error": "null"},
+            fields=_with_steps(fields, steps),
         )
 
     @redis_boundary
@@ -315,6 +326,7 @@ class TransitionOps(StoreBase):
         lease_token: int | None,
         error: dict[str, Any],
         metrics: dict[str, Any] | None = None,
+        steps: AttemptSteps | None = None,
     ) -> JobRecord:
         """queued|running → failed; a running job needs its lease token, a queued one none."""
         fields = {"error": dumps(error)}
@@ -327,11 +339,17 @@ class TransitionOps(StoreBase):
             fence="token" if lease_token is not None else "not_running",
             token=lease_token,
             payload=FailedData.model_validate({"error": error}),
-            fields=fields,
+            fields=_with_steps(fields, steps),
         )
 
     @redis_boundary
-    def requeue(self, job_id: str, lease_token: int, error: dict[str, Any]) -> JobRecord:
+    def requeue(
+        self,
+        job_id: str,
+        lease_token: int,
+        error: dict[str, Any],
+        steps: AttemptSteps | None = None,
+    ) -> JobRecord:
         """Running → queued for a retry (fenced); → canceled instead if a cancel is pending.
 
         The job is marked unpublished: the caller publishes it again and calls mark_published.
@@ -343,7 +361,7 @@ class TransitionOps(StoreBase):
             fence="token",
             token=lease_token,
             payload=QueuedData.model_validate({"reason": "retry", "error": error}),
-            fields={"error": dumps(error)},
+            fields=_with_steps({"error": dumps(error)}, steps),
             honor_cancel=True,
         )
 
@@ -430,7 +448,9 @@ class TransitionOps(StoreBase):
         )
 
     @redis_boundary
-    def finish_canceled(self, job_id: str, lease_token: int) -> JobRecord:
+    def finish_canceled(
+        self, job_id: str, lease_token: int, steps: AttemptSteps | None = None
+    ) -> JobRecord:
         """Running → canceled (fenced), once the worker has stopped the job."""
         return self._transition(
             job_id,
@@ -439,6 +459,7 @@ class TransitionOps(StoreBase):
             fence="token",
             token=lease_token,
             payload=CanceledData(reason="requested"),
+            fields=_with_steps({}, steps),
         )
 
     @redis_boundary
@@ -457,6 +478,11 @@ class TransitionOps(StoreBase):
         self._require_id(job_id)
         args = [job_id, *self._machine_settings()]
         return bool(self._run("reap", self._machine_keys(job_id), args))
+
+
+def _with_steps(fields: dict[str, str], steps: AttemptSteps | None) -> dict[str, str]:
+    """An end's record fields with its attempt's steps (_machine.lua reads and removes them)."""
+    return fields if steps is None else {**fields, ATTEMPT_STEPS_FIELD: steps.field()}
 
 
 def _start_payload(node_id: str | None) -> StartData:

@@ -103,16 +103,95 @@ local function finish(m, job, time, now_ms, target)
     cjson.encode({job.id, job.job_owner, job.batch, target}))
 end
 
--- the record's `attempt_log` (JSON list): one entry per run, opened as the job enters running
--- (its number, node, start) and closed as it leaves (end, the state it went to, the error or the
--- reason); a dead letter copies it (_dead_letters.lua), so every attempt of a failed job is kept
-local function open_attempt(m, attempts, time, event)
-  local log = cjson.decode(redis.call('HGET', m.job, 'attempt_log') or '[]')
-  log[#log + 1] = {attempt = attempts, node = event.node_id or '', started_at = time}
-  redis.call('HSET', m.job, 'attempt_log', cjson.encode(log))
+-- Step accounting (docs/contract.md §5b). Each attempt's log entry gets its steps as it closes
+-- (`account_attempt`), and the record's `accounting` field their sums over the job's attempts:
+-- this file is its one writer. A node that ends its attempt itself reports what it ran in the
+-- record's `attempt_steps` field, written with its end (kiln/common/accounting.py AttemptSteps);
+-- an attempt closed without it (a lapsed lease: its node died) is read from the record: its
+-- progress (`denoised`, progress.lua) or its own newest checkpoint, whichever is larger.
+local ACCOUNTED = {'steps_computed', 'steps_restored', 'steps_recomputed', 'seconds_lost'}
+
+-- a JSON field of the record; nil when absent or damaged (accounting never fails a job's end)
+local function json_field(m, name)
+  local ok, value = pcall(cjson.decode, redis.call('HGET', m.job, name) or 'null')
+  if not ok or type(value) ~= 'table' then return nil end
+  return value
 end
 
-local function close_attempt(m, time, target, payload)
+-- the newest recorded checkpoint's step, among those written at or after `since` (a time)
+local function newest_checkpoint(m, since)
+  local newest = 0
+  for _, c in ipairs(json_field(m, 'checkpoints') or {}) do
+    local done = tonumber(c.steps_done) or 0
+    if (tonumber(c.written_at) or 0) >= since and done > newest then newest = done end
+  end
+  return newest
+end
+
+local function account_attempt(m, job, log)
+  local entry = log[#log]
+  local since = tonumber(entry.started_at) or 0
+  local reported = json_field(m, 'attempt_steps')
+  redis.call('HDEL', m.job, 'attempt_steps')
+  local denoised = tonumber(redis.call('HGET', m.job, 'denoised') or '0') or 0
+  local reached = math.max(denoised, newest_checkpoint(m, since))
+  local restored, step_s = tonumber(entry.steps_restored) or 0, 0
+  if reported then
+    restored = tonumber(reported.restored) or restored
+    reached = math.max(reached, tonumber(reported.reached) or 0)
+    step_s = tonumber(reported.step_s) or 0
+  end
+  reached = math.max(reached, restored)  -- a run holds the step it restored
+  local at = tonumber(redis.call('HGET', m.job, 'denoised_at') or '')
+  if step_s <= 0 and at and denoised > restored then step_s = (at - since) / (denoised - restored) end
+  local frontier = 0  -- the furthest step any earlier attempt ran
+  for i = 1, #log - 1 do frontier = math.max(frontier, tonumber(log[i].steps_reached) or 0) end
+  local recomputed = math.max(0, math.min(reached, frontier) - restored)
+  local figures = {steps_computed = reached - restored, steps_restored = restored,
+    steps_recomputed = recomputed, seconds_lost = math.floor(recomputed * step_s * 1000 + 0.5) / 1000}
+  entry.steps_reached, entry.step_s = reached, math.floor(step_s * 1e6 + 0.5) / 1e6
+  local total = json_field(m, 'accounting') or {}
+  for _, name in ipairs(ACCOUNTED) do
+    entry[name] = figures[name]
+    total[name] = (tonumber(total[name]) or 0) + figures[name]
+    if figures[name] > 0 then  -- deployment-wide counters (storage/counters.py)
+      redis.call('HINCRBYFLOAT', m.finished, 'steps/' .. job.queue .. '/' .. name, figures[name])
+    end
+  end
+  total.seconds_lost = math.floor(total.seconds_lost * 1000 + 0.5) / 1000
+  redis.call('HSET', m.job, 'accounting', cjson.encode(total))
+end
+
+-- the event of a transition that closes an attempt or ends the job carries the job's accounting
+-- so far (none for a job that never ran: its figures are zeros), spliced into the payload's JSON
+-- object as written
+local function with_accounting(m, job, target, payload)
+  if not (TERMINAL[target] or (job.state == S.running and target ~= S.running)) then
+    return payload
+  end
+  local total = json_field(m, 'accounting')
+  if total == nil then return payload end
+  local body = string.match(payload, '^%s*{(.*)}%s*$')
+  if body == nil then return payload end
+  if string.find(body, '%S') then body = body .. ',' end
+  return '{' .. body .. string.sub(cjson.encode({accounting = total}), 2, -2) .. '}'
+end
+
+-- the record's `attempt_log` (JSON list): one entry per run, opened as the job enters running
+-- (its number, node, start) and closed as it leaves (end, the state it went to, the error or the
+-- reason, and its steps: `account_attempt`); a dead letter copies it (_dead_letters.lua), so
+-- every attempt of a failed job is kept. An attempt opens with `steps_restored` the newest
+-- checkpoint recorded (what its node is offered and resumes from), which its node's own report
+-- replaces as it ends; its progress so far (`denoised`) starts over.
+local function open_attempt(m, attempts, time, event)
+  local log = cjson.decode(redis.call('HGET', m.job, 'attempt_log') or '[]')
+  log[#log + 1] = {attempt = attempts, node = event.node_id or '', started_at = time,
+    steps_restored = newest_checkpoint(m, 0)}
+  redis.call('HSET', m.job, 'attempt_log', cjson.encode(log))
+  redis.call('HDEL', m.job, 'denoised', 'denoised_at', 'attempt_steps')
+end
+
+local function close_attempt(m, job, time, target, payload)
   local text = redis.call('HGET', m.job, 'attempt_log')
   if not text then return end  -- a run started before the log existed
   local log = cjson.decode(text)
@@ -123,6 +202,7 @@ local function close_attempt(m, time, target, payload)
     local event = cjson.decode(payload)
     last.error = event.error or (event.reason and {type = event.reason}) or nil
   end
+  account_attempt(m, job, log)
   redis.call('HSET', m.job, 'attempt_log', cjson.encode(log))
 end
 
@@ -163,7 +243,10 @@ local function transition(m, job, target, payload, fields, event_type)
   local time, now_ms = clock()
   if #fields > 0 then redis.call('HSET', m.job, unpack(fields)) end
   redis.call('HSET', m.job, 'state', target)
-  if job.state == S.running and target ~= S.running then close_attempt(m, time, target, payload) end
+  if job.state == S.running and target ~= S.running then
+    close_attempt(m, job, time, target, payload)
+  end
+  payload = with_accounting(m, job, target, payload)
   if target == S.running then payload = enter_running(m, job, time, now_ms, payload)
   elseif target == S.queued then enter_queued(m, job, time)
   elseif target == S.paused then enter_paused(m, job, time)

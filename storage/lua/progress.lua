@@ -22,4 +22,10 @@ if job.state ~= S.running and not (job.state == S.queued and waiting) then
   raise('ILLEGAL', job.id .. ' ' .. job.state .. ' progress')
 end
 redis.call('HSET', job_key, 'progress', progress)
+-- the furthest denoising step this attempt reported, and when: its step accounting if its node
+-- dies (_machine.lua `account_attempt`)
+local reported = cjson.decode(progress)
+if job.state == S.running and reported.stage == 'denoising' and tonumber(reported.step) then
+  redis.call('HSET', job_key, 'denoised', reported.step, 'denoised_at', (clock()))
+end
 return append_event(job_key, events_key, maxlen, 'progress', (clock()), progress)

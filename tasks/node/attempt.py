@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.common.accounting import AttemptSteps, StepTracker
 from kiln.common.previews import DEFAULT_PREVIEW_FORMAT
 from kiln.common.request import pipeline_takes_checkpoints
 from kiln.common.states import JobState
@@ -94,6 +95,9 @@ class LeasedAttempt:
         self.previews = JobPreviews(node.objects, record.id, preview_format)
         # this attempt's own folder in the object store: its outputs and its checkpoints
         self.attempt = new_attempt_name(tracked.lease_token)
+        # the denoising steps it runs, reported with its end (kiln/common/accounting.py)
+        self.denoised = StepTracker()
+        self.result_steps: AttemptSteps | None = None  # its result's, once the group returns
 
     def run(self) -> DeliveryOutcome:
         """Generate and store the outputs; any failure ends the job (it never raises for it)."""
@@ -171,7 +175,7 @@ class LeasedAttempt:
         token = self.tracked.lease_token
         try:
             self._end(
-                lambda: self.store.succeed(self.job_id, token, outputs, metrics),
+                lambda: self.store.succeed(self.job_id, token, outputs, metrics, self._steps()),
                 lambda record: record.state == JobState.SUCCEEDED and record.outputs == outputs,
             )
         except StaleLease:
@@ -193,6 +197,8 @@ class LeasedAttempt:
             if progress.preview is not None:
                 self._preview(progress, progress.preview)
                 return
+            if progress.stage == "denoising":
+                self.denoised.step(progress.step, time.monotonic())
             if progress.stage == "decoding" and not decoding_at:
                 decoding_at.append(time.monotonic())
             self._progress(progress.stage, progress.step, progress.total)
@@ -334,6 +340,9 @@ class LeasedAttempt:
         # the submit is "load": waiting for the group and the batch to start.
         run_s = min(result.metrics.run_s, total_s)
         decode_s = min(time.monotonic() - decoding_at[0], run_s) if decoding_at else 0.0
+        ran, restored = result.metrics.steps_run, result.metrics.resumed_at_step
+        step_s = (run_s - decode_s) / ran if ran else 0.0
+        self.result_steps = AttemptSteps(restored, restored + ran, step_s)
         self.node.metrics.observe_stage("load", total_s - run_s)
         self.node.metrics.observe_stage("denoise", run_s - decode_s)
         self.node.metrics.observe_stage("decode", decode_s)
@@ -369,7 +378,7 @@ class LeasedAttempt:
         reason = self.tracked.stop_reason
         if reason == StopReason.CANCELED:
             self._end(
-                lambda: self.store.finish_canceled(self.job_id, token),
+                lambda: self.store.finish_canceled(self.job_id, token, self._steps()),
                 lambda record: record.state == JobState.CANCELED,
             )
             self.outcome = DeliveryOutcome(Delivery.CANCELED)
@@ -433,7 +442,7 @@ class LeasedAttempt:
             return
         error = {**error, "retryable": False} if retryable else error
         self._end(
-            lambda: self.store.fail(self.job_id, token, error),
+            lambda: self.store.fail(self.job_id, token, error, steps=self._steps()),
             lambda record: record.state == JobState.FAILED and record.error == error,
         )
         self.outcome = DeliveryOutcome(Delivery.FAILED, error)
@@ -446,9 +455,13 @@ class LeasedAttempt:
     def _requeue(self, token: int, error: dict[str, Any]) -> JobRecord:
         """Back to the queue for another attempt (canceled instead if a cancel is pending)."""
         return self._end(
-            lambda: self.store.requeue(self.job_id, token, error),
+            lambda: self.store.requeue(self.job_id, token, error, self._steps()),
             lambda record: record.state in _REQUEUED and record.error == error,
         )
+
+    def _steps(self) -> AttemptSteps:
+        """What this attempt ran, for its end: its result's figures, or its progress's."""
+        return self.result_steps if self.result_steps is not None else self.denoised.steps()
 
     def _end(
         self, end: Callable[[], JobRecord], ended_here: Callable[[JobRecord], bool]

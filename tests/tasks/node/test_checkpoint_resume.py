@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kiln.common.accounting import StepAccounting
 from kiln.common.states import JobState
 from kiln.gpu_worker.config import GroupConfig
 from kiln.storage.checkpoints import recorded_checkpoints
@@ -101,6 +102,10 @@ def test_a_handed_back_job_resumes_on_another_node_with_the_same_output(
     assert record.metrics["steps_restored"] == latest.steps_done
     assert record.metrics["steps_computed"] == STEPS - latest.steps_done
     assert record.metrics["checkpoints_refused"] == []
+    # the drain checkpointed the step it stopped at: the second attempt ran none of it again
+    assert record.accounting == StepAccounting(
+        steps_computed=STEPS, steps_restored=latest.steps_done, steps_recomputed=0
+    )
     assert [o["sha256"] for o in record.outputs] == [o["sha256"] for o in expected.outputs]
     # a succeeded job needs none of its checkpoints: their objects are gone
     for ref in recorded_checkpoints(job_store, job_id):

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kiln.common.accounting import StepAccounting
 from kiln.common.states import JobState
 from kiln.gpu_worker.errors import JobFailed, WorkerGroupDied
 from kiln.storage.job_store import JobStore
@@ -190,7 +191,9 @@ def test_a_cancel_stops_the_job_at_its_next_step(harness: NodeHarness) -> None:
     assert (record.state, record.attempts, record.outputs) == (JobState.CANCELED, 1, [])
     events = harness.events(job_id)
     assert [e.type for e in events] == ["queued", "progress", "running", "canceled"]
-    assert events[-1].payload == {"reason": "requested"}
+    # the node's own report of its attempt: it stopped after step 2 of its run
+    ran = StepAccounting(steps_computed=2).model_dump()
+    assert events[-1].payload == {"reason": "requested", "accounting": ran}
     assert harness.published == []
     assert harness.store.lease_owner(job_id) is None
 
@@ -294,7 +297,8 @@ def test_a_retryable_failure_requeues_with_backoff(harness: NodeHarness) -> None
     assert record.error == {"type": "WorkerGroupDied", "message": "rank 1 died", "retryable": True}
     events = harness.events(job_id)
     assert [e.type for e in events] == ["queued", "progress", "running", "queued"]
-    assert events[-1].payload == {"reason": "retry", "error": record.error}
+    ran = StepAccounting(steps_computed=4).model_dump()  # every step, then the group died
+    assert events[-1].payload == {"reason": "retry", "error": record.error, "accounting": ran}
     ((published_id, queue, countdown),) = harness.published
     assert (published_id, queue) == (job_id, QUEUE)
     backoff = harness.node.settings.retry_backoff_s  # attempt 1: between d/2 and d
