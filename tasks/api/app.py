@@ -42,6 +42,7 @@ from kiln.tasks.api.http_guard import uvicorn_config
 from kiln.tasks.api.job_routes import router as job_routes
 from kiln.tasks.api.metrics import install_metrics
 from kiln.tasks.api.output_routes import router as output_routes
+from kiln.tasks.api.pause_routes import router as pause_routes
 from kiln.tasks.api.pipeline_routes import router as pipeline_routes
 from kiln.tasks.api.system_routes import router as system_routes
 from kiln.tasks.api.upload_routes import router as upload_routes
@@ -86,6 +87,7 @@ def create_app(
     app.state.kiln = ctx
     for routes in (
         job_routes,
+        pause_routes,
         output_routes,
         event_routes,
         system_routes,

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kiln.common.states import JobState, is_terminal
 from kiln.tasks.cli.exits import UsageError
 from kiln.tasks.cli.short_ids import resolve_id
-from kiln.tasks.contract.responses import CancelEffect, CancelResult
+from kiln.tasks.contract.responses import CancelEffect, CancelResult, PauseResult, ResumeResult
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.views import JobView, job_view
 
 if TYPE_CHECKING:
     from kiln.tasks.client.batch_downloads import DownloadReport
+    from kiln.tasks.intake.pausing import JobPausing
 
 # a page of jobs, newest first, and the cursor of the next one (None: no more)
 JobPage = tuple[list[JobView], str | None]
@@ -35,6 +36,14 @@ class JobsBackend(Protocol):
 
     def cancel(self, job_id: str) -> CancelResult:
         """Request the job's cancellation; what it did and the job's view after it."""
+        ...
+
+    def pause(self, job_id: str) -> PauseResult:
+        """Pause the job (`kiln pause`); a finished one is refused (an error, exit 1)."""
+        ...
+
+    def resume(self, job_id: str) -> ResumeResult:
+        """Resume the paused job (`kiln resume`); a finished one is refused (an error, exit 1)."""
         ...
 
     def resolve(self, job_id: str) -> str:
@@ -72,6 +81,7 @@ class DirectBackend:
         parts = ProcessParts()  # the command's process: its environment, read once
         self.store = parts.store
         self.objects = parts.objects
+        self.celery_app = parts.celery_app  # its job events' webhooks (a pause, a resume)
         self.submitter = Submitter(self.store, parts.settings, celery_publisher(parts.celery_app))
         self.intake = Intake(self.submitter, self.objects)  # the checks of POST /v1/jobs
 
@@ -100,6 +110,22 @@ class DirectBackend:
         }
         view = job_view(after, self.objects)
         return CancelResult(effect=effect.get(after.state, "already_finished"), job=view)
+
+    def pause(self, job_id: str) -> PauseResult:
+        """Pause as the API does (tasks/intake/pausing.py); PauseRefused for a finished job."""
+        effect, after = self._pausing().pause(self.store.get(job_id))
+        return PauseResult(effect=effect, job=job_view(after, self.objects))
+
+    def resume(self, job_id: str) -> ResumeResult:
+        """Resume as the API does: queued again and published."""
+        effect, after = self._pausing().resume(self.store.get(job_id))
+        return ResumeResult(effect=effect, job=job_view(after, self.objects))
+
+    def _pausing(self) -> JobPausing:
+        from kiln.tasks.intake.pausing import JobPausing
+        from kiln.tasks.webhooks.event_sink import EventSink
+
+        return JobPausing(self.store, self.submitter, EventSink(self.store, self.celery_app))
 
     def resolve(self, job_id: str) -> str:
         """The job a full id or unique prefix names, looked up in the job index."""
@@ -182,6 +208,14 @@ class HttpBackend:
     def cancel(self, job_id: str) -> CancelResult:
         """POST /v1/jobs/{id}/cancel."""
         return self.client.cancel(job_id)
+
+    def pause(self, job_id: str) -> PauseResult:
+        """POST /v1/jobs/{id}/pause."""
+        return self.client.pause(job_id)
+
+    def resume(self, job_id: str) -> ResumeResult:
+        """POST /v1/jobs/{id}/resume."""
+        return self.client.resume(job_id)
 
     def resolve(self, job_id: str) -> str:
         """The job a full id or unique prefix names: GET /v1/jobs?id_prefix=... if need be."""

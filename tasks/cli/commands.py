@@ -240,6 +240,26 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pause(args: argparse.Namespace) -> int:
+    """`kiln pause JOB`: a queued job pauses now, a running one at its next step (a checkpoint)."""
+    with contextlib.closing(backend_for(args)) as backend:
+        result = backend.pause(backend.resolve(args.job_id))
+    _show(args, [result.job])
+    if result.effect == "pause_requested":
+        print(f"kiln: job {result.job.id} is running: it pauses at its next step", file=sys.stderr)
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """`kiln resume JOB`: a paused job is queued again (its next run starts at its checkpoint)."""
+    with contextlib.closing(backend_for(args)) as backend:
+        result = backend.resume(backend.resolve(args.job_id))
+    _show(args, [result.job])
+    if result.effect == "not_paused":
+        print(f"kiln: job {result.job.id} was not paused ({result.job.status})", file=sys.stderr)
+    return 0
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     """`kiln jobs [--status S] [--pipeline P] [--batch B] [--since WHEN] [--limit N]`."""
     from kiln.tasks.cli.batch_backends import backend_for as batches_for

@@ -1,4 +1,4 @@
-"""The `kiln` command line: worker, control, submit, status, wait, cancel, jobs, get, api, keys...
+"""The `kiln` command line: worker, control, submit, status, wait, cancel, pause, jobs, get, api...
 
 User mistakes print one clear line and exit 2; a job that ends badly exits 1; no tracebacks.
 Every option's help shows its default; a mistake in a subcommand's arguments prints that
@@ -232,6 +232,8 @@ def _add_job_commands(sub: Any) -> None:
     for name, text in (
         ("status", "show a job"),
         ("cancel", f"cancel a job (a finished one: exit {EXIT_ALREADY_FINISHED})"),
+        ("pause", "pause a job: no GPU, its checkpoint kept (a running one at its next step)"),
+        ("resume", "queue a paused job again, at the back of its lane"),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("job_id", metavar="JOB", help=JOB_ID_HELP)
@@ -392,6 +394,7 @@ def _known_error(exc: Exception) -> tuple[str, int] | None:
     from kiln.tasks.cli.progress import JobWaitTimeout
     from kiln.tasks.client.client import KilnError
     from kiln.tasks.contract.request_check import PipelineUnknown
+    from kiln.tasks.intake.pausing import PauseRefused
     from kiln.tasks.intake.refusal import Refused
 
     if isinstance(exc, ValidationError):
@@ -404,6 +407,8 @@ def _known_error(exc: Exception) -> tuple[str, int] | None:
         return f"no such job: {exc}", EXIT_JOB_FAILED
     if isinstance(exc, JobWaitTimeout):
         return str(exc), EXIT_WAIT_TIMEOUT
+    if isinstance(exc, PauseRefused):  # a finished job (`kiln pause|resume`)
+        return str(exc), EXIT_JOB_FAILED
     if isinstance(exc, StorageError | DemoFailed):
         return str(exc), EXIT_JOB_FAILED
     if isinstance(exc, KilnError):  # the API refused or failed the request
@@ -428,6 +433,8 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
         "status": c.cmd_status,
         "wait": c.cmd_wait,
         "cancel": c.cmd_cancel,
+        "pause": c.cmd_pause,
+        "resume": c.cmd_resume,
         "jobs": c.cmd_jobs,
         "get": c.cmd_get,
         "api": c.cmd_api,

@@ -58,11 +58,13 @@ from kiln.tasks.contract.responses import (
     DrainResult,
     JobList,
     NodeList,
+    PauseResult,
     PipelineInfo,
     PipelineList,
     PurgeResult,
     QueueControl,
     QueueList,
+    ResumeResult,
     WebhookAttempts,
 )
 from kiln.tasks.contract.schemas import JobRequest
@@ -313,6 +315,14 @@ class KilnClient:
     def cancel(self, job_id: str) -> CancelResult:
         """Cancel the job; the result says whether it took effect at once."""
         return CancelResult.model_validate(self._call("POST", f"/v1/jobs/{job_id}/cancel").json())
+
+    def pause(self, job_id: str) -> PauseResult:
+        """Pause the job (a running one at its next step); ApiError 409 for a finished one."""
+        return PauseResult.model_validate(self._call("POST", f"/v1/jobs/{job_id}/pause").json())
+
+    def resume(self, job_id: str) -> ResumeResult:
+        """Resume a paused job (queued again); ApiError 409 for a finished one."""
+        return ResumeResult.model_validate(self._call("POST", f"/v1/jobs/{job_id}/resume").json())
 
     def list(
         self,

@@ -2,14 +2,14 @@
 
 Every entry of a job's event stream is `{seq, type, time, payload}`; `type` says what the payload
 holds. `Event` is the discriminated union of every kind: the state changes (`queued`, `running`,
-`succeeded`, `failed`, `canceled`, `expired`), `progress`, `preview` and `output`. The node builds
-the payloads it writes from these models and hands them to its `EventSink` (tasks/webhooks/
-event_sink.py: every process's one way from an event to its listeners and webhooks), so a
-malformed event is refused where it is made, not where it is read; the state changes' payloads
-(kiln/common/job_events.py, below storage, which writes them) are built by storage's transitions
-from the same models. Readers (the SSE route, webhooks, the client) parse a stored entry with
-`parse_event` and hand it on with `event_json`, which gives back the entry as written: the wire
-format is the stream's.
+`succeeded`, `failed`, `canceled`, `expired`, `paused`, and a paused job's `resumed`), `progress`,
+`preview` and `output`. The node builds the payloads it writes from these models and hands them to
+its `EventSink` (tasks/webhooks/event_sink.py: every process's one way from an event to its
+listeners and webhooks), so a malformed event is refused where it is made, not where it is read; the
+state changes' payloads (kiln/common/job_events.py, below storage, which writes them) are built by
+storage's transitions from the same models. Readers (the SSE route, webhooks, the client) parse a
+stored entry with `parse_event` and hand it on with `event_json`, which gives back the entry as
+written: the wire format is the stream's.
 
 Payloads keep fields they do not name (`extra="allow"`), so an entry written by a newer node
 passes through an older reader unchanged. A new kind (a checkpoint) is one more member here.
@@ -26,9 +26,11 @@ from kiln.common.job_events import (
     ErrorData,
     ExpiredData,
     FailedData,
+    PausedData,
     Payload,
     ProgressData,
     QueuedData,
+    ResumedData,
     RunningData,
     SucceededData,
 )
@@ -49,12 +51,16 @@ __all__ = [
     "NodePayload",
     "OutputEvent",
     "OutputPayload",
+    "PausedData",
+    "PausedEvent",
     "Payload",
     "PreviewPayload",
     "ProgressData",
     "ProgressEvent",
     "QueuedData",
     "QueuedEvent",
+    "ResumedData",
+    "ResumedEvent",
     "RunningData",
     "RunningEvent",
     "StepPreviewEvent",
@@ -171,6 +177,20 @@ class ExpiredEvent(_Entry):
     payload: ExpiredData
 
 
+class PausedEvent(_Entry):
+    """A `paused` entry: the job holds no GPU and no place in line (its checkpoints are kept)."""
+
+    type: Literal["paused"]
+    payload: PausedData
+
+
+class ResumedEvent(_Entry):
+    """A `resumed` entry: a paused job is `queued` again, at the back of its lane."""
+
+    type: Literal["resumed"]
+    payload: ResumedData
+
+
 Event = Annotated[
     QueuedEvent
     | RunningEvent
@@ -180,7 +200,9 @@ Event = Annotated[
     | SucceededEvent
     | FailedEvent
     | CanceledEvent
-    | ExpiredEvent,
+    | ExpiredEvent
+    | PausedEvent
+    | ResumedEvent,
     Field(discriminator="type"),
 ]
 EVENTS: TypeAdapter[Event] = TypeAdapter(Event)

@@ -34,6 +34,26 @@ class CancelResult(BaseModel):
     job: JobView
 
 
+# a pause: paused at once (queued), asked of its run (running: it stops at its next step), or
+# nothing to do (paused already); a resume: queued again, a pending pause withdrawn, or nothing
+PauseEffect = Literal["paused", "pause_requested", "already_paused"]
+ResumeEffect = Literal["resumed", "pause_withdrawn", "not_paused"]
+
+
+class PauseResult(BaseModel):
+    """What a pause did (docs/contract.md §4a); a finished job is refused with 409."""
+
+    effect: PauseEffect
+    job: JobView
+
+
+class ResumeResult(BaseModel):
+    """What a resume did (docs/contract.md §4a); a finished job is refused with 409."""
+
+    effect: ResumeEffect
+    job: JobView
+
+
 class WebhookAttemptView(BaseModel):
     """One recorded webhook delivery attempt."""
 

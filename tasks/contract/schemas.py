@@ -89,6 +89,8 @@ class WebhookEvent(StrEnum):
     completed = "completed"
     preview = "preview"
     dead = "dead"  # the job failed for good: its dead letter is written (docs/contract.md §5a)
+    paused = "paused"  # the job was paused (queued, or its run stopped at a step: §4a)
+    resumed = "resumed"  # a paused job was resumed: queued again
 
 
 class WebhookSpec(BaseModel):
@@ -107,7 +109,7 @@ class WebhookSpec(BaseModel):
         max_length=len(WebhookEvent),
         description="Subset of started, progress (throttled), completed, preview (opt-in: "
         "each preview event, its image inline or by URL), dead (a failure for good, beside "
-        "its completed).",
+        "its completed), paused, resumed.",
     )
 
     @field_validator("events")

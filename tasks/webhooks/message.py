@@ -37,7 +37,11 @@ EVENT_TYPES: dict[str, frozenset[str]] = {
     WebhookEvent.completed: frozenset(TERMINAL_STATES),
     WebhookEvent.preview: frozenset({"preview"}),
     WebhookEvent.dead: frozenset({JobState.FAILED}),
+    WebhookEvent.paused: frozenset({JobState.PAUSED}),
+    WebhookEvent.resumed: frozenset({"resumed"}),
 }
+# the status a pause's or a resume's message reports, whatever the job has become since
+_PAUSE_STATUS = {JobState.PAUSED.value: JobState.PAUSED, "resumed": JobState.QUEUED}
 # events looked through for the one a webhook reports: it is the newest of its kind when the
 # webhook is queued right after the write, so a short look back is plenty
 EVENT_LOOKBACK = 32
@@ -61,6 +65,8 @@ def view_at(
     event = parse_event(source)
     if is_terminal(event.type):
         return view.model_copy(update={"status": JobState(event.type)})
+    if event.type in _PAUSE_STATUS:
+        return view.model_copy(update={"status": _PAUSE_STATUS[event.type], "progress": None})
     update: dict[str, Any] = {
         "status": JobState.RUNNING,
         "finished_at": None,

@@ -285,3 +285,21 @@ def test_the_list_routes_filter_by_id_prefix_within_what_the_key_sees(
     found = listed("alice", "/v1/batches", batch.id[:6]).json()["batches"]
     assert [b["id"] for b in found] == [batch.id]
     assert listed("bob", "/v1/batches", batch.id[:6]).json()["batches"] == []
+
+
+def test_pause_and_resume_a_job_from_redis_and_through_the_api(api: Api) -> None:
+    for remote in (None, "alice"):
+        job_id = job_with_id(api, uuid.uuid4().hex)
+        paused = kiln(api, "pause", job_id[:8], "--json", remote=remote)
+        assert paused.returncode == 0, paused.stderr
+        assert json.loads(paused.stdout)["status"] == "paused"
+        assert api.store.get(job_id).state == "paused"
+        resumed = kiln(api, "resume", job_id, "--json", remote=remote)
+        assert resumed.returncode == 0, resumed.stderr
+        assert json.loads(resumed.stdout)["status"] == "queued"
+        assert [e.type for e in api.store.events(job_id)][-2:] == ["paused", "resumed"]
+        drive_to_success(api.store, job_id)
+        refused = kiln(api, "pause", job_id, remote=remote)
+        assert refused.returncode == 1
+        assert "is succeeded" in refused.stderr
+        assert refused.stderr.count("\n") == 1  # one line, no traceback

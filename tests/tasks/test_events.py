@@ -97,7 +97,14 @@ def every_kind_written(store: JobStore) -> list[str]:
     token = start_job(store, stopped)
     store.cancel(stopped)  # a cancel flag on a running job
     store.requeue(stopped, token, ERROR)  # canceled (cancel_requested)
-    return [ran, retried, lapsed, canceled, purged, expired, stopped]
+    paused = queued_job(store)
+    store.pause(paused)  # paused (requested)
+    store.resume(paused)  # resumed
+    token = start_job(store, paused)
+    store.pause(paused)  # a pause request on a running job
+    store.pause_stopped(paused, token)  # paused (pause_requested)
+    store.expire_paused(paused)  # expired (paused_retention)
+    return [ran, retried, lapsed, canceled, purged, expired, stopped, paused]
 
 
 def test_every_kind_round_trips_as_its_writer_stored_it(job_store: JobStore) -> None:
@@ -110,9 +117,10 @@ def test_every_kind_round_trips_as_its_writer_stored_it(job_store: JobStore) -> 
             seen.add(event.type)
             reasons.add(str(entry["payload"].get("reason", "")))
     assert seen == set(EVENT_TYPES)
-    assert {"created", "retry", "lease_expired", "requested", "purged", "cancel_requested"} <= (
-        reasons
-    )
+    assert {"created", "retry", "lease_expired", "requested", "purged", "cancel_requested"} | {
+        "pause_requested",
+        "paused_retention",
+    } <= (reasons)
 
 
 def test_a_preview_reads_back_typed_with_its_image(job_store: JobStore) -> None:
