@@ -100,6 +100,9 @@ class GenerationRequest:
     # Step checkpoints (gpu_worker/ranks/checkpoints.py); None = none, as before. A request with
     # a plan runs alone: a checkpoint is one job's state.
     checkpoint: CheckpointPlan | None = field(default=None, kw_only=True)
+    # The job's W3C trace context (kiln/common/tracing.py): rank 0's spans of this request are
+    # its children. Not in the batch key: requests of many traces share a forward.
+    trace: Mapping[str, str] = field(default_factory=dict, kw_only=True)
 
     def batch_key(
         self,

@@ -105,6 +105,7 @@ class CreationOps(StoreBase):
             new.idempotency_key or "",
             fingerprint,
             new.queue or "",
+            dumps(new.trace),
         ]
 
     @redis_boundary
@@ -146,7 +147,8 @@ class CreationOps(StoreBase):
             _cap(max_depth),
             payload,
         ]
-        return keys, [*self._create_fields(new), *settings]
+        fields = self._create_fields(new)  # the trace goes last: ARGV[15]
+        return keys, [*fields[:-1], *settings, fields[-1]]
 
     def created(self, new: NewJob, reply: list[Any]) -> tuple[JobRecord, bool]:
         """(record, created) from create.lua's reply; QueueFull for its refusal."""

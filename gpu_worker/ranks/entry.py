@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import traceback
 
+from kiln.common.tracing import start_tracing
 from kiln.gpu_worker.limits import declared_limits
 from kiln.gpu_worker.logs import configure_rank_logging
 from kiln.gpu_worker.pipeline_specs import PipelineFailed, PipelineRefused
@@ -31,6 +32,8 @@ EXIT_FATAL = 71
 def rank_main(args: RankArgs, pipes: RankPipes) -> None:
     """Entry point of a rank process (the `spawn` target)."""
     configure_rank_logging(args.log_format, args.log_level, node_id=args.node_name, rank=args.rank)
+    if args.rank == 0:  # rank 0 makes the ranks' spans (kiln/common/tracing.py)
+        start_tracing("kiln-rank")
     title = process_title(args.node_name, args.rank, args.world_size, args.device)
     prepare_rank_process(
         title=title, parent_pid=args.parent_pid, death_pipe=pipes.death, threads=args.threads

@@ -20,6 +20,16 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from kiln.common.tracing import (
+    DECODE_SPAN,
+    DENOISE_SPAN,
+    JOB_ID_ATTRIBUTE,
+    STEP_EVENT,
+    TEXT_ENCODING_SPAN,
+    WAKE_SPAN,
+    record_span,
+    tracing_on,
+)
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.inputs import declared_input_schema, extra_inputs_refusal
 from kiln.gpu_worker.pipelines import Pipeline
@@ -42,7 +52,7 @@ from kiln.gpu_worker.protocol import (
     StopVerdict,
     WakeGroup,
 )
-from kiln.gpu_worker.ranks.forward import ForwardResult, StepSync, forward_batch
+from kiln.gpu_worker.ranks.forward import ForwardResult, StepSync, StopDecision, forward_batch
 from kiln.gpu_worker.ranks.relay import broadcast_command, exchange_outcomes
 from kiln.gpu_worker.ranks.sleep import sleep_rank, wake_rank
 from kiln.gpu_worker.ranks.start import RankRuntime
@@ -129,8 +139,10 @@ class LeaderLink:
 class PreviewingStepSync(StepSync):
     """Rank 0's step callback when a request of the batch wants previews: it sees the latents."""
 
-    def __init__(self, batch: RunBatch, runtime: RankRuntime, link: LeaderLink, tap: PreviewTap):
-        super().__init__(batch, runtime.control_group, link.decide_stops)
+    def __init__(
+        self, batch: RunBatch, runtime: RankRuntime, decide: StopDecision, tap: PreviewTap
+    ):
+        super().__init__(batch, runtime.control_group, decide)
         self._tap = tap
 
     def observe_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
@@ -139,14 +151,65 @@ class PreviewingStepSync(StepSync):
 
 
 def step_sync(
-    runtime: RankRuntime, batch: RunBatch, link: LeaderLink, decoder: LatentDecoder | None
+    runtime: RankRuntime,
+    batch: RunBatch,
+    link: LeaderLink,
+    decoder: LatentDecoder | None,
+    times: ForwardTimes | None = None,
 ) -> StepSync:
-    """Rank 0's step callback for `batch`: previewing when a request wants previews."""
+    """Rank 0's step callback for `batch`: previewing when a request wants previews.
+
+    `times` (tracing on): notes when each step ended, for the requests' spans.
+    """
+    decide: StopDecision = link.decide_stops if times is None else times.timed(link.decide_stops)
     if decoder is not None:
         tap = PreviewTap(batch, decoder, link.send)
         if tap.wanted:
-            return PreviewingStepSync(batch, runtime, link, tap)
-    return StepSync(batch, runtime.control_group, link.decide_stops)
+            return PreviewingStepSync(batch, runtime, decide, tap)
+    return StepSync(batch, runtime.control_group, decide)
+
+
+class ForwardTimes:
+    """When a forward began, each step ended, and it ended: the spans of its requests.
+
+    One forward runs requests of many traces: each gets its own `kiln.denoise` span (a child of
+    its attempt's), with `kiln.text_encoding` up to the first step's end, a `step` event per
+    step and `kiln.decode` after the last, all recorded once the forward is over (no span work
+    between steps).
+    """
+
+    def __init__(self) -> None:
+        self.began = time.time()
+        self.steps: list[tuple[int, int, float]] = []
+
+    def timed(self, decide: StopDecision) -> StopDecision:
+        """`decide`, noting the end of each step first."""
+
+        def noted(step: int, total: int) -> frozenset[str]:
+            self.steps.append((step, total, time.time()))
+            return decide(step, total)
+
+        return noted
+
+    def record(
+        self, batch: RunBatch, outcome: RankOutcome, woke: tuple[float, float] | None
+    ) -> None:
+        """The spans of each request of the batch (and its wake, where the group woke for it)."""
+        ended = time.time()
+        events = [
+            (STEP_EVENT, at, {"step": step, "total": total}) for step, total, at in self.steps
+        ]
+        first = self.steps[0][2] if self.steps else ended
+        last = self.steps[-1][2] if self.steps else ended
+        facts = {"kiln.batch_size": len(batch.requests), "kiln.status": outcome.status}
+        for request in batch.requests:
+            if woke is not None:
+                record_span(WAKE_SPAN, request.trace, woke[0], woke[1])
+            job = {JOB_ID_ATTRIBUTE: request.request_id, **facts}
+            denoise = record_span(DENOISE_SPAN, request.trace, self.began, ended, job, events)
+            record_span(TEXT_ENCODING_SPAN, denoise, self.began, first)
+            if outcome.status == "ok":
+                record_span(DECODE_SPAN, denoise, last, ended)
 
 
 def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
@@ -166,14 +229,18 @@ def lead(runtime: RankRuntime, link: LeaderLink, status: Connection) -> None:
         if runtime.asleep is not None:
             _relay(runtime, WakeGroup())  # the followers wake alongside rank 0
         wake_s = wake_rank(runtime)  # before screening: a dropped pipeline cannot validate
+        woke = (time.time() - wake_s, time.time()) if wake_s > 0 else None
         batch = screen_batch(command, runtime.pipelines, link)
         if batch is None:
             continue
         _relay(runtime, batch)
         link.begin(batch.batch_id)
         decoder = decoders.get(batch.requests[0].pipeline)
-        sync = step_sync(runtime, batch, link, decoder)
+        times = ForwardTimes() if tracing_on() else None
+        sync = step_sync(runtime, batch, link, decoder, times)
         result = forward_batch(runtime, batch, sync, status, link.send, link.checkpoint_first)
+        if times is not None:
+            times.record(batch, result.outcome, woke)
         outcome = replace(result.outcome, wake_s=wake_s)
         outcomes = exchange_outcomes(outcome, args.world_size, runtime.control_group)
         report_batch(link, batch, outcomes, result, sync.stopped)

@@ -24,6 +24,7 @@ from typing import NoReturn
 
 import torch
 
+from kiln.common.tracing import flush_tracing
 from kiln.gpu_worker.quiet import quiet_known_warnings
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ def exit_rank(code: int) -> NoReturn:
     # lock) are unlinked here and not reported as leaked by the parent's resource tracker.
     with contextlib.suppress(Exception):
         mp_util._run_finalizers(0)  # type: ignore[attr-defined]
+    with contextlib.suppress(Exception):
+        flush_tracing()  # the spans it holds: os._exit runs no atexit hook
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -55,6 +55,7 @@ local function record_fields(j, time, cseq)
   if j[6] ~= '{}' then fields[#fields + 1] = 'metadata'; fields[#fields + 1] = j[6] end
   if j[7] ~= '' then fields[#fields + 1] = 'idempotency_key'; fields[#fields + 1] = j[7] end
   if j[9] ~= '' then fields[#fields + 1] = 'queue'; fields[#fields + 1] = j[9] end
+  if j[10] and j[10] ~= '{}' then fields[#fields + 1] = 'trace'; fields[#fields + 1] = j[10] end
   return fields
 end
 
@@ -82,7 +83,7 @@ local function over_queued_cap(c, owner)
   return queued >= tonumber(c.max_queued)
 end
 
--- j = {id, request, lane, owner, batch_id, metadata, idempotency key, fingerprint, queue}.
+-- j = {id, request, lane, owner, batch_id, metadata, idempotency key, fingerprint, queue, trace}.
 -- Returns status, key of the record: 1 created, 0 existing (same id, or same key and
 -- fingerprint), 'CONFLICT', 'NOBATCH' or 'QUOTA' (the owner is at c.max_queued) with nothing
 -- written. Fields at their default (empty, zero, null) are not written: readers supply the

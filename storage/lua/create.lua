@@ -34,7 +34,9 @@
 -- ARGV[12] = max queued: most queued jobs the owner may have ('' for no cap)
 -- ARGV[13] = max depth: most queued jobs in all ('' for no cap)
 -- ARGV[14] = the job's Celery message as kombu's Redis transport pushes it ('' for none)
-local job = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]}
+-- ARGV[15] = the job's W3C trace context (JSON; '{}' for none)
+local job = {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9],
+  ARGV[15]}
 local c = {all = KEYS[1], queued = KEYS[2], unpublished = KEYS[3], depth = KEYS[4],
   seq = KEYS[5], owner_queued = KEYS[6], job_prefix = ARGV[10], maxlen = ARGV[11],
   max_queued = ARGV[12]}

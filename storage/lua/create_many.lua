@@ -13,7 +13,7 @@
 -- KEYS[5] = creation sequence (counter)
 -- KEYS[6] = queued jobs per owner (hash)
 -- ARGV[1] = jobs: JSON list of [id, request, lane, owner, batch id, metadata, idempotency key,
---   fingerprint, queue], each as create's ARGV[1..9]
+--   fingerprint, queue, trace], each as create's ARGV[1..9] and ARGV[15]
 -- ARGV[2] = job record prefix (+ job id)
 -- ARGV[3] = events suffix (job record key + suffix: the job's events)
 -- ARGV[4] = idempotency entry prefix (+ idempotency key)

@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
 from kiln.common.logs import configure_logging, start_json_logging
+from kiln.common.tracing import start_tracing
 from kiln.storage.errors import IdempotencyConflict, StorageUnavailable
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.admin_routes import router as admin_routes
@@ -139,6 +140,7 @@ def serve_api(
     else:
         uvicorn_options.setdefault("log_config", None)
     log.info("kiln api: %s", storage_settings.describe())  # which Redis, namespace, store
+    start_tracing("kiln-api")  # spans only where the OTEL_* variables ask (off by default)
     try:
         app = create_app(settings, storage_settings)
         if host:

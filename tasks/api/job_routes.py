@@ -8,10 +8,22 @@ from fastapi import Header, HTTPException, Query, Response
 from fastapi.concurrency import run_in_threadpool
 
 from kiln.common.states import JobState
+from kiln.common.tracing import (
+    ADMISSION_SPAN,
+    JOB_ID_ATTRIBUTE,
+    QUEUE_ATTRIBUTE,
+    Carrier,
+    SpanKind,
+    given_carrier,
+    job_carrier,
+    set_span_attributes,
+    span,
+)
 from kiln.storage.creation import QueueFull
 from kiln.storage.errors import QuotaExceeded
 from kiln.storage.job_store import JobRecord, NewJob
 from kiln.storage.keys import valid_id
+from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.api.deps import (
     JOB_ERRORS,
@@ -71,8 +83,26 @@ async def submit_job(
         str | None,
         Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x21-\x7e]+$"),
     ] = None,
+    traceparent: Annotated[str | None, Header(max_length=128)] = None,
+    tracestate: Annotated[str | None, Header(max_length=512)] = None,
 ) -> Response:
-    """Enqueue a job: 201 with its view; 200 with the same job for a repeated Idempotency-Key."""
+    """Enqueue a job: 201 with its view; 200 with the same job for a repeated Idempotency-Key.
+
+    A W3C `traceparent` (and `tracestate`) makes the job's trace a child of the caller's; without
+    one, tracing on, the job's trace starts at this admission (kiln/common/tracing.py).
+    """
+    given = given_carrier(traceparent, tracestate)
+    with span(ADMISSION_SPAN, given, kind=SpanKind.SERVER) as admission:
+        return await _admit(ctx, caller, body, idempotency_key, job_carrier(admission, given))
+
+
+async def _admit(
+    ctx: ApiContext,
+    caller: Principal,
+    body: JobRequest,
+    idempotency_key: str | None,
+    trace: Carrier,
+) -> Response:
     # The intake's steps (tasks/intake), answered on the event loop: a thread hop costs a plain
     # submission more CPU than its own work. What can block goes to a worker thread: reading the
     # nodes' heartbeats (every few seconds, here and for the view), an image input's HEAD or a
@@ -94,7 +124,10 @@ async def submit_job(
             refusal = await run_in_threadpool(intake.admission_refusal, body, scoped_key)
     if refusal is not None:
         raise _http(refusal)
-    accepted = intake.accept(body, who, idempotency_key=scoped_key)
+    accepted = intake.accept(body, who, idempotency_key=scoped_key, trace=trace)
+    set_span_attributes(
+        {JOB_ID_ATTRIBUTE: accepted.new.id, QUEUE_ATTRIBUTE: accepted.new.queue or ""}
+    )
     try:
         record, created, estimate = await _write(ctx, accepted.new, intake.queued_cap(who))
     except (QueueFull, QuotaExceeded) as exc:

@@ -25,11 +25,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kiln.common.request import DRAWN_SEED_LIMIT
+from kiln.common.tracing import (
+    ADMISSION_SPAN,
+    JOB_ID_ATTRIBUTE,
+    QUEUE_ATTRIBUTE,
+    Carrier,
+    SpanKind,
+    current_carrier,
+    job_carrier,
+    set_span_attributes,
+    span,
+)
 from kiln.storage.creation import QueueFull, request_fingerprint
 from kiln.storage.errors import ObjectStoreError, QuotaExceeded
 from kiln.storage.job_store import JobRecord, NewJob
@@ -79,10 +90,12 @@ def spec_job(
     idempotency_key: str | None = None,
     fingerprint: str | None = None,
     lane: str | None = None,
+    trace: Carrier | None = None,
 ) -> NewJob:
     """The job of an accepted request's spec: the one place a `NewJob` is built.
 
     `lane`: for a spec stored without its own priority (the spec's default applies otherwise).
+    `trace`: the job's W3C trace context (kiln/common/tracing.py), stored on its record.
     """
     own = "priority" in spec.model_fields_set or lane is None
     chosen = str(spec.priority if own else lane)
@@ -96,6 +109,7 @@ def spec_job(
         fingerprint=fingerprint,
         lane=chosen,
         queue=queue_name(chosen, spec.pipeline),
+        trace=dict(trace or {}),
     )
 
 
@@ -285,6 +299,7 @@ class Intake:
         caller: Caller,
         *,
         idempotency_key: str | None = None,
+        trace: Carrier | None = None,
     ) -> Accepted:
         """The effective request (the seed drawn here, once) and its job, checks passed."""
         effective = effective_request(request)
@@ -295,6 +310,7 @@ class Intake:
             idempotency_key=idempotency_key,
             # of the request as sent (defaults filled, no drawn seed): a replay must match it
             fingerprint=request_fingerprint(request.to_record()) if idempotency_key else None,
+            trace=trace,
         )
         return Accepted(effective, new)
 
@@ -316,15 +332,29 @@ class Intake:
         caller: Caller = ANONYMOUS,
         *,
         idempotency_key: str | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> tuple[JobRecord, bool]:
         """The direct entrance: check, write and publish one job; Refused names what is wrong.
 
-        Returns the record and whether it was created (vs an idempotent replay).
+        Returns the record and whether it was created (vs an idempotent replay). `trace`: the
+        caller's W3C carrier (else the caller's current span's); the admission span is its child.
         """
+        given = trace if trace else current_carrier()
+        with span(ADMISSION_SPAN, given, kind=SpanKind.SERVER) as admission:
+            return self._submit(request, caller, idempotency_key, job_carrier(admission, given))
+
+    def _submit(
+        self,
+        request: JobRequest,
+        caller: Caller,
+        idempotency_key: str | None,
+        trace: Carrier,
+    ) -> tuple[JobRecord, bool]:
         refusal = self.refusal(request, caller, idempotency_key)
         if refusal is not None:
             raise Refused(refusal)
-        new = self.accept(request, caller, idempotency_key=idempotency_key).new
+        new = self.accept(request, caller, idempotency_key=idempotency_key, trace=trace).new
+        set_span_attributes({JOB_ID_ATTRIBUTE: new.id, QUEUE_ATTRIBUTE: new.queue or ""})
         submitter = self.submitter
         try:
             record, created = self.store.create_job(

@@ -29,6 +29,13 @@ from kiln.common.previews import DEFAULT_PREVIEW_FORMAT
 from kiln.common.request import pipeline_takes_checkpoints
 from kiln.common.states import JobState
 from kiln.common.stops import StopReason
+from kiln.common.tracing import (
+    ATTEMPT_ATTRIBUTE,
+    JOB_ID_ATTRIBUTE,
+    QUEUE_WAIT_SPAN,
+    current_carrier,
+    record_span,
+)
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.storage.base import AcknowledgementLost, ReplicasBehind
@@ -133,6 +140,10 @@ class LeasedAttempt:
         images = fetch_job_images(self.node, self.job.spec, record.owner)
         self.node.adapter_sources.fetch(self.job.compute)  # store adapters, first use
         result = self._generate(images)
+        started_at = self.record.started_at  # as its start left it
+        if started_at is not None:
+            waited = {JOB_ID_ATTRIBUTE: self.job_id, ATTEMPT_ATTRIBUTE: self.record.attempts}
+            record_span(QUEUE_WAIT_SPAN, record.trace, record.created_at, started_at, waited)
         if tracked.stop_reason is not None:
             raise JobStopped(tracked.stop_reason)
         report = encode_and_upload(
@@ -208,6 +219,8 @@ class LeasedAttempt:
 
         max_run = self.job.spec.max_run_seconds
         request, writer = self._with_checkpoints(with_images(self.job.compute, images))
+        # rank 0's spans are children of this attempt's (the current span), else of the job's
+        request = replace(request, trace=current_carrier() or self.record.trace)
         submitted = time.monotonic()
         try:
             with self.node.starting(self.job_id, self):  # its batch starts it (`start_request`)

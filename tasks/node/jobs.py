@@ -28,6 +28,15 @@ from celery import Celery
 
 from kiln.common.logs import log_context
 from kiln.common.states import TERMINAL_STATES, JobState
+from kiln.common.tracing import (
+    ATTEMPT_ATTRIBUTE,
+    ATTEMPT_SPAN,
+    JOB_ID_ATTRIBUTE,
+    NODE_ATTRIBUTE,
+    Carrier,
+    message_carrier,
+    span,
+)
 from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld
 from kiln.storage.job_store import JobRecord
 from kiln.storage.leases import delivery_owner
@@ -59,8 +68,10 @@ ENDED_WITH_A_TRANSITION = frozenset(
 class JobRunner:
     """Runs one delivery of one job on this node."""
 
-    def __init__(self, node: Node, job_id: str) -> None:
+    def __init__(self, node: Node, job_id: str, trace: Carrier | None = None) -> None:
         self.node = node
+        # the job's trace context as its message's headers carried it (else its record's)
+        self.trace = dict(trace or {})
         self.store = node.store
         self.settings = node.settings
         self.job_id = job_id
@@ -220,7 +231,16 @@ class JobRunner:
                     tracked,
                     webhooks=self.webhooks,
                 )
-                self.outcome = attempt.run()
+                with span(
+                    ATTEMPT_SPAN,
+                    self.trace or record.trace,
+                    attributes={
+                        JOB_ID_ATTRIBUTE: self.job_id,
+                        ATTEMPT_ATTRIBUTE: record.attempts + 1,
+                        NODE_ATTRIBUTE: self.node.node_id,
+                    },
+                ):
+                    self.outcome = attempt.run()
             finally:
                 waiting.leave(self.job_id)  # a job that never started leaves the line too
         self.node.progress.settle(self.job_id)  # once more: a lost lease ends on no transition
@@ -278,4 +298,4 @@ def register_run_job(app: Celery, node: Node) -> None:
     )
     def run_job(self: Any, job_id: str) -> str:
         """One delivery of `job_id`; its Celery state says what it did (node/outcomes.py)."""
-        return settle_task(self, JobRunner(node, job_id).run())
+        return settle_task(self, JobRunner(node, job_id, message_carrier(self.request)).run())

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kiln.common.tracing import ENCODE_SPAN, UPLOAD_SPAN, span
 from kiln.gpu_worker.outputs import EncodedOutput, OutputSpec, encode
 from kiln.storage.errors import ObjectExists, ObjectStoreUnavailable, StorageError
 from kiln.storage.objects import ObjectStore, output_key
@@ -139,7 +140,8 @@ def encode_and_upload(
         for index, frames in enumerate(frames_per_output):
             on_stage("encoding", index + 1, total)
             started = time.perf_counter()
-            encoded = encode(frames, encoding)
+            with span(ENCODE_SPAN, attributes={"kiln.output": index}):
+                encoded = encode(frames, encoding)
             encode_s += time.perf_counter() - started
             on_stage("uploading", index + 1, total)
             started = time.perf_counter()
@@ -148,7 +150,9 @@ def encode_and_upload(
             upload = functools.partial(
                 put_verified, objects, key, encoded.data, encoded.content_type, metadata, verify
             )
-            sha256 = retry_storage(upload, deadline=deadline, on_retry=on_retry)
+            facts = {"kiln.output": index, "kiln.bytes": len(encoded.data)}
+            with span(UPLOAD_SPAN, attributes=facts):
+                sha256 = retry_storage(upload, deadline=deadline, on_retry=on_retry)
             upload_s += time.perf_counter() - started
             outputs.append(output_entry(key, encoded, sha256))
             if on_output is not None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import SecurityWarning
 from celery.signals import worker_ready, worker_shutting_down
 
+from kiln.common.tracing import start_tracing
 from kiln.gpu_worker.errors import RankStartupFailed
 from kiln.gpu_worker.pipeline_specs import PipelineFailed, PipelineRefused
 from kiln.tasks.contract.settings import KilnSettings
@@ -77,6 +78,8 @@ def run_worker(options: WorkerOptions) -> None:
         settings.log_format, options.loglevel, options.node_id, spawns_ranks=bool(options.pipelines)
     )
     log.info("kiln worker: %s", storage_settings.describe())  # which Redis, namespace, store
+    # spans only where the OTEL_* variables ask (off by default); each rank 0 starts its own
+    start_tracing("kiln-node" if options.pipelines else "kiln-webhooks")
     try:
         _run_worker(options, parts)
     finally:

@@ -21,10 +21,12 @@ import json
 import re
 import threading
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from celery import Celery
 
+from kiln.common.tracing import TRACEPARENT
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import RUN_JOB_TASK
@@ -46,7 +48,8 @@ class CeleryMessages:
         self.app = app
         self._capture = PushCapture(app)
         self._lock = threading.Lock()  # a kombu channel is one thread's at a time
-        self._templates: dict[str, _Template] = {}
+        # by queue, and whether its messages carry a `traceparent` header
+        self._templates: dict[tuple[str, bool], _Template] = {}
 
     @staticmethod
     def usable_for(settings: KilnSettings, storage_settings: StorageSettings) -> bool:
@@ -58,24 +61,46 @@ class CeleryMessages:
         same_redis = settings.broker_url in (None, "", storage_settings.redis_url)
         return same_redis and not settings.task_events
 
-    def run_job(self, job_id: str, queue: str, task_id: str | None = None) -> tuple[str, str]:
-        """The list key and serialized message of `run_job(job_id)` on `queue`, sent now."""
-        task_id = task_id or str(uuid.uuid4())
-        if not _PLAIN_ID.fullmatch(job_id):
-            return self.celery_built(job_id, queue, task_id)
-        template = self._templates.get(queue)
-        if template is None:
-            template = self._templates[queue] = _Template.of(
-                self.celery_built(_PLACEHOLDER_JOB, queue, _PLACEHOLDER_TASK)
-            )
-        return template.key, template.fill(job_id, task_id)
+    def run_job(
+        self,
+        job_id: str,
+        queue: str,
+        task_id: str | None = None,
+        trace: Mapping[str, str] | None = None,
+    ) -> tuple[str, str]:
+        """The list key and serialized message of `run_job(job_id)` on `queue`, sent now.
 
-    def is_ready(self, job_id: str, queue: str) -> bool:
-        """Whether `run_job(job_id, queue)` is built from a template (no broker, no lock)."""
-        return queue in self._templates and _PLAIN_ID.fullmatch(job_id) is not None
+        `trace`: the job's W3C carrier, sent as the message's `traceparent` (and `tracestate`)
+        headers, which the node's delivery continues (kiln/common/tracing.py).
+        """
+        task_id = task_id or str(uuid.uuid4())
+        traceparent = (trace or {}).get(TRACEPARENT)
+        if not _PLAIN_ID.fullmatch(job_id) or (trace and not _templated_trace(trace)):
+            return self.celery_built(job_id, queue, task_id, headers=dict(trace or {}))
+        traced = traceparent is not None
+        template = self._templates.get((queue, traced))
+        if template is None:
+            headers = {TRACEPARENT: _PLACEHOLDER_TRACE} if traced else {}
+            template = self._templates[(queue, traced)] = _Template.of(
+                self.celery_built(_PLACEHOLDER_JOB, queue, _PLACEHOLDER_TASK, headers=headers),
+                traced=traced,
+            )
+        return template.key, template.fill(job_id, task_id, traceparent)
+
+    def is_ready(self, job_id: str, queue: str, trace: Mapping[str, str] | None = None) -> bool:
+        """Whether `run_job(job_id, queue, trace=trace)` is built from a template (no broker)."""
+        if trace and not _templated_trace(trace):
+            return False
+        traced = bool(trace)
+        return (queue, traced) in self._templates and _PLAIN_ID.fullmatch(job_id) is not None
 
     def celery_built(
-        self, job_id: str, queue: str, task_id: str, countdown: float = 0.0
+        self,
+        job_id: str,
+        queue: str,
+        task_id: str,
+        countdown: float = 0.0,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[str, str]:
         """The message as Celery's `send_task` builds it, captured before it is pushed."""
         with self._lock:
@@ -86,6 +111,7 @@ class CeleryMessages:
                     task_id=task_id,
                     queue=queue,
                     countdown=countdown or None,
+                    headers=dict(headers or {}) or None,
                     producer=self._capture.producer(),
                 )
             finally:
@@ -102,6 +128,20 @@ class CeleryMessages:
 _PLAIN_ID = re.compile(r"[0-9A-Za-z_-]{1,128}")
 _PLACEHOLDER_JOB = "kilnjobplaceholder"
 _PLACEHOLDER_TASK = "00000000-0000-4000-8000-00000000cafe"
+_PLACEHOLDER_TRACE = "kilntraceparentplaceholder"
+
+
+def _templated_trace(trace: Mapping[str, str]) -> bool:
+    """Whether a template takes this carrier: a `traceparent` alone, nothing to escape in it."""
+    traceparent = trace.get(TRACEPARENT)
+    return (
+        set(trace) == {TRACEPARENT}
+        and traceparent is not None
+        and bool(_PLAIN_TRACE.fullmatch(traceparent))
+    )
+
+
+_PLAIN_TRACE = re.compile(r"[0-9a-f-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -115,11 +155,13 @@ class _Template:
     delivery_tag: str
 
     @classmethod
-    def of(cls, built: tuple[str, str]) -> _Template:
+    def of(cls, built: tuple[str, str], traced: bool = False) -> _Template:
         key, message = built
         body, tag = envelope_parts(json.loads(message))
         # where each placeholder stands must be unambiguous, else a fill would put ids elsewhere
         expected = {_PLACEHOLDER_TASK: 3, _PLACEHOLDER_JOB: 1, body: 1, tag: 1}
+        if traced:
+            expected[_PLACEHOLDER_TRACE] = 1
         found = {text: message.count(text) for text in expected}
         if found != expected:
             raise ValueError(f"unexpected Celery message layout: {found} != {expected}")
@@ -128,11 +170,14 @@ class _Template:
             raise ValueError("unexpected Celery message body")
         return cls(key, message, body_json, body, tag)
 
-    def fill(self, job_id: str, task_id: str) -> str:
+    def fill(self, job_id: str, task_id: str, traceparent: str | None = None) -> str:
         body_json = self.body_json.replace(f'"{_PLACEHOLDER_JOB}"', f'"{job_id}"')
         body = base64.b64encode(body_json.encode()).decode()
+        message = self.message
+        if traceparent is not None:
+            message = message.replace(_PLACEHOLDER_TRACE, traceparent)
         return (
-            self.message.replace(_PLACEHOLDER_TASK, task_id)
+            message.replace(_PLACEHOLDER_TASK, task_id)
             .replace(self.body, body)
             .replace(self.delivery_tag, str(uuid.uuid4()))
             .replace(_PLACEHOLDER_JOB, job_id)

@@ -117,7 +117,7 @@ class Submitter:
         if self._messages is None or not new.queue:
             return None
         try:
-            return self._messages.run_job(new.id, new.queue)
+            return self._messages.run_job(new.id, new.queue, trace=new.trace)
         except (RedisError, OperationalError, OSError) as exc:
             # Celery's first message of a queue needs the broker: without it, the write that
             # follows says whether Redis is down (503), or the job is published after it
@@ -128,7 +128,7 @@ class Submitter:
         """Whether `message_for(new)` answers without the broker (its queue's template is built)."""
         if self._messages is None or not new.queue:
             return True
-        return self._messages.is_ready(new.id, new.queue)
+        return self._messages.is_ready(new.id, new.queue, new.trace)
 
     def accepted(self, record: JobRecord, created: bool) -> None:
         """After the record is written: log a new job, publish one not published yet."""

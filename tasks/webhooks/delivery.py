@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import httpx
 
+from kiln.common.tracing import JOB_ID_ATTRIBUTE, WEBHOOK_SPAN, Carrier, SpanKind, job_carrier, span
 from kiln.storage.errors import JobNotFound
 from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import ObjectStore
@@ -182,14 +183,16 @@ def readable_spec(record: JobRecord) -> JobSpec | None:
         return None
 
 
-def _attempt_once(deps: WebhookDeps, delivery: Delivery, url: str, body: str) -> AttemptResult:
+def _attempt_once(
+    deps: WebhookDeps, delivery: Delivery, url: str, body: str, trace: Carrier
+) -> AttemptResult:
     if endpoint_gone(deps.store, delivery.job_id, url):
         return AttemptResult("skipped", error="endpoint answered 410 Gone earlier")
     secret = deps.settings.webhook_secret
     if secret is None or not secret.get_secret_value():
         return AttemptResult("refused", error="no webhook secret configured (KILN_WEBHOOK_SECRET)")
     headers = signed_headers(secret.get_secret_value(), delivery.webhook_id, body, time.time())
-    return send(url, headers, body, deps.settings)
+    return send(url, {**headers, **trace}, body, deps.settings)
 
 
 def _schedule(
@@ -232,7 +235,17 @@ def deliver_once(
     if fixed is None or fixed.body is None:
         log.warning("webhook %s: no %s event to report", delivery.webhook_id, delivery.event)
         return None
-    result = _attempt_once(deps, fixed, webhook.url, fixed.body)
+    facts = {
+        JOB_ID_ATTRIBUTE: delivery.job_id,
+        "kiln.webhook.event": str(delivery.event),
+        "kiln.webhook.attempt": delivery.attempt,
+    }
+    with span(WEBHOOK_SPAN, record.trace, kind=SpanKind.CLIENT, attributes=facts) as attempt:
+        # the receiver's `traceparent`: this attempt's span, else the job's context as stored
+        trace = job_carrier(attempt, record.trace)
+        result = _attempt_once(deps, fixed, webhook.url, fixed.body, trace)
+        if attempt is not None:
+            attempt.set_attribute("kiln.webhook.outcome", result.outcome)
     outcome, following = _schedule(deps.settings, fixed, result, rng or random.Random())
     if outcome != "skipped":
         _record(deps.store, fixed, webhook.url, replace(result, outcome=outcome), following)
