@@ -19,6 +19,7 @@ from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.control.audit import audit_after_restart, audit_queued, audit_tick_s
 from kiln.tasks.control.components import Component, never_paused
 from kiln.tasks.control.context import ControlContext
+from kiln.tasks.control.paused import expire_paused
 from kiln.tasks.control.reaper import prune_indexes, reap_expired
 from kiln.tasks.control.sweeper import sweep_unpublished
 from kiln.tasks.queue.lanes import node_queues
@@ -44,6 +45,8 @@ def cluster_components(
         Component("reaper", settings.reaper_interval_s, functools.partial(reap_expired, ctx)),
         Component("sweeper", settings.reaper_interval_s, functools.partial(sweep_unpublished, ctx)),
         Component("pruner", PRUNE_INTERVAL_S, functools.partial(prune_indexes, ctx)),
+        # paused jobs past KILN_PAUSED_RETENTION_S (days): as rarely as the pruner
+        Component("paused", PRUNE_INTERVAL_S, functools.partial(expire_paused, ctx)),
         Component(
             "restarts", settings.reaper_interval_s, lambda: audit_after_restart(ctx, queues())
         ),
