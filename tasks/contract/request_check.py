@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from kiln.common.previews import PREVIEWS_KEY
 from kiln.common.request import (
+    CHECKPOINTS_KEY,
     DEFAULT_SPEED,
     FIELDS_KEY,
     SPEED_MODES,
@@ -111,29 +112,28 @@ class SpeedUnsupported:
 
 
 @dataclass(frozen=True)
-class PreviewsUnsupported:
-    """The request asks for previews of a pipeline that no live node can preview."""
+class FeatureUnsupported:
+    """The request asks for a feature (previews, step checkpoints) no live node's pipeline has."""
 
-    kind: ClassVar[str] = "previews_unsupported"
+    kind: str  # previews_unsupported or checkpoints_unsupported
     pipeline: str
-    preview: dict[str, Any]  # what the request asked for
+    field: str  # the request's field that asks for it: `preview` or `checkpoint`
+    asked: dict[str, Any]  # what the request asked for
+    why: str  # what the caller reads after the pipeline's name
 
     @property
     def message(self) -> str:
-        """What the caller reads: why there are no previews, and what to do."""
-        return (
-            f"{self.pipeline} emits no previews: its pipeline names no preview decoder and has no "
-            "VAE (docs/pipelines.md, Previews); submit without `preview`"
-        )
+        """What the caller reads: why the feature is missing, and what to do."""
+        return f"{self.pipeline} {self.why}; submit without `{self.field}`"
 
     @property
     def value(self) -> dict[str, Any]:
-        """The offending input: the request's `preview`."""
-        return self.preview
+        """The offending input: the request's field."""
+        return self.asked
 
     def loc(self, prefix: tuple[str | int, ...] = ()) -> tuple[str | int, ...]:
-        """Where the error points: `preview`, after `prefix`."""
-        return (*prefix, "preview")
+        """Where the error points: the field, after `prefix`."""
+        return (*prefix, self.field)
 
     def context(self) -> dict[str, Any]:
         """The error's `ctx`: the pipeline."""
@@ -143,7 +143,7 @@ class PreviewsUnsupported:
 # Each has `kind`, `message`, `value`, `loc(prefix)`, `context()`: the intake makes it a Refusal.
 Violation = (
     PipelineUnknown
-    | PreviewsUnsupported
+    | FeatureUnsupported
     | LimitViolation
     | InputViolation
     | AdapterViolation
@@ -163,6 +163,7 @@ def check_request(request: JobRequest, declared: PipelineDecl) -> Violation | No
         return PipelineUnknown(pipeline, declared.known)
     return (
         preview_violation(pipeline, declared.inputs, request)
+        or checkpoint_violation(pipeline, declared.inputs, request)
         or first_violation(pipeline, list(declared.limits), request)
         or first_input_violation(pipeline, list(declared.inputs), request.inputs, request.steps)
         or first_adapter_violation(pipeline, declared.adapters, request.loras)
@@ -268,11 +269,36 @@ def announced_fields(schemas: Sequence[InputSchema]) -> list[str] | None:
 
 def preview_violation(
     pipeline: str, schemas: Sequence[InputSchema], request: JobRequest
-) -> PreviewsUnsupported | None:
+) -> FeatureUnsupported | None:
     """A request for previews of a pipeline whose live nodes cannot decode any; else None."""
     if request.preview is None or announces_previews(schemas):
         return None
-    return PreviewsUnsupported(pipeline, request.preview.model_dump(mode="json"))
+    why = (
+        "emits no previews: its pipeline names no preview decoder and has no VAE "
+        "(docs/pipelines.md, Previews)"
+    )
+    return FeatureUnsupported(
+        "previews_unsupported", pipeline, "preview", request.preview.model_dump(mode="json"), why
+    )
+
+
+def checkpoint_violation(
+    pipeline: str, schemas: Sequence[InputSchema], request: JobRequest
+) -> FeatureUnsupported | None:
+    """A request for step checkpoints of a pipeline whose live nodes cannot take any; else None.
+
+    Passes while no live node announces a schema (nothing is known yet, as for limits).
+    """
+    if request.checkpoint is None or not schemas:
+        return None
+    if any(schema.get(CHECKPOINTS_KEY) is True for schema in schemas):
+        return None
+    why = (
+        "takes no step checkpoints: its denoising loop cannot resume "
+        "(docs/pipelines.md, Step checkpoints and resume)"
+    )
+    asked = request.checkpoint.model_dump(mode="json", exclude_none=True)
+    return FeatureUnsupported("checkpoints_unsupported", pipeline, "checkpoint", asked, why)
 
 
 def image_refs(request: JobRequest, declared: PipelineDecl) -> dict[str, ImageRef]:

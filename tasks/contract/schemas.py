@@ -140,6 +140,35 @@ class PreviewRequest(BaseModel):
     )
 
 
+class CheckpointRequest(BaseModel):
+    """This job's step checkpoints: one after every `every_steps` steps or `every_seconds` seconds.
+
+    Absent, the node's default applies (docs/contract.md §1): a video run checkpoints every
+    `KILN_CHECKPOINT_EVERY_S`, an image run never. Given, the run checkpoints at this cadence,
+    image or video, on any pipeline that announces step checkpoints (`x-kiln-checkpoints`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    every_steps: int | None = Field(
+        default=None, strict=True, ge=1, le=MAX_STEPS, description="A checkpoint every N steps."
+    )
+    every_seconds: float | None = Field(
+        default=None,
+        strict=True,
+        ge=1,
+        le=86400,
+        allow_inf_nan=False,
+        description="A checkpoint after the first step that ends S seconds after the last one.",
+    )
+
+    @model_validator(mode="after")
+    def _one_cadence(self) -> CheckpointRequest:
+        if (self.every_steps is None) == (self.every_seconds is None):
+            raise ValueError("give exactly one of every_steps or every_seconds")
+        return self
+
+
 class JobRequest(BaseModel):
     """A generation request (`POST /v1/jobs`); every field is range-checked."""
 
@@ -209,6 +238,12 @@ class JobRequest(BaseModel):
         description="Previews while denoising, as `preview` events (and webhooks that ask for "
         "them); off when absent.",
     )
+    checkpoint: CheckpointRequest | None = Field(
+        default=None,
+        description="Step checkpoints of the run, so an interrupted job resumes where it was "
+        "(§1): {every_steps: N} or {every_seconds: S}; absent, a video checkpoints every "
+        "KILN_CHECKPOINT_EVERY_S and an image never.",
+    )
     loras: list[LoraSpec] = Field(
         default_factory=list,
         max_length=MAX_LORAS,
@@ -266,6 +301,8 @@ class JobRequest(BaseModel):
             del record["loras"]  # likewise for requests without adapters
         if record["preview"] is None:
             del record["preview"]  # and for requests without previews
+        if record["checkpoint"] is None:
+            del record["checkpoint"]  # and for requests on the node's cadence
         if record["speed"] == DEFAULT_SPEED:
             del record["speed"]  # and for requests in the default mode
         return record

@@ -1,10 +1,11 @@
 """A job's step checkpoints on its node: the plan its group runs, and the writer of what it takes.
 
-Which jobs: a video job (more than one frame: the runs that take minutes) gets one at most every
-`checkpoint_every_s` seconds (30 s; 0 turns them off), so a job shorter than that writes none; an
-image job gets none. Any job whose record names checkpoints an earlier attempt wrote is offered
-them, whatever the setting: its group resumes from the newest valid one (gpu_worker's
-ranks/checkpoints.py), or from step 0 when none is.
+Which jobs: a job whose request names a cadence (`checkpoint`: every N steps or S seconds) gets
+that one, image or video; any other video job (more than one frame: the runs that take minutes)
+one at most every `checkpoint_every_s` seconds (30 s; 0 turns them off), so a job shorter than
+that writes none; any other image job none. Any job whose record names checkpoints an earlier
+attempt wrote is offered them, whatever the setting: its group resumes from the newest valid one
+(gpu_worker's ranks/checkpoints.py), or from step 0 when none is.
 
 The group hands each checkpoint to `CheckpointWriter.hand` on its monitor thread, between steps:
 the writer keeps only the newest one waiting and writes it on its own thread, into this
@@ -27,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def takes_checkpoints(spec: JobSpec, every_s: float) -> bool:
-    """Whether a job's run takes checkpoints on the node's cadence (a video, `every_s` > 0)."""
-    return spec.num_frames > 1 and every_s > 0
+    """Whether a job's run takes checkpoints: its request's cadence, or the node's for a video."""
+    return spec.checkpoint is not None or (spec.num_frames > 1 and every_s > 0)
 
 
 def checkpoint_plan(
@@ -42,7 +43,12 @@ def checkpoint_plan(
     takes = resumable and takes_checkpoints(spec, every_s)
     if not takes and not (resumable and offered):
         return None
-    return CheckpointPlan(resume=offered, every_seconds=every_s if takes else None)
+    if not takes:
+        return CheckpointPlan(resume=offered)
+    if spec.checkpoint is not None:
+        cadence = spec.checkpoint
+        return CheckpointPlan(offered, cadence.every_steps, cadence.every_seconds)
+    return CheckpointPlan(resume=offered, every_seconds=every_s)
 
 
 class CheckpointWriter:

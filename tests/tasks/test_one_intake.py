@@ -103,6 +103,7 @@ ROWS = [
     Row("https-webhook", {**TINY, "webhook": {"url": "https://hooks.example/h"}}, ACCEPTED),
     Row("far-start-by", {**TINY, "start_by": 4102444800.0}, ACCEPTED),
     Row("bulk-lane", {**TINY, "priority": "bulk"}, ACCEPTED),
+    Row("own-checkpoints", {**TINY, "checkpoint": {"every_steps": 5}}, ACCEPTED),
     # 1. the schema
     Row("no-prompt", {"pipeline": "tiny", "width": 64}, refused(422, "missing", "prompt")),
     Row("zero-steps", {**TINY, "steps": 0}, refused(422, "greater_than_equal", "steps")),
@@ -116,6 +117,16 @@ ROWS = [
         "lora-twice",
         {**TINY, "loras": [{"name": "ember"}, {"name": "ember"}]},
         refused(422, "value_error", "loras"),
+    ),
+    Row(
+        "checkpoint-two-cadences",
+        {**TINY, "checkpoint": {"every_steps": 5, "every_seconds": 60}},
+        refused(422, "value_error", "checkpoint"),
+    ),
+    Row(
+        "checkpoint-zero",
+        {**TINY, "checkpoint": {"every_steps": 0}},
+        refused(422, "greater_than_equal", "checkpoint", "every_steps"),
     ),
     # 2. the pipeline's declaration and limits, its inputs, LoRAs
     Row(
@@ -141,6 +152,11 @@ ROWS = [
         "input-range",
         img("<alice>", strength=2),
         refused(422, "pipeline_input", "inputs", "strength"),
+    ),
+    Row(
+        "checkpoints-unsupported",  # its schema announces no x-kiln-checkpoints
+        {**img("<alice>"), "checkpoint": {"every_seconds": 60}},
+        refused(422, "checkpoints_unsupported", "checkpoint"),
     ),
     Row("image-plain-name", img("cat.png"), BAD_FORM),
     Row("image-bad-id", img("upload:../../etc"), BAD_FORM),

@@ -1,6 +1,7 @@
 """Which jobs a node plans step checkpoints for (tasks/node/checkpoints.py `checkpoint_plan`).
 
-A video job on a pipeline that announced checkpoints gets the cadence; an image job none; a job
+A job whose request names a cadence gets it, image or video; another video job on a pipeline that
+announced checkpoints gets the node's cadence; another image job none; a job
 of a pipeline whose loop cannot resume gets no plan at all (offered checkpoints or not), so its
 group batches it with others as before.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from kiln.gpu_worker.protocol import CheckpointPlan
 from kiln.tasks.contract.job_spec import JobSpec
-from kiln.tasks.contract.schemas import JobRequest
+from kiln.tasks.contract.schemas import CheckpointRequest, JobRequest
 from kiln.tasks.node.checkpoints import checkpoint_plan
 
 
@@ -31,3 +32,18 @@ def test_a_video_on_a_pipeline_that_resumes_takes_checkpoints_an_image_none() ->
 def test_a_pipeline_that_cannot_resume_gets_no_plan() -> None:
     assert checkpoint_plan(spec(17), (), 30.0, resumable=False) is None
     assert checkpoint_plan(spec(17), (b"x",), 30.0, resumable=False) is None
+
+
+def test_a_request_s_own_cadence_is_its_plan_image_or_video() -> None:
+    by_steps = JobSpec.of(
+        JobRequest(prompt="a kiln", seed=1, checkpoint=CheckpointRequest(every_steps=5))
+    )
+    assert checkpoint_plan(by_steps, (), 30.0, resumable=True) == CheckpointPlan(every_steps=5)
+    # the node's cadence turned off does not turn off the request's own
+    assert checkpoint_plan(by_steps, (b"x",), 0.0, resumable=True) == CheckpointPlan(
+        resume=(b"x",), every_steps=5
+    )
+    video = spec(17).model_copy(update={"checkpoint": CheckpointRequest(every_seconds=90.0)})
+    assert checkpoint_plan(video, (), 30.0, resumable=True) == CheckpointPlan(every_seconds=90.0)
+    # a pipeline whose loop cannot resume: no plan, whatever the request asked
+    assert checkpoint_plan(by_steps, (), 30.0, resumable=False) is None
