@@ -198,7 +198,7 @@ def test_a_spec_is_written_at_the_lowest_version_that_holds_its_fields() -> None
 )
 def test_a_cadence_that_is_not_exactly_one_valid_value_is_refused(cadence: dict[str, Any]) -> None:
     with pytest.raises(ValidationError) as refused:
-        JobRequest(prompt="a kiln", checkpoint=cadence)
+        JobRequest.model_validate({"prompt": "a kiln", "checkpoint": cadence})
     assert refused.value.errors()[0]["loc"][0] == "checkpoint"
 
 
