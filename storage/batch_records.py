@@ -42,6 +42,8 @@ class NewFedBatch:
     retried: tuple[str, ...] = ()  # a retry: the statuses of the parent's lines it runs again
     idempotency_key: str | None = None  # a retry's: the same key finds the same retry
     storage_url: str | None = None  # the store its input and results are written to
+    # its W3C trace context (kiln/common/tracing.py): its line jobs' traces link to it
+    trace: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not valid_id(self.id):
@@ -82,6 +84,7 @@ class FedBatch:
     input_failures: int = 0  # failed reads of its input since the last one that worked
     storage_url: str | None = None  # the store its input and results live in (None: written
     # before batches recorded it; readers use their own)
+    trace: dict[str, str] = field(default_factory=dict)  # as `NewFedBatch.trace`
 
     @property
     def final(self) -> bool:
@@ -138,6 +141,7 @@ def fed_batch_from_hash(batch_id: str, data: dict[str, str], parts: int) -> FedB
         retries=tuple(r for r in data.get("retries", "").split(",") if r),
         error=data.get("error") or None,
         input_failures=int(data.get("input_failures", "0")),
+        trace=json.loads(data.get("trace") or "{}"),
     )
 
 

@@ -95,6 +95,8 @@ class BatchStore(StoreBase):
             "parent_id": new.parent_id or "",
             "storage_url": new.storage_url or "",
         }
+        if new.trace:
+            fields["trace"] = dumps(new.trace)
         keys = [
             k.batch(new.id),
             k.active_batches,

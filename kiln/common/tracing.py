@@ -61,6 +61,8 @@ NODE_ATTRIBUTE: Final = "kiln.node"
 _OTLP_EXPORTERS: Final = {"otlp": "otlp_proto_http"}
 
 _propagator = TraceContextTextMapPropagator()
+# a span's parent that makes it the root of a trace of its own, whatever span is current
+ROOT: Final = Context()
 _lock = threading.Lock()
 _provider: Any = None  # the SDK's TracerProvider of this process, once started
 _provider_pid = 0  # the process that started it (a forked child starts its own)
@@ -305,6 +307,7 @@ __all__ = [
     "NODE_ATTRIBUTE",
     "QUEUE_ATTRIBUTE",
     "QUEUE_WAIT_SPAN",
+    "ROOT",
     "STEP_EVENT",
     "TEXT_ENCODING_SPAN",
     "TRACEPARENT",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Annotated
 
 import anyio.to_thread
@@ -24,6 +25,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kiln.common.defaults import BATCH_LANE
 from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
 from kiln.common.request import Lane
+from kiln.common.tracing import (
+    BATCH_ID_ATTRIBUTE,
+    BATCH_SPAN,
+    TRACEPARENT,
+    TRACESTATE,
+    Carrier,
+    SpanKind,
+    given_carrier,
+    job_carrier,
+    set_span_attributes,
+    span,
+)
+from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.batch_deps import BATCH_ERRORS, Batches, BatchId, visible_batch
 from kiln.tasks.api.batch_options import BatchParams, batch_options
 from kiln.tasks.api.batch_uploads import UPLOAD_BODY_SCHEMA, is_json_body, submit_upload
@@ -41,7 +55,7 @@ from kiln.tasks.api.errors import BATCH_REFUSED_422, safe_json_response
 from kiln.tasks.api.short_ids import IdPrefix, batches_with_prefix
 from kiln.tasks.batches.intake import BatchIntake, IntakeReport
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE
-from kiln.tasks.batches.service import new_batch_id, refusal_body
+from kiln.tasks.batches.service import BatchService, new_batch_id, refusal_body
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import (
     BATCHES_PATH,
@@ -109,12 +123,22 @@ async def submit_batch(
     With `Content-Type: application/json` the body instead names an upload and carries the
     options (`batch_uploads`); the query then takes none.
     """
-    if is_json_body(request):
-        return await submit_upload(request, caller, service)
     params = BatchParams(
         pipeline, priority, completion_window, skip_invalid, metadata, webhook_url, webhook_events
     )
+    # the batch's span: its line jobs' traces link to it (kiln/common/tracing.py)
+    given = given_carrier(request.headers.get(TRACEPARENT), request.headers.get(TRACESTATE))
+    with span(BATCH_SPAN, given, kind=SpanKind.SERVER) as batch_span:
+        return await _submit_batch(request, caller, service, params, job_carrier(batch_span, given))
+
+
+async def _submit_batch(
+    request: Request, caller: Principal, service: BatchService, params: BatchParams, trace: Carrier
+) -> Response:
+    if is_json_body(request):
+        return await submit_upload(request, caller, service, trace)
     options = await anyio.to_thread.run_sync(batch_options, service, caller, params)
+    options = replace(options, trace=trace)
     batch_id = new_batch_id()
     intake = await anyio.to_thread.run_sync(service.new_intake, batch_id, options)
     limit = service.settings.max_batch_bytes
@@ -128,6 +152,7 @@ async def submit_batch(
         await anyio.to_thread.run_sync(intake.abort)
         return safe_json_response(refusal_body(report), 422, BATCH_REFUSED_422)
     batch = await anyio.to_thread.run_sync(service.accept, batch_id, report, options)
+    set_span_attributes({BATCH_ID_ATTRIBUTE: batch.id, "kiln.batch.items": batch.items})
     view = batch_view(batch)
     return JSONResponse(view.model_dump(mode="json"), status_code=201)
 

@@ -10,6 +10,7 @@ the same way (201 with the view, or the 422 of a refused file).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import anyio.to_thread
@@ -18,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from kiln.common.tracing import Carrier
 from kiln.storage.uploaded_inputs import UploadRefused, checked_upload, resolve_upload
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.batch_options import BatchParams, batch_options
@@ -92,8 +94,13 @@ def _upload_key(service: BatchService, caller: Principal, ref: str) -> str:
     return key
 
 
-async def submit_upload(request: Request, caller: Principal, service: BatchService) -> Response:
-    """Accept a batch whose file is an upload: the JSON body names it and gives the options."""
+async def submit_upload(
+    request: Request, caller: Principal, service: BatchService, trace: Carrier | None = None
+) -> Response:
+    """Accept a batch whose file is an upload: the JSON body names it and gives the options.
+
+    `trace`: the batch's W3C trace context (its span's), which its line jobs link to.
+    """
     ambiguous = sorted(_OPTIONS & set(request.query_params))
     if ambiguous:
         msg = "with a JSON body the options go in the body, not the query"
@@ -103,6 +110,7 @@ async def submit_upload(request: Request, caller: Principal, service: BatchServi
         return JSONResponse({"detail": too_large_detail(UPLOAD_BODY_MAX)}, status_code=413)
     body = _parse(raw, service.settings.max_json_depth)
     options = await anyio.to_thread.run_sync(batch_options, service, caller, _params(body), "body")
+    options = replace(options, trace=dict(trace or {}))
     key = await anyio.to_thread.run_sync(_upload_key, service, caller, body.input_upload)
     try:
         batch, report = await anyio.to_thread.run_sync(service.submit_stored, key, options)

@@ -68,7 +68,7 @@ from kiln.tasks.batches.results import summary_line, unfed_line
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.job_spec import JobSpecRefused
 from kiln.tasks.contract.settings import KilnSettings
-from kiln.tasks.intake.intake import line_job
+from kiln.tasks.intake.intake import line_job, line_trace
 from kiln.tasks.queue.policy import public_message
 from kiln.tasks.queue.quotas import QueuedCaps
 from kiln.tasks.queue.submit import Submitter
@@ -236,7 +236,8 @@ class BatchFeeder:
     def _new_job(self, batch: FedBatch, item: Item) -> NewJob:
         """The line's job, from the request the intake accepted at upload (its seed drawn)."""
         job_id = batch_job_id(batch.id, item.custom_id)
-        return line_job(item.spec, job_id, batch.id, batch.owner, batch.priority)
+        trace = line_trace(job_id, batch.id, item.trace, batch.trace)
+        return line_job(item.spec, job_id, batch.id, batch.owner, batch.priority, trace)
 
     def _publish_unconfirmed(self, job_ids: list[str]) -> None:
         for record in self.store.get_many(job_ids):

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from kiln.common.defaults import BATCH_LANE
+from kiln.common.tracing import TRACEPARENT, TRACESTATE, Carrier, given_carrier
 from kiln.storage.object_base import ObjectStore, StoredObject
 from kiln.storage.object_streams import ObjectWriter, iter_lines, open_writer
 from kiln.tasks.batches.lines import item_line, item_number
@@ -101,6 +102,18 @@ class LineDefaults:
             data["metadata"] = {**self.metadata, **(own or {})}
 
 
+def line_carrier(data: dict[str, Any]) -> Carrier | None:
+    """A line's own `traceparent` and `tracestate` fields, taken out of its request.
+
+    A value that is no valid W3C trace context is dropped, as the HTTP header's is: the line's
+    job then starts a trace of its own (still linked to its batch's).
+    """
+    traceparent, tracestate = data.pop(TRACEPARENT, None), data.pop(TRACESTATE, None)
+    if not isinstance(traceparent, str):
+        return None
+    return given_carrier(traceparent, tracestate if isinstance(tracestate, str) else None) or None
+
+
 class Staged(NamedTuple):
     """A line read up to its schema: number, custom_id, request or errors, where the request sits.
 
@@ -111,6 +124,7 @@ class Staged(NamedTuple):
     custom_id: str | None
     outcome: JobRequest | list[Error]
     within: tuple[str, ...] = ()
+    trace: Carrier | None = None  # the line's `traceparent` and `tracestate` fields
 
 
 @dataclass
@@ -266,7 +280,7 @@ class BatchIntake:
         assert custom_id is not None
         self.report.items += 1
         if not self.report.errors:  # a refused file writes nothing more
-            self._pending += item_line(line.number, custom_id, JobSpec.of(outcome))
+            self._pending += item_line(line.number, custom_id, JobSpec.of(outcome), line.trace)
             if len(self._pending) >= WRITE_BYTES:
                 self.items.write(bytes(self._pending))
                 self._pending.clear()
@@ -285,34 +299,36 @@ class BatchIntake:
 
     def _validate(
         self, raw: bytes, text: str | None
-    ) -> tuple[str | None, JobRequest | list[Error], tuple[str, ...]]:
-        """The line's custom_id, and its request as the schema reads it or its errors."""
+    ) -> tuple[str | None, JobRequest | list[Error], tuple[str, ...], Carrier | None]:
+        """The line's custom_id, its request as the schema reads it or its errors, its trace."""
         data, problems = self._parse(raw, text)
         if problems:
-            return None, problems, ()
+            return None, problems, (), None
         if not isinstance(data, dict):
             not_object = {"type": "dict_type", "loc": [], "msg": "a line must be a JSON object"}
-            return None, [not_object], ()
+            return None, [not_object], (), None
         custom_id = data.pop("custom_id", None)
         if custom_id is None:
-            return None, [{"type": "missing", "loc": ["custom_id"], "msg": "Field required"}], ()
+            missing = {"type": "missing", "loc": ["custom_id"], "msg": "Field required"}
+            return None, [missing], (), None
         if not valid_custom_id(custom_id):
             bad_id = {"type": "custom_id", "loc": ["custom_id"], "msg": CUSTOM_ID_MSG}
-            return None, [bad_id], ()
+            return None, [bad_id], (), None
+        trace = line_carrier(data)
         within: tuple[str, ...] = ()  # where the request sits in the line
         if in_openai_form(data):
             try:
                 data, within = openai_line_request(data), ("body",)
             except LineShapeError as exc:
                 shape = {"type": "line_shape", "loc": [exc.field], "msg": str(exc)}
-                return custom_id, [shape], ()
+                return custom_id, [shape], (), None
         self.defaults.apply(data)
         try:
             request = JobRequest.model_validate(data)
         except ValidationError as exc:
             errors = self.checks.restated(list(exc.errors()), data)
-            return custom_id, [under(within, plain_error(error)) for error in errors], within
-        return custom_id, request, within
+            return custom_id, [under(within, plain_error(error)) for error in errors], within, None
+        return custom_id, request, within, trace
 
     def _refuse_repeats(self) -> set[int]:
         """Refuse the lines whose custom_id repeats an earlier one's; their numbers.

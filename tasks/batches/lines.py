@@ -11,7 +11,8 @@ under keys named by batch and custom_id.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kiln.tasks.contract.job_spec import JobSpec
 
@@ -23,14 +24,26 @@ class Item:
     line: int
     custom_id: str
     spec: JobSpec
+    trace: dict[str, str] = field(default_factory=dict)  # the line's own W3C trace context
 
 
-def item_line(line: int, custom_id: str, spec: JobSpec) -> bytes:
+def item_line(
+    line: int, custom_id: str, spec: JobSpec, trace: Mapping[str, str] | None = None
+) -> bytes:
     """The stored line of one valid input line (newline included), its spec's JSON as is.
 
     The custom_id goes in as it is: a valid one (`contract.batches.valid_custom_id`) holds only
-    letters, digits, `_` and `-`, nothing JSON would escape.
+    letters, digits, `_` and `-`, nothing JSON would escape. `trace`: the line's own W3C trace
+    context (its `traceparent` field), stored as `t` where it has one.
     """
+    if trace:
+        own = json.dumps(dict(trace), separators=(",", ":")).encode()
+        return b'{"n":%d,"c":"%s","t":%s,"r":%s}\n' % (
+            line,
+            custom_id.encode(),
+            own,
+            spec.encode_json(),
+        )
     return b'{"n":%d,"c":"%s","r":%s}\n' % (line, custom_id.encode(), spec.encode_json())
 
 
@@ -46,7 +59,13 @@ def item_number(raw: bytes) -> int:
 def parse_item(raw: bytes) -> Item:
     """An item from its stored line; JobSpecRefused when its spec is a newer release's."""
     data = json.loads(raw)
-    return Item(line=int(data["n"]), custom_id=str(data["c"]), spec=JobSpec.decode(data["r"]))
+    trace = data.get("t")
+    return Item(
+        line=int(data["n"]),
+        custom_id=str(data["c"]),
+        spec=JobSpec.decode(data["r"]),
+        trace=dict(trace) if isinstance(trace, dict) else {},
+    )
 
 
 def batch_job_id(batch_id: str, custom_id: str) -> str:

@@ -36,6 +36,8 @@ class BatchOptions:
     window_s: int = parse_completion_window(DEFAULT_COMPLETION_WINDOW)
     skip_invalid: bool = False
     owner: str | None = None
+    # the batch's W3C trace context (its span's at upload): its line jobs' traces link to it
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 class BatchService:
@@ -101,6 +103,7 @@ class BatchService:
             webhook=defaults.webhook,
             invalid_part=report.invalid_object.key if report.invalid_object else None,
             storage_url=self.batches.settings.storage_url,
+            trace=dict(options.trace),
         )
         return self.batches.submit_fed_batch(new)
 

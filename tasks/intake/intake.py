@@ -32,8 +32,10 @@ from typing import Any
 from kiln.common.request import DRAWN_SEED_LIMIT
 from kiln.common.tracing import (
     ADMISSION_SPAN,
+    BATCH_ID_ATTRIBUTE,
     JOB_ID_ATTRIBUTE,
     QUEUE_ATTRIBUTE,
+    ROOT,
     Carrier,
     SpanKind,
     current_carrier,
@@ -113,12 +115,33 @@ def spec_job(
     )
 
 
-def line_job(spec: JobSpec, job_id: str, batch_id: str, owner: str | None, lane: str) -> NewJob:
+def line_job(
+    spec: JobSpec,
+    job_id: str,
+    batch_id: str,
+    owner: str | None,
+    lane: str,
+    trace: Carrier | None = None,
+) -> NewJob:
     """The job of a batch line accepted at upload (its stored spec: seed drawn then).
 
-    `lane`: the batch's, for a line stored without its own priority.
+    `lane`: the batch's, for a line stored without its own priority. `trace`: the job's W3C
+    trace context (`line_trace`).
     """
-    return spec_job(spec, job_id=job_id, owner=owner, batch_id=batch_id, lane=lane)
+    return spec_job(spec, job_id=job_id, owner=owner, batch_id=batch_id, lane=lane, trace=trace)
+
+
+def line_trace(
+    job_id: str, batch_id: str, line: Mapping[str, str], batch: Mapping[str, str]
+) -> Carrier:
+    """The trace context of a batch line's job, made as the feeder writes it.
+
+    Its admission span is a child of the line's own `traceparent` (else the root of a trace of
+    its own) and links to the batch's span; tracing off, the line's context as it came.
+    """
+    facts = {JOB_ID_ATTRIBUTE: job_id, BATCH_ID_ATTRIBUTE: batch_id}
+    with span(ADMISSION_SPAN, line or ROOT, links=[batch], attributes=facts) as admission:
+        return job_carrier(admission, line)
 
 
 def effective_request(request: JobRequest) -> JobRequest:

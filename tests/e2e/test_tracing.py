@@ -20,10 +20,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
 from kiln.common.states import JobState
 from kiln.common.tracing import (
     ADMISSION_SPAN,
     ATTEMPT_SPAN,
+    BATCH_SPAN,
     DECODE_SPAN,
     DENOISE_SPAN,
     ENCODE_SPAN,
@@ -86,11 +88,11 @@ class TracedStack:
     collector: SpanCollector
 
 
-@pytest.fixture
-def stack(cluster_factory: Callable[..., Cluster]) -> Iterator[TracedStack]:
+@pytest.fixture(scope="module")
+def stack(module_cluster_factory: Callable[..., Cluster]) -> Iterator[TracedStack]:
     with span_collector() as collector:
         secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
-        cluster = cluster_factory(
+        cluster = module_cluster_factory(
             **collector.env(),
             KILN_WEBHOOK_SECRET=secret,
             KILN_WEBHOOK_ALLOW_HTTP="true",
@@ -205,3 +207,72 @@ def test_a_job_without_a_traceparent_starts_its_trace_at_admission(stack: Traced
         assert above.service == "kiln-api", above
     assert above.parent_id == ""
     assert json.dumps(admission.attributes["kiln.job_id"]) == json.dumps(job_id)
+
+
+BATCH_LINES = 50
+OWN_TRACES = 10  # the first lines carry a `traceparent` field of their own
+
+
+def test_a_batch_of_50_lines_is_50_job_traces_linked_to_the_batch(stack: TracedStack) -> None:
+    batch_trace, batch_parent = secrets.token_hex(16), secrets.token_hex(8)
+    own = {i: (secrets.token_hex(16), secrets.token_hex(8)) for i in range(OWN_TRACES)}
+    lines = []
+    for i in range(BATCH_LINES):
+        line: dict[str, object] = {"custom_id": f"line-{i}", "prompt": f"line {i}", "steps": 2}
+        if i in own:
+            line["traceparent"] = f"00-{own[i][0]}-{own[i][1]}-01"
+        lines.append(json.dumps(line))
+    response = httpx.post(
+        f"{stack.api.url}/v1/batches",
+        params={"pipeline": "sleepy"},
+        content="\n".join(lines).encode(),
+        headers={
+            "Content-Type": BATCH_INPUT_CONTENT_TYPE,
+            "traceparent": f"00-{batch_trace}-{batch_parent}-01",
+        },
+        timeout=30,
+    )
+    assert response.status_code == 201, response.text
+    batch_id = response.json()["id"]
+    wait_until(
+        lambda: httpx.get(f"{stack.api.url}/v1/batches/{batch_id}", timeout=10).json(),
+        lambda view: view["status"] == "completed",
+        timeout_s=240,
+        what=f"batch {batch_id} completed",
+    )
+
+    stack.collector.wait_for(has_all(batch_trace, {BATCH_SPAN}))
+    (batch_span,) = by_name(stack.collector.spans(batch_trace))[BATCH_SPAN]
+    assert batch_span.parent_id == batch_parent
+    assert batch_span.attributes["kiln.batch_id"] == batch_id
+
+    def admissions(spans: list[CollectedSpan]) -> list[CollectedSpan]:
+        return [
+            s
+            for s in spans
+            if s.name == ADMISSION_SPAN and s.attributes.get("kiln.batch_id") == batch_id
+        ]
+
+    def every_job_ran(spans: list[CollectedSpan]) -> bool:
+        traces = {s.trace_id for s in admissions(spans)}
+        ran = {s.trace_id for s in spans if s.name == DENOISE_SPAN and s.trace_id in traces}
+        return len(traces) == BATCH_LINES and ran == traces
+
+    spans = stack.collector.wait_for(every_job_ran, timeout_s=60)
+    jobs = admissions(spans)
+    # one trace per line's job, each linked to the batch's span
+    assert len({s.trace_id for s in jobs}) == len(jobs) == BATCH_LINES
+    assert all(s.links == ((batch_trace, batch_span.span_id),) for s in jobs)
+    by_job = {str(s.attributes["kiln.job_id"]): s for s in jobs}
+    for i in range(BATCH_LINES):
+        job_id = f"{batch_id}-line-{i}"
+        admission = by_job[job_id]
+        stored = stack.cluster.store.get(job_id).trace["traceparent"].split("-")
+        assert (stored[1], stored[2]) == (admission.trace_id, admission.span_id)
+        if i in own:  # the line's own trace: its job's admission is a child of its span
+            assert (admission.trace_id, admission.parent_id) == own[i]
+        else:  # a trace of its own
+            assert admission.parent_id == ""
+            assert admission.trace_id not in {t for t, _ in own.values()} | {batch_trace}
+        attempt = [s for s in spans if s.trace_id == admission.trace_id and s.name == ATTEMPT_SPAN]
+        assert [s.parent_id for s in attempt] == [admission.span_id]
