@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from kiln.common.accounting import StepAccounting
 from kiln.common.states import JobState
 
 
@@ -33,6 +34,16 @@ class Payload(BaseModel):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
+class Accounted(Payload):
+    """A state change that may close an attempt or end the job: it may carry `accounting`.
+
+    The job's step accounting so far, added to the event by the transition that closes an
+    attempt or ends a job that ran (storage/lua/_machine.lua `with_accounting`); absent: zeros.
+    """
+
+    accounting: StepAccounting | None = None
+
+
 class ErrorData(BaseModel):
     """Why an attempt or a job failed: `{type, message, retryable}` (the view's `error`)."""
 
@@ -47,7 +58,7 @@ QueuedReason = Literal["created", "retry", "lease_expired"]
 CanceledReason = Literal["requested", "cancel_requested", "purged"]
 
 
-class QueuedData(Payload):
+class QueuedData(Accounted):
     """`queued`: created, back for a retry (with that attempt's error), or its lease lapsed."""
 
     kind = JobState.QUEUED.value
@@ -69,7 +80,7 @@ class RunningData(StartData):
     owner: str
 
 
-class SucceededData(Payload):
+class SucceededData(Accounted):
     """`succeeded`: the record's outputs and the run's metrics."""
 
     kind = JobState.SUCCEEDED.value
@@ -77,14 +88,14 @@ class SucceededData(Payload):
     metrics: dict[str, Any]
 
 
-class FailedData(Payload):
+class FailedData(Accounted):
     """`failed`: why."""
 
     kind = JobState.FAILED.value
     error: ErrorData
 
 
-class CanceledData(Payload):
+class CanceledData(Accounted):
     """`canceled`: asked while queued (`requested`) or running (`cancel_requested`), or purged."""
 
     kind = JobState.CANCELED.value
@@ -109,7 +120,7 @@ class ProgressData(Payload):
 ExpiredReason = Literal["paused_retention"]
 
 
-class ExpiredData(Payload):
+class ExpiredData(Accounted):
     """`expired`: its start_by passed before it started (no reason), or it stayed paused too long.
 
     `paused_retention`: paused `KILN_PAUSED_RETENTION_S`; its step checkpoints were deleted.
@@ -124,7 +135,7 @@ class ExpiredData(Payload):
 PausedReason = Literal["requested", "pause_requested"]
 
 
-class PausedData(Payload):
+class PausedData(Accounted):
     """`paused`: it holds no GPU and no place in line; its step checkpoints are kept."""
 
     kind = JobState.PAUSED.value

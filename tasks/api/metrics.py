@@ -17,6 +17,10 @@
   instances with max, e.g. lines per second
   `max(sum by (instance) (rate(kiln_batch_lines_finished_total[5m])))`.
   A scrape while Redis is down leaves all of these out.
+- Step accounting (docs/contract.md §5b), kept the same way (added by the transition that closes
+  each attempt, a dead node's included): `kiln_steps_computed_total`, `kiln_steps_restored_total`
+  and `kiln_steps_recomputed_total` (denoising steps), and `kiln_seconds_lost_total` (compute
+  seconds of recomputed steps), by pipeline and lane.
 - The backlog autoscalers read, per known pipeline (tasks/queue/backlog.py has the arithmetic),
   read from Kiln's records at scrape time (prefetched messages still count as queued):
   `kiln_pipeline_queued_gpu_seconds{pipeline,lane}` (queued jobs × the mean recent run time),
@@ -73,6 +77,27 @@ METRICS_PATH = "/metrics"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's; set by api.supervisor
 SUBMIT_ROUTE = ("POST", "/v1/jobs")
 SUBMIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+# the step accounting's counters: (its figure in FinishedCounts.steps, name, help)
+_STEP_FAMILIES = (
+    ("steps_computed", "kiln_steps_computed", "Denoising steps attempts ran."),
+    (
+        "steps_restored",
+        "kiln_steps_restored",
+        "Denoising steps attempts took from a step checkpoint instead of computing them.",
+    ),
+    (
+        "steps_recomputed",
+        "kiln_steps_recomputed",
+        "Denoising steps an attempt computed that an earlier attempt of its job had computed.",
+    ),
+    (
+        "seconds_lost",
+        "kiln_seconds_lost",
+        "Compute seconds of recomputed steps: lost to interruptions.",
+    ),
+)
 
 
 class ApiMetrics:
@@ -189,6 +214,7 @@ class FinishedCollector(Collector):
             log.warning("metrics: finished-job and batch counters left out: %s", exc)
             return
         yield self.jobs_finished(counts)
+        yield from self.steps(counts)
         lines = CounterMetricFamily(
             "kiln_batch_lines_finished",
             "Batch lines that ended, by the status of their result: their job's terminal state, "
@@ -210,6 +236,23 @@ class FinishedCollector(Collector):
         for status, count in sorted(live.items()):
             batches.add_metric([status], count)
         yield batches
+
+    def steps(self, counts: FinishedCounts) -> Iterable[CounterMetricFamily]:
+        """The step accounting's sums by pipeline and lane; every known pipeline's from 0."""
+        for figure, name, what in _STEP_FAMILIES:
+            by_labels = {
+                (pipeline, str(known_lane)): 0.0
+                for pipeline in self._ctx.submitter.known_pipelines()
+                for known_lane in LANES
+            }
+            for (queue, counted), value in counts.steps.items():
+                if counted == figure:
+                    lane, pipeline = lane_and_pipeline(queue)
+                    by_labels[pipeline, lane] = by_labels.get((pipeline, lane), 0.0) + value
+            family = CounterMetricFamily(name, what, labels=["pipeline", "lane"])
+            for labels, value in sorted(by_labels.items()):
+                family.add_metric(list(labels), value)
+            yield family
 
     def jobs_finished(self, counts: FinishedCounts) -> CounterMetricFamily:
         """Jobs finished by pipeline, lane and state; every known pipeline's series from 0."""

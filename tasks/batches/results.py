@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from kiln.common.accounting import StepAccounting
 from kiln.storage.base import dumps
 from kiln.storage.batch_store import BatchStore
 from kiln.storage.job_store import JobRecord
@@ -43,7 +44,10 @@ def _result(
     outputs: list[dict[str, Any]] | None = None,
     error: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
+    accounting: StepAccounting | None = None,
 ) -> dict[str, Any]:
+    # every line has its job's step accounting (zeros for a line that never became a job)
+    steps = accounting if accounting is not None else StepAccounting()
     return {
         "type": "result",
         "line": line,
@@ -53,6 +57,7 @@ def _result(
         "outputs": outputs or [],
         "error": error,
         "metrics": metrics or {},
+        "accounting": steps.model_dump(mode="json"),
     }
 
 
@@ -86,6 +91,7 @@ def job_line(
             outputs=outputs,
             error=record.error,
             metrics=record.metrics,
+            accounting=record.accounting,
         )
     )
 

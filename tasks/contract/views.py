@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.common.accounting import StepAccounting
 from kiln.common.states import JobState, is_terminal
 from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
 from kiln.tasks.contract.schemas import JobRequest
@@ -113,6 +114,11 @@ class JobView(BaseModel):
     outputs: list[OutputView] = Field(default_factory=list)
     error: ErrorView | None = None
     metrics: Metrics = Field(default_factory=Metrics)
+    accounting: StepAccounting = Field(
+        default_factory=StepAccounting,
+        description="Denoising steps its attempts computed, restored from step checkpoints and "
+        "computed again, and the compute seconds lost to interruptions (docs/contract.md §5b).",
+    )
     parameters: JobParameters
     batch_id: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -217,6 +223,7 @@ def job_view(
         outputs=[output_view(o, objects) for o in record.outputs],
         error=ErrorView.model_validate(record.error) if record.error else None,
         metrics=Metrics.model_validate(record.metrics or {}),
+        accounting=record.accounting,
         parameters=parameters,
         batch_id=record.batch_id,
         metadata=dict(record.metadata),

@@ -250,7 +250,14 @@ class LeasedAttempt:
         plan = checkpoint_plan(spec, offered, self.settings.checkpoint_every_s, resumable=resumable)
         if plan is None:
             return request, None
-        writer = CheckpointWriter(checkpoints, self.job_id, self.tracked.lease_token, self.attempt)
+        metrics, pipeline = self.node.metrics, spec.pipeline
+        writer = CheckpointWriter(
+            checkpoints,
+            self.job_id,
+            self.tracked.lease_token,
+            self.attempt,
+            on_written=lambda ref, seconds: metrics.observe_checkpoint(pipeline, seconds, ref.size),
+        )
         return replace(request, checkpoint=plan), writer
 
     def start_request(self) -> Start | None:

@@ -11,13 +11,16 @@ The group hands each checkpoint to `CheckpointWriter.hand` on its monitor thread
 the writer keeps only the newest one waiting and writes it on its own thread, into this
 attempt's folder, recorded under this attempt's lease token (storage/checkpoints.py). A write
 that fails is logged and the next one tried; a lost lease ends the writing (the attempt is over).
-A checkpoint never fails the job.
+A checkpoint never fails the job. Each one written is told to `on_written` with its write's
+seconds (the node's `kiln_checkpoints_written_total` and write histograms).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from kiln.gpu_worker.protocol import CheckpointPlan, StepCheckpoint
 from kiln.storage.checkpoints import CheckpointRef, Checkpoints
@@ -54,8 +57,16 @@ def checkpoint_plan(
 class CheckpointWriter:
     """Writes one attempt's checkpoints off the group's thread, the newest waiting one first."""
 
-    def __init__(self, checkpoints: Checkpoints, job_id: str, lease_token: int, attempt: str):
+    def __init__(
+        self,
+        checkpoints: Checkpoints,
+        job_id: str,
+        lease_token: int,
+        attempt: str,
+        on_written: Callable[[CheckpointRef, float], None] | None = None,
+    ):
         self._checkpoints = checkpoints
+        self._on_written = on_written
         self._job_id = job_id
         self._lease_token = lease_token
         self._attempt = attempt
@@ -92,6 +103,7 @@ class CheckpointWriter:
 
     def _write(self, checkpoint: StepCheckpoint) -> bool:
         """Write one; False when this attempt may write no more."""
+        began = time.monotonic()
         try:
             ref = self._checkpoints.write(
                 self._job_id,
@@ -112,4 +124,6 @@ class CheckpointWriter:
             )
             return True
         self.written.append(ref)
+        if self._on_written is not None:
+            self._on_written(ref, time.monotonic() - began)
         return True

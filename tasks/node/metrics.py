@@ -17,7 +17,10 @@ target and adds no label of its own; deploy/grafana/kiln-dashboard.json groups b
   failed out of memory, device or host), `kiln_node_lease_renewal_failures_total` (a renewal
   refused or failed against Redis), `kiln_node_upload_retries_total` (object-store calls retried),
   `kiln_node_wake_seconds` (what a job waited for its sleeping group to wake),
-  `kiln_node_job_events_total{type}` (job events through the node's event sink: its listener).
+  `kiln_node_job_events_total{type}` (job events through the node's event sink: its listener),
+  `kiln_checkpoints_written_total{pipeline}`, `kiln_checkpoint_write_seconds{pipeline}` and
+  `kiln_checkpoint_write_bytes{pipeline}` (step checkpoints written and recorded: the write's
+  time, put and record, and its size).
 
 Each node has its own registry (never the process-wide default), with the process's own metrics.
 """
@@ -55,6 +58,8 @@ MB = 1024 * 1024
 STAGES = ("queue", "load", "denoise", "decode", "encode", "upload")
 STAGE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+CHECKPOINT_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+CHECKPOINT_BYTES_BUCKETS = tuple(float(MB * 2**i) for i in range(0, 14, 2))  # 1 MiB .. 4 GiB
 
 
 class NodeMetrics:
@@ -105,11 +110,32 @@ class NodeMetrics:
             [*labels, "type"],
             registry=self.registry,
         )
+        self.checkpoints_written = Counter(
+            "kiln_checkpoints_written",
+            "Step checkpoints this node's attempts wrote and recorded.",
+            [*labels, "pipeline"],
+            registry=self.registry,
+        )
+        self.checkpoint_seconds = Histogram(
+            "kiln_checkpoint_write_seconds",
+            "Time to write one step checkpoint: its put to the object store and its record.",
+            [*labels, "pipeline"],
+            buckets=CHECKPOINT_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.checkpoint_bytes = Histogram(
+            "kiln_checkpoint_write_bytes",
+            "Size of one step checkpoint written.",
+            [*labels, "pipeline"],
+            buckets=CHECKPOINT_BYTES_BUCKETS,
+            registry=self.registry,
+        )
         # Present (at 0) from the first scrape, so rate() and increase() have a start.
         self.lease_renewal_failures.labels(self.node_id)
         self.upload_retries.labels(self.node_id)
         for pipeline in pipelines:
             self.ooms.labels(self.node_id, pipeline)
+            self.checkpoints_written.labels(self.node_id, pipeline)
         self.registry.register(scraped)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -128,6 +154,12 @@ class NodeMetrics:
     def count_oom(self, pipeline: str) -> None:
         """A job attempt on `pipeline` failed out of memory."""
         self.ooms.labels(self.node_id, pipeline).inc()
+
+    def observe_checkpoint(self, pipeline: str, seconds: float, size: int) -> None:
+        """A step checkpoint of `size` bytes was written and recorded in `seconds`."""
+        self.checkpoints_written.labels(self.node_id, pipeline).inc()
+        self.checkpoint_seconds.labels(self.node_id, pipeline).observe(max(0.0, seconds))
+        self.checkpoint_bytes.labels(self.node_id, pipeline).observe(size)
 
     def count_lease_renewal_failure(self) -> None:
         """A lease renewal was refused or failed."""

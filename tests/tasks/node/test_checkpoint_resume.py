@@ -94,6 +94,13 @@ def test_a_handed_back_job_resumes_on_another_node_with_the_same_output(
     assert handed_back.state == JobState.QUEUED
     latest = recorded_checkpoints(job_store, job_id)[0]
     assert f"/{latest.attempt}/checkpoints/" in latest.key
+    # node a counted each checkpoint it wrote (the record keeps the newest few only)
+    labels = {"node_id": "node-a", "pipeline": PIPELINE}
+    sample = nodes["a"].metrics.registry.get_sample_value
+    written = sample("kiln_checkpoints_written_total", labels) or 0
+    assert written >= len(recorded_checkpoints(job_store, job_id)) >= 1
+    assert sample("kiln_checkpoint_write_bytes_count", labels) == written
+    assert sample("kiln_checkpoint_write_seconds_count", labels) == written
 
     JobRunner(nodes["b"], job_id).run()
     record = job_store.get(job_id)
