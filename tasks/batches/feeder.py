@@ -83,6 +83,10 @@ READ_SIZE = 256 * 1024
 CAPACITY_VIEW = "feeding:capacity"
 
 
+# a fed line's job that a batch's stop ends: a paused one too, or the batch would wait for it
+_OPEN_STATES = frozenset({JobState.QUEUED, JobState.RUNNING, JobState.PAUSED})
+
+
 class BatchFeeder:
     """Feeds every active batch whose feeder lease this process holds (or takes)."""
 
@@ -337,8 +341,8 @@ class BatchFeeder:
                 ended.append(unfed_line(item.line, item.custom_id, reason))
             else:  # made by a feeder that died or was stopped before moving the cursor
                 opened.append((job_id, item.line))
-                if state in (JobState.QUEUED, JobState.RUNNING):
-                    self._stop_job(job_id, reason)
+                if state in _OPEN_STATES:
+                    self._stop_job(job_id, reason, state)
         part = self.results.put_part(batch, lease, b"".join(ended), "unfed") if ended else ""
         cursor = (batch.fed + len(items), offset)
         ending = (len(ended), reason, part)
@@ -353,8 +357,8 @@ class BatchFeeder:
         feeding = self.feeding
         open_ids = [job_id for job_id, _ in feeding.open_items(batch_id)]
         for job_id, state in zip(open_ids, feeding.job_states(open_ids), strict=True):
-            if state in (JobState.QUEUED, JobState.RUNNING):
-                self._stop_job(job_id, reason)
+            if state in _OPEN_STATES:
+                self._stop_job(job_id, reason, state)
 
     def _end_unreadable(self, batch: FedBatch, lease: Lease, reason: str) -> None:
         """End every line not fed yet under `reason`, without result lines (fenced)."""
@@ -365,13 +369,17 @@ class BatchFeeder:
             raise FeederLostLease(batch.id)
         log.info("batch %s: %d unread lines ended (%s)", batch.id, batch.unfed, reason)
 
-    def _stop_job(self, job_id: str, reason: str) -> None:
+    def _stop_job(self, job_id: str, reason: str, state: str) -> None:
         store = self.store
         try:
-            # cancel: queued ones at once, running ones at their next step; expiry: queued only
-            # (running jobs may finish)
-            stop = store.cancel if reason == "canceled" else store.expire
-            after = stop(job_id)
+            # cancel: queued and paused ones at once, running ones at their next step; expiry:
+            # queued and paused only (running jobs may finish)
+            if reason == "canceled":
+                after = store.cancel(job_id)
+            elif state == JobState.PAUSED:
+                after = store.expire_paused(job_id)
+            else:
+                after = store.expire(job_id)
         except IllegalTransition:
             return
         except StorageError as exc:

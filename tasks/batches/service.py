@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
+from kiln.common.states import JobState
+from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_store import BatchStore, FedBatch, NewFedBatch
-from kiln.storage.job_store import JobStore
+from kiln.storage.job_store import JobRecord, JobStore
 from kiln.storage.object_streams import batch_object_key, iter_chunks, open_writer
 from kiln.storage.objects import ObjectStore, StoresByUrl
 from kiln.tasks.batches.intake import BatchIntake, IntakeReport, JsonCheck, LineDefaults
@@ -18,8 +20,10 @@ from kiln.tasks.batches.retry import retry_batch
 from kiln.tasks.contract.batches import DEFAULT_COMPLETION_WINDOW, parse_completion_window
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.intake.intake import Intake
+from kiln.tasks.intake.pausing import JobPausing, PauseRefused
 from kiln.tasks.intake.refusal import Caller
 from kiln.tasks.queue.submit import Submitter
+from kiln.tasks.webhooks.event_sink import EventSink
 from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, system_resolver
 
 
@@ -152,12 +156,44 @@ class BatchService:
         return self.batches.stop_batch(batch_id, "canceled")
 
     def pause(self, batch_id: str) -> FedBatch:
-        """Stop feeding new lines; the window drains (BatchConflict unless running or paused)."""
-        return self.batches.pause(batch_id)
+        """Stop feeding new lines and pause the fed ones (BatchConflict unless running or paused).
+
+        Each open line is paused as `kiln pause` pauses a job (tasks/intake/pausing.py): a queued
+        one at once, a running one at its next step with a step checkpoint.
+        """
+        self.batches.pause(batch_id)
+        self._open_lines(batch_id, (JobState.QUEUED, JobState.RUNNING), self._pausing().pause)
+        return self.batches.get_fed(batch_id)  # its counts after its lines moved
 
     def resume(self, batch_id: str) -> FedBatch:
-        """Feed again (BatchConflict unless paused or running)."""
-        return self.batches.resume(batch_id)
+        """Feed again and resume its paused lines (BatchConflict unless paused or running)."""
+        self.batches.resume(batch_id)
+        self._open_lines(batch_id, (JobState.PAUSED,), self._pausing().resume)
+        return self.batches.get_fed(batch_id)
+
+    def _pausing(self) -> JobPausing:
+        return JobPausing(self.store, self.submitter, EventSink(self.store))
+
+    def _open_lines(
+        self,
+        batch_id: str,
+        states: tuple[JobState, ...],
+        act: Callable[[JobRecord], object],
+    ) -> None:
+        """Apply `act` to each fed line whose result is not written yet and that is in `states`."""
+        job_ids = [
+            job_id
+            for job_id, _ in BatchFeeding(self.store.redis, self.store.settings).open_items(
+                batch_id
+            )
+        ]
+        for record in self.store.get_many(job_ids):
+            if record is None or record.state not in states:
+                continue
+            try:
+                act(record)
+            except PauseRefused:  # it ended or was canceled since it was read: nothing to do
+                continue
 
     def retry(self, batch_id: str, statuses: frozenset[str]) -> FedBatch:
         """A new batch of the finished batch's lines that ended in `statuses`, linked to it.

@@ -19,6 +19,7 @@ def batch_counts(batch: FedBatch) -> BatchCounts:
         pending=batch.unfed,
         queued=n[JobState.QUEUED],
         running=n[JobState.RUNNING],
+        paused=n[JobState.PAUSED],
         succeeded=n[JobState.SUCCEEDED],
         failed=n[JobState.FAILED] + batch.ended_unfed.get("failed", 0),
         canceled=n[JobState.CANCELED] + batch.ended_unfed.get("canceled", 0),

@@ -155,6 +155,7 @@ class BatchCounts(BaseModel):
     pending: int = Field(description="Valid lines not fed yet.")
     queued: int
     running: int
+    paused: int = Field(default=0, description="Lines paused (docs/contract.md §4a).")
     succeeded: int
     failed: int
     canceled: int

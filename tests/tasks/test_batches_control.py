@@ -35,22 +35,32 @@ def live(view: dict[str, Any]) -> int:
     return int(view["counts"]["queued"] + view["counts"]["running"])
 
 
-def test_a_paused_batch_drains_its_window_and_feeds_again_once_resumed(api: Api) -> None:
+def test_a_paused_batch_pauses_its_lines_and_feeds_again_once_resumed(api: Api) -> None:
     batch_id = post_batch(api, jsonl(lines_of(8))).json()["id"]
     feed, published = feeder(api, batch_window=3)
     feed.tick()
+    running = batch_job_id(batch_id, "item-0000")
+    token = start_job(api.store, running)  # one line runs, two wait in the queue
     paused = control(api, batch_id, "pause")
     assert paused.status_code == 200, paused.text
     assert paused.json()["status"] == "paused"
     assert control(api, batch_id, "pause").json()["status"] == "paused"  # asked again: as it is
-    finish_queued(api, batch_id)
-    feed.tick()  # results of the window are written; nothing new is fed
     view = get_batch(api, batch_id)
-    assert (view["status"], live(view), view["counts"]["pending"]) == ("paused", 0, 5)
-    assert view["results_written"] == 3
+    # its queued lines are paused at once; its running one stops at its next step (its node)
+    assert (view["counts"]["paused"], view["counts"]["running"], view["counts"]["queued"]) == (
+        2,
+        1,
+        0,
+    )
+    assert api.store.pause_stopped(running, token).state == JobState.PAUSED  # what its node does
+    feed.tick()  # nothing new is fed while paused
+    view = get_batch(api, batch_id)
+    assert (view["status"], live(view), view["counts"]["paused"]) == ("paused", 0, 3)
+    assert view["counts"]["pending"] == 5
     assert len(published.calls) == 3
     resumed = control(api, batch_id, "resume")
     assert resumed.json()["status"] == "running"
+    assert resumed.json()["counts"]["queued"] == 3  # its lines queued again
     for _ in range(4):
         feed.tick()
         finish_queued(api, batch_id)
@@ -138,3 +148,18 @@ def test_retry_makes_a_linked_batch_of_the_failed_and_expired_lines(api: Api) ->
     done = results(api, retry["id"])
     assert sorted(line["custom_id"] for line in done[:-1]) == ["item-0001", "item-0002"]
     assert done[-1]["batch"]["outcome"] == "succeeded"
+
+
+def test_a_paused_batch_canceled_cancels_its_paused_lines(api: Api) -> None:
+    batch_id = post_batch(api, jsonl(lines_of(4))).json()["id"]
+    feed, _ = feeder(api, batch_window=2)
+    feed.tick()
+    assert get_batch(api, batch_id)["counts"]["queued"] == 2
+    control(api, batch_id, "pause")
+    assert get_batch(api, batch_id)["counts"]["paused"] == 2
+    assert control(api, batch_id, "cancel").status_code == 200
+    for _ in range(3):
+        feed.tick()
+    view = get_batch(api, batch_id)
+    assert view["status"] == "canceled"
+    assert (view["counts"]["paused"], view["counts"]["canceled"]) == (0, 4)
