@@ -177,8 +177,12 @@ def given_carrier(traceparent: str | None, tracestate: str | None = None) -> Car
 
 
 def current_carrier() -> Carrier:
-    """The carrier of this thread's current span (a producer's own trace); {} without one."""
-    return carrier_of(trace.get_current_span()) if _enabled else {}
+    """The carrier of this thread's current span (a producer's own trace); {} without one.
+
+    The span may be the application's own (a Python caller with an SDK of its own set up).
+    """
+    current = trace.get_current_span()
+    return carrier_of(current) if current.get_span_context().is_valid else {}
 
 
 def job_carrier(entrance: Span | None, given: Mapping[str, str] | None) -> Carrier:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln.common.states import JobState, is_terminal
+from kiln.common.tracing import TRACEPARENT, TRACESTATE, start_tracing
 from kiln.tasks.cli.exits import UsageError
 from kiln.tasks.cli.short_ids import resolve_id
 from kiln.tasks.contract.responses import CancelEffect, CancelResult, PauseResult, ResumeResult
@@ -26,8 +27,13 @@ WHOLE = 1 << 62  # read to the end: an output recorded without its size
 class JobsBackend(Protocol):
     """The three job operations the CLI needs."""
 
-    def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
-        """Submit a job (once per `idempotency_key`); the job's view."""
+    def submit(
+        self,
+        request: JobRequest,
+        idempotency_key: str | None = None,
+        trace: Mapping[str, str] | None = None,
+    ) -> JobView:
+        """Submit a job (once per `idempotency_key`), its trace continuing `trace`; its view."""
         ...
 
     def get(self, job_id: str) -> JobView:
@@ -79,15 +85,21 @@ class DirectBackend:
         from kiln.tasks.queue.submit import Submitter, celery_publisher
 
         parts = ProcessParts()  # the command's process: its environment, read once
+        start_tracing("kiln-cli")  # its admission spans, where the OTEL_* variables ask
         self.store = parts.store
         self.objects = parts.objects
         self.celery_app = parts.celery_app  # its job events' webhooks (a pause, a resume)
         self.submitter = Submitter(self.store, parts.settings, celery_publisher(parts.celery_app))
         self.intake = Intake(self.submitter, self.objects)  # the checks of POST /v1/jobs
 
-    def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
+    def submit(
+        self,
+        request: JobRequest,
+        idempotency_key: str | None = None,
+        trace: Mapping[str, str] | None = None,
+    ) -> JobView:
         """Accept a job; an idempotent repeat returns the existing one."""
-        record, _ = self.intake.submit(request, idempotency_key=idempotency_key)
+        record, _ = self.intake.submit(request, idempotency_key=idempotency_key, trace=trace)
         return job_view(record, self.objects, self.submitter.live_pipelines())
 
     def get(self, job_id: str) -> JobView:
@@ -197,9 +209,20 @@ class HttpBackend:
 
         self.client = KilnClient(base_url, api_key=api_key)
 
-    def submit(self, request: JobRequest, idempotency_key: str | None = None) -> JobView:
+    def submit(
+        self,
+        request: JobRequest,
+        idempotency_key: str | None = None,
+        trace: Mapping[str, str] | None = None,
+    ) -> JobView:
         """POST /v1/jobs."""
-        return self.client.submit(request, idempotency_key=idempotency_key)
+        given = trace or {}
+        return self.client.submit(
+            request,
+            idempotency_key=idempotency_key,
+            traceparent=given.get(TRACEPARENT),
+            tracestate=given.get(TRACESTATE),
+        )
 
     def get(self, job_id: str) -> JobView:
         """GET /v1/jobs/{id}."""

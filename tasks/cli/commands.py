@@ -121,10 +121,16 @@ def _submit(
     The wait ends when a node announces the pipeline (then the job is submitted), or at
     `deadline` (`--timeout`: JobWaitTimeout, exit 3).
     """
+    from kiln.common.tracing import given_carrier  # deferred: `kiln --help` loads no tracing
+
     told = False
     while True:
         try:
-            return backend.submit(request, idempotency_key=args.idempotency_key)
+            return backend.submit(
+                request,
+                idempotency_key=args.idempotency_key,
+                trace=given_carrier(args.traceparent, args.tracestate),
+            )
         except Exception as exc:
             if not (args.wait_for_node and _unknown_pipeline(exc)):
                 raise

@@ -200,6 +200,17 @@ def _add_submit(sub: Any) -> None:
         "--idempotency-key",
         help="submitting again with the same key gives back the same job (default: none)",
     )
+    p.add_argument(
+        "--traceparent",
+        default=os.environ.get("TRACEPARENT"),
+        help="the W3C trace context the job's trace continues (default: $TRACEPARENT, else a "
+        "trace of its own where tracing is on)",
+    )
+    p.add_argument(
+        "--tracestate",
+        default=os.environ.get("TRACESTATE"),
+        help="the W3C tracestate sent with --traceparent (default: $TRACESTATE)",
+    )
     p.add_argument("--wait", action="store_true", help="show progress and wait for the outputs")
     p.add_argument(
         "--timeout", type=float, help="seconds to wait with --wait, then exit 3 (default: none)"

@@ -29,6 +29,7 @@ from httpx_sse import EventSource
 from kiln.common.defaults import BATCH_LANE
 from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
 from kiln.common.states import is_final_batch, is_terminal
+from kiln.common.tracing import current_carrier, given_carrier
 from kiln.tasks.client.batch_downloads import (
     DEFAULT_DOWNLOAD_WORKERS,
     DownloadReport,
@@ -299,11 +300,21 @@ class KilnClient:
         return response
 
     def submit(
-        self, request: JobRequest | dict[str, Any], *, idempotency_key: str | None = None
+        self,
+        request: JobRequest | dict[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
     ) -> JobView:
-        """Enqueue a job; the same idempotency key and body return the same job."""
+        """Enqueue a job; the same idempotency key and body return the same job.
+
+        `traceparent` (and `tracestate`): the W3C trace context the job's trace continues; by
+        default the caller's current OpenTelemetry span's, if it has one.
+        """
         body = request.model_dump(mode="json") if isinstance(request, JobRequest) else request
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        headers.update(given_carrier(traceparent, tracestate) or current_carrier())
         return JobView.model_validate(
             self._call("POST", "/v1/jobs", json=body, headers=headers).json()
         )
