@@ -228,8 +228,11 @@ local function enter_queued(m, job, time)
 end
 
 -- paused: no lease, no GPU, no place in line, no message to publish; its step checkpoints stay
--- (storage/checkpoints.py), and `paused_at` starts its KILN_PAUSED_RETENTION_S
+-- (storage/checkpoints.py), and `paused_at` starts its KILN_PAUSED_RETENTION_S. A run a pause
+-- stopped is not counted (attempts - 1: its next start counts the same number again; its entry
+-- in the attempt log stays, its outcome `paused`), so pausing never uses up a job's attempts
 local function enter_paused(m, job, time)
+  if job.state == S.running then redis.call('HINCRBY', m.job, 'attempts', -1) end
   redis.call('HSET', m.job, 'lease_token', '0', 'published', '0', 'progress', 'null',
     'paused_at', time)
   redis.call('DEL', m.lease, m.cancel)
