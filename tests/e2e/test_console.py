@@ -381,3 +381,41 @@ def test_a_python_pipelines_form_previews_image_and_video_open_from_a_local_stor
     assert loaded_images(browser, "img.preview") == 0
     path = save_screenshot(browser, tmp_path)
     assert path.stat().st_size > 0
+
+
+def test_a_job_paused_and_resumed_from_the_page_runs_to_its_end(
+    api: Api, cluster: Cluster, browser: WebDriver
+) -> None:
+    # the job waits in its held queue, so the page pauses it while it is queued, for sure
+    hold_queue(cluster, cluster.workers[0], QUEUE)
+    body = {"prompt": "a paused kiln", "pipeline": "tiny", "width": 64, "height": 64, "steps": 2}
+    created = httpx.post(f"{api.url}/v1/jobs", json=body, headers=api.auth())
+    assert created.status_code == 201, created.text
+    job_id = created.json()["id"]
+    browser.get(f"{api.url}/console/")
+    wait_for(browser, "the key form", lambda d: shown(d, "auth"))
+    enter_key(browser, api.keys["alice"])
+    row = f"#jobs-body tr[data-id='{job_id}'] button.link"
+    wait_for(browser, "the job in the jobs table", lambda d: d.find_element(By.CSS_SELECTOR, row))
+    browser.find_element(By.CSS_SELECTOR, row).click()
+    wait_for(browser, "the pause button", lambda d: shown(d, "watch-pause"))
+    assert not browser.find_element(By.ID, "watch-resume").is_displayed()
+
+    browser.find_element(By.ID, "watch-pause").click()
+    wait_for(browser, "the resume button", lambda d: shown(d, "watch-resume"))
+    assert browser.find_element(By.ID, "watch-status").text == "paused"
+    assert not browser.find_element(By.ID, "watch-pause").is_displayed()
+    assert cluster.store.get(job_id).state == "paused"
+
+    browser.find_element(By.ID, "watch-resume").click()
+    wait_for(browser, "the job queued again", lambda d: shown(d, "watch-pause"))
+    assert cluster.store.get(job_id).state in ("queued", "running", "succeeded")
+    controls.resume(cluster.store, QUEUE)
+    wait_for(
+        browser,
+        "the resumed job's end",
+        lambda d: d.find_element(By.ID, "watch-status").text == "succeeded",
+        timeout=JOB_TIMEOUT_S,
+    )
+    types = [e.type for e in cluster.store.events(job_id, count=100)]
+    assert types.index("paused") < types.index("resumed") < types.index("succeeded")

@@ -460,6 +460,26 @@
     const badge = $("watch-status");
     badge.textContent = status;
     badge.className = "badge " + status;
+    // a queued or running job pauses (a running one at its next step); a paused one resumes
+    $("watch-pause").hidden = status !== "queued" && status !== "running";
+    $("watch-resume").hidden = status !== "paused";
+  }
+
+  // POST /v1/jobs/{id}/pause or /resume for the job on show; the answer's view is shown at once
+  async function pauseOrResume(action) {
+    const id = watching;
+    $("watch-error").hidden = true;
+    try {
+      const result = await api("v1/jobs/" + encodeURIComponent(id) + "/" + action, { method: "POST" });
+      if (watching !== id) return;
+      showJobState(result.job);
+      if (result.effect === "pause_requested") $("watch-detail").textContent = "pauses at its next step";
+      if (result.effect === "resumed") pollWhileQueued(id, () => watching === id);
+    } catch (error) {
+      $("watch-error").textContent = error.message;
+      $("watch-error").hidden = false;
+    }
+    refresh();
   }
 
   function showProgress(progress) {
@@ -477,7 +497,8 @@
     if (type === "preview") addPreview(payload);
     else if (type === "output") addOutput(payload);
     else if (type === "progress") showProgress(payload);
-    else if (type === "running" || type === "queued") setStatus(type);
+    else if (type === "running" || type === "queued" || type === "paused") setStatus(type);
+    else if (type === "resumed") setStatus("queued"); // a paused job is queued again
     if (!TERMINAL.has(type)) return;
     setStatus(type);
     if (type === "succeeded") {
@@ -806,6 +827,8 @@
     $("job-form").addEventListener("submit", submitJob);
     $("pipeline").addEventListener("change", showPipeline);
     $("forget-key").addEventListener("click", () => askForKey(""));
+    $("watch-pause").addEventListener("click", () => pauseOrResume("pause"));
+    $("watch-resume").addEventListener("click", () => pauseOrResume("resume"));
     document.addEventListener("visibilitychange", refresh);
     start();
   });
