@@ -112,8 +112,8 @@ def start_tracing(service: str) -> bool:
         provider = TracerProvider(resource=Resource.create(attributes))
         for name in names:
             provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
-        if _provider is None:
-            trace.set_tracer_provider(provider)  # for libraries' spans (once per process)
+        # Not made the global provider: Kiln's spans alone (a library's own, FastAPI's, stay off),
+        # and a process that stops tracing leaves no provider of it behind.
         _provider, _provider_pid, _enabled = provider, os.getpid(), True
         _tracer = provider.get_tracer(TRACER_NAME)
         return True
@@ -132,6 +132,15 @@ def flush_tracing(timeout_s: float = 5.0) -> None:
     """Export the spans this process still holds (before an exit that skips atexit hooks)."""
     if _provider is not None:
         _provider.force_flush(int(timeout_s * 1000))
+
+
+def stop_tracing() -> None:
+    """Export what is held and stop (a test's process goes back to tracing off)."""
+    global _provider, _tracer, _enabled
+    with _lock:
+        if _provider is not None:
+            _provider.shutdown()
+        _provider, _tracer, _enabled = None, None, False
 
 
 def tracing_on() -> bool:
@@ -333,6 +342,7 @@ __all__ = [
     "set_span_attributes",
     "span",
     "start_tracing",
+    "stop_tracing",
     "trace_id_of",
     "tracing_asked",
     "tracing_on",

@@ -28,21 +28,14 @@ from celery import Celery
 
 from kiln.common.logs import log_context
 from kiln.common.states import TERMINAL_STATES, JobState
-from kiln.common.tracing import (
-    ATTEMPT_ATTRIBUTE,
-    ATTEMPT_SPAN,
-    JOB_ID_ATTRIBUTE,
-    NODE_ATTRIBUTE,
-    Carrier,
-    message_carrier,
-    span,
-)
+from kiln.common.tracing import Carrier, message_carrier
 from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld
 from kiln.storage.job_store import JobRecord
 from kiln.storage.leases import delivery_owner
 from kiln.tasks.contract.job_spec import JobSpecRefused
 from kiln.tasks.contract.limits import ERROR_TYPE as LIMIT_ERROR
 from kiln.tasks.node.attempt import LeasedAttempt
+from kiln.tasks.node.attempt_trace import attempt_span
 from kiln.tasks.node.compute import DeliveredJob
 from kiln.tasks.node.node import Node
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, JobFailedError, settle_task
@@ -231,15 +224,7 @@ class JobRunner:
                     tracked,
                     webhooks=self.webhooks,
                 )
-                with span(
-                    ATTEMPT_SPAN,
-                    self.trace or record.trace,
-                    attributes={
-                        JOB_ID_ATTRIBUTE: self.job_id,
-                        ATTEMPT_ATTRIBUTE: record.attempts + 1,
-                        NODE_ATTRIBUTE: self.node.node_id,
-                    },
-                ):
+                with attempt_span(self.store, self.node.node_id, record, self.trace):
                     self.outcome = attempt.run()
             finally:
                 waiting.leave(self.job_id)  # a job that never started leaves the line too
