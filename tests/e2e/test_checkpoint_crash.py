@@ -80,3 +80,10 @@ def test_a_node_killed_at_60_percent_resumes_on_the_other_node_with_the_same_out
     recomputed = ran_to - restorable
     print(f"restored {restorable}, recomputed {recomputed} (reported up to {reported_before})")
     assert recomputed <= 5  # at most the steps of one 0.2 s cadence, plus the kill's lag
+    # the job's own accounting says the same: the dead node's attempt read by the reaper from
+    # its progress and its checkpoints, the survivor's from its own report
+    assert (record.accounting.steps_restored, record.accounting.steps_recomputed) == (
+        restorable,
+        recomputed,
+    )
+    assert record.accounting.steps_computed == ran_to + STEPS - restorable
