@@ -14,7 +14,7 @@ from __future__ import annotations
 from kiln.common.previews import PREVIEWS_KEY
 from kiln.common.request import CHECKPOINTS_KEY, FIELDS_KEY, InputSchema
 from kiln.gpu_worker.inputs import declared_input_schema
-from kiln.gpu_worker.pipelines.base import Pipeline
+from kiln.gpu_worker.pipelines.base import Pipeline, StepStateHooks
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.previews import can_preview
 
@@ -29,5 +29,10 @@ def announced_schema(pipeline: Pipeline) -> InputSchema:
 
 
 def takes_checkpoints(pipeline: Pipeline) -> bool:
-    """Whether a run of one job on `pipeline` can take step checkpoints and resume from them."""
-    return isinstance(pipeline, DiffusersPipeline) and pipeline.takes_checkpoints()
+    """Whether a run of one job on `pipeline` can take step checkpoints and resume from them.
+
+    A diffusers pipeline whose loop Kiln resumes, or a pipeline with the save/restore hooks.
+    """
+    if isinstance(pipeline, DiffusersPipeline):
+        return pipeline.takes_checkpoints()
+    return isinstance(pipeline, StepStateHooks)

@@ -12,12 +12,17 @@ before they reach a rank. It is not part of the protocol, so existing pipelines 
 Previews, also optional: `preview_decoder()` names a `PreviewDecoder` for the pipeline's latents,
 and `run` hands its latents after each step to `report_latents(on_step_end, ...)` (a pipeline
 with a diffusers `pipe.vae` gets both from Kiln). A pipeline with neither advertises no previews.
+
+Step checkpoints, also optional (`StepStateHooks`): a pipeline with `save_state` and
+`restore_state` takes them (gpu_worker/pipelines/hooked_resume.py): Kiln saves what `save_state`
+returns at the steps a checkpoint is due, and before a later attempt's `run` hands it back to
+`restore_state`, whose next `run` goes on from there (docs/pipelines.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -80,6 +85,33 @@ class Pipeline(Protocol):
 
     def denoiser(self) -> torch.nn.Module | None:
         """The module called once per step (unet or transformer), for parallel wrappers."""
+        ...
+
+
+@runtime_checkable
+class StepStateHooks(Protocol):
+    """A pipeline's save/restore hooks: its runs take step checkpoints and resume from them.
+
+    Kiln runs a request that takes checkpoints alone (a batch of one). Both hooks are called on
+    the rank's own thread, between steps, never during one.
+    """
+
+    def save_state(self, step: int, total: int) -> Mapping[str, Any]:
+        """The loop's whole state after `step` of `total` (called from within `on_step_end`).
+
+        Everything the steps after `step` read: latents, a scheduler's history, every random
+        generator's `get_state()`; tensors (any device), numbers, strings, lists and str-keyed
+        dicts of them. Kiln copies it to the CPU before the next step runs.
+        """
+        ...
+
+    def restore_state(self, state: Mapping[str, Any], step: int, total: int) -> None:
+        """Make the next `run` go on after `step` from `state` (what `save_state` returned).
+
+        Called right before that `run`, on every rank, with tensors on the CPU. That `run`
+        calls `on_step_end` from `step + 1`; its outputs must be those of a run never stopped.
+        Raise (any exception) to refuse the state: Kiln logs why and runs from step 0.
+        """
         ...
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,8 +56,11 @@ from kiln.gpu_worker.pipelines.diffusers_schedulers import SchedulerChoice
 from kiln.gpu_worker.pipelines.image_pipelines import image_call_kwargs, missing_image
 from kiln.gpu_worker.pipelines.lora import AdapterCache, no_adapters
 from kiln.gpu_worker.pipelines.signature_kinds import call_parameters
+from kiln.gpu_worker.pipelines.step_checkpoint import NotCheckpointable
 from kiln.gpu_worker.protocol import GenerationRequest, SpeedReport
 from kiln.gpu_worker.speed import SPEED_THRESHOLDS, applied_speed, speed_modes, speed_refusal
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DiffusersPipeline", "default_dtype", "output_seed"]
 
@@ -237,7 +241,7 @@ class DiffusersPipeline:
         the request's own computing fields.
         """
         if self._fingerprint is None:
-            self._fingerprint = weights_fingerprint(self.pipe)
+            self._fingerprint = weights_fingerprint(self.pipe.components)
         denoiser = self.denoiser()
         dtype = next(denoiser.parameters()).dtype if denoiser is not None else None
         with self._schedulers.applied(request.extra_inputs):
@@ -324,7 +328,13 @@ class DiffusersPipeline:
             # the last step's state is the output itself: nothing left to resume
             if done >= total or not checkpointing.due(done, total):
                 return
-            state = capture_state(identity, done, total, latents, self.pipe.scheduler, generators)
+            try:
+                state = capture_state(
+                    identity, done, total, latents, self.pipe.scheduler, generators
+                )
+            except NotCheckpointable as exc:  # a checkpoint never fails the job
+                log.warning("no step checkpoint after step %d: %s", done, exc)
+                return
             sink(state)
 
         return after_step

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kiln.gpu_worker.pipelines.step_checkpoint import DenoiseState
+from kiln.gpu_worker.pipelines.step_checkpoint import DenoiseState, cpu_state
 from kiln.gpu_worker.protocol import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,6 @@ RESUMABLE_PIPELINES = frozenset({"StableDiffusionPipeline", "WanPipeline"})
 # the scheduler's config (the recipe, checked through the identity), not its state
 _SCHEDULER_CONFIG = "_internal_dict"
 _SAMPLE_VALUES = 64  # values of each weight tensor the fingerprint reads
-
-
-class NotCheckpointable(Exception):
-    """A run whose state cannot be captured (a scheduler attribute of an unknown kind)."""
 
 
 StateSink = Callable[[DenoiseState], None]
@@ -80,15 +76,16 @@ def resumable_refusal(pipe: Any, requests: Sequence[GenerationRequest]) -> str |
     return None
 
 
-def weights_fingerprint(pipe: Any) -> str:
+def weights_fingerprint(components: Mapping[str, Any]) -> str:
     """sha256 over every model component's config and weights (names, shapes, dtypes, samples).
 
-    Each tensor contributes its name, shape, dtype and up to 64 evenly spaced values, so two
-    loads of the same weights agree and different weights (another seed, a fine-tune) differ
-    without hashing gigabytes.
+    `components`: a diffusers pipeline's `components`, or any name → module map (what is not a
+    `torch.nn.Module` is left out). Each tensor contributes its name, shape, dtype and up to 64
+    evenly spaced values, so two loads of the same weights agree and different weights (another
+    seed, a fine-tune) differ without hashing gigabytes.
     """
     digest = hashlib.sha256()
-    for name, component in sorted(pipe.components.items()):
+    for name, component in sorted(components.items()):
         if not isinstance(component, torch.nn.Module):
             continue
         config = getattr(component, "config", None)
@@ -123,21 +120,10 @@ def scheduler_identity(scheduler: Any) -> str:
     return f"{type(scheduler).__name__}:{hashlib.sha256(config.encode()).hexdigest()[:16]}"
 
 
-def _plain(value: Any, where: str) -> Any:
-    """`value` as torch.save's safe loader reads it back: tensors on the CPU, lists, numbers."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, (list, tuple)):
-        return [_plain(item, f"{where}[]") for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise NotCheckpointable(f"scheduler attribute {where} is a {type(value).__name__}")
-
-
 def scheduler_state(scheduler: Any) -> dict[str, Any]:
     """Every attribute of the scheduler but its config, copied to the CPU."""
     return {
-        name: _plain(value, name)
+        name: cpu_state(value, f"scheduler attribute {name}")
         for name, value in vars(scheduler).items()
         if name != _SCHEDULER_CONFIG
     }

@@ -2,8 +2,9 @@
 
 `DenoiseState` is what a run holds between two steps: the latents, the scheduler's whole mutable
 state (step index, sigmas/timesteps, a multistep solver's history such as DPM-Solver's
-`model_outputs`/`lower_order_nums`), the state of every random generator the loop draws from,
-and the steps done, tagged with the `identity` of the run that made it (weights, LoRA set, speed
+`model_outputs`/`lower_order_nums`), the state of every random generator the loop draws from
+(or, for a `python:` pipeline, whatever its `save_state` hook returns, as `loop`), and the steps
+done, tagged with the `identity` of the run that made it (weights, LoRA set, speed
 mode, dtype, scheduler, and the request's own fields). `encode` turns it into one object:
 
     b"KILNCKPT" | header length (4 bytes, big-endian) | header (JSON) | payload (torch.save)
@@ -36,6 +37,29 @@ class CheckpointRefused(ValueError):
     """A checkpoint that cannot be resumed from; the message says why."""
 
 
+class NotCheckpointable(Exception):
+    """A run whose state cannot be captured (a value of a kind a checkpoint cannot hold)."""
+
+
+def cpu_state(value: Any, where: str) -> Any:
+    """`value` as torch.save's safe loader reads it back: tensors on the CPU, lists, numbers.
+
+    Dicts keep their string keys; tuples become lists. Anything else is NotCheckpointable,
+    named by `where`.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (list, tuple)):
+        return [cpu_state(item, f"{where}[]") for item in value]
+    if isinstance(value, Mapping):
+        if not all(isinstance(key, str) for key in value):
+            raise NotCheckpointable(f"{where} has a key that is not a string")
+        return {key: cpu_state(item, f"{where}.{key}") for key, item in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise NotCheckpointable(f"{where} is a {type(value).__name__}")
+
+
 def identity_digest(identity: Mapping[str, str]) -> str:
     """sha256 of an identity's canonical JSON: equal digests, equal identities."""
     canonical = json.dumps(dict(identity), sort_keys=True, separators=(",", ":"))
@@ -57,6 +81,7 @@ class DenoiseState:
     latents: torch.Tensor
     scheduler: dict[str, Any] = field(default_factory=dict)
     generators: list[torch.Tensor] = field(default_factory=list)
+    loop: dict[str, Any] = field(default_factory=dict)  # a `python:` pipeline's own state
 
     def header(self, payload: bytes) -> dict[str, Any]:
         """The JSON header written before `payload`."""
@@ -79,6 +104,7 @@ def encode(state: DenoiseState) -> bytes:
             "latents": state.latents,
             "scheduler": state.scheduler,
             "generators": state.generators,
+            "loop": state.loop,
         },
         buffer,
     )
@@ -132,6 +158,9 @@ def decode(data: bytes, identity: Mapping[str, str]) -> DenoiseState:
     scheduler, generators = loaded.get("scheduler"), loaded.get("generators")
     if not isinstance(scheduler, dict) or not isinstance(generators, list):
         raise CheckpointRefused("payload lacks the scheduler or generator state")
+    loop = loaded.get("loop", {})  # absent in checkpoints written before python: hooks
+    if not isinstance(loop, dict):
+        raise CheckpointRefused("payload's loop state is not a mapping")
     steps_done, total = header.get("steps_done"), header.get("total_steps")
     if not isinstance(steps_done, int) or not isinstance(total, int) or not 0 < steps_done < total:
         raise CheckpointRefused(f"steps done {steps_done!r} of {total!r} is no resumable point")
@@ -142,4 +171,5 @@ def decode(data: bytes, identity: Mapping[str, str]) -> DenoiseState:
         latents=loaded["latents"],
         scheduler=scheduler,
         generators=generators,
+        loop=loop,
     )

@@ -10,8 +10,9 @@ gathers it back, so the loop's latents, scheduler and generators are alike on ev
 - capture: rank 0 alone takes a checkpoint when the cadence says so, encodes it, and sends it
   to the coordinator (`StepCheckpoint`); the node writes it. The other ranks capture nothing.
 
-Only pipelines that offer `checkpoint_identity` and `checkpoint_refusal` (DiffusersPipeline,
-for the loops it resumes) take part; for any other the request runs from step 0, as before.
+Two kinds of pipeline take part: a DiffusersPipeline, for the loops it resumes, and one with
+the save/restore hooks (`StepStateHooks`: pipelines/hooked_resume.py); for any other the request
+runs from step 0, as before.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kiln.gpu_worker.pipelines.base import Pipeline
+from kiln.gpu_worker.pipelines.base import Pipeline, StepStateHooks
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
 from kiln.gpu_worker.pipelines.diffusers_resume import Checkpointing
+from kiln.gpu_worker.pipelines.hooked_resume import hooks_identity, hooks_refusal
 from kiln.gpu_worker.pipelines.step_checkpoint import (
     CheckpointRefused,
     DenoiseState,
@@ -46,6 +48,7 @@ class ForwardCheckpoints:
     """One forward's checkpointing, and what the offered checkpoints came to."""
 
     checkpointing: Checkpointing
+    identity: dict[str, str]  # what made the checkpoints it resumes from and takes
     refusals: list[str] = field(default_factory=list)
 
     def all_refusals(self) -> tuple[str, ...]:
@@ -102,15 +105,22 @@ def forward_checkpoints(
     plan = request.checkpoint
     if plan is None:
         return None
-    if not isinstance(pipeline, DiffusersPipeline):
+    if isinstance(pipeline, DiffusersPipeline):
+        refusal = pipeline.checkpoint_refusal(batch.requests)
+    elif isinstance(pipeline, StepStateHooks):
+        refusal = hooks_refusal(batch.requests)
+    else:
         logger.info("request %s: %s takes no step checkpoints", request.request_id, pipeline.name)
         return None
-    refusal = pipeline.checkpoint_refusal(batch.requests)
     if refusal is not None:
         logger.info("request %s: no step checkpoints: %s", request.request_id, refusal)
         return None
-    identity = pipeline.checkpoint_identity(request)
-    found = ForwardCheckpoints(Checkpointing(due=_due(plan, request.request_id, checkpoint_first)))
+    if isinstance(pipeline, DiffusersPipeline):
+        identity = pipeline.checkpoint_identity(request)
+    else:
+        identity = hooks_identity(pipeline, request)
+    checkpointing = Checkpointing(due=_due(plan, request.request_id, checkpoint_first))
+    found = ForwardCheckpoints(checkpointing, identity)
     for data in plan.resume:
         try:
             found.checkpointing.resume = decode(data, identity)

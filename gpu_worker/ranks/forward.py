@@ -23,6 +23,7 @@ from kiln.gpu_worker.logs import forward_fields
 from kiln.gpu_worker.memory import PeakMemory
 from kiln.gpu_worker.pipelines.base import Pipeline, StopDenoising
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+from kiln.gpu_worker.pipelines.hooked_resume import run_with_hooks
 from kiln.gpu_worker.pipelines.lora import adapter_state
 from kiln.gpu_worker.protocol import (
     AdapterState,
@@ -150,11 +151,14 @@ def run_forward(
     outputs: list[list[np.ndarray]] | None = None
     status, kind, message = "ok", None, ""
     try:
-        if checkpoints is not None:
-            assert isinstance(pipeline, DiffusersPipeline)  # forward_checkpoints checked
-            outputs = pipeline.run(batch.requests, sync, checkpointing=checkpoints.checkpointing)
-        else:
+        if checkpoints is None:
             outputs = pipeline.run(batch.requests, sync)
+        elif isinstance(pipeline, DiffusersPipeline):
+            outputs = pipeline.run(batch.requests, sync, checkpointing=checkpoints.checkpointing)
+        else:  # a pipeline with save/restore hooks (forward_checkpoints checked)
+            outputs = run_with_hooks(
+                pipeline, batch.requests, sync, checkpoints.checkpointing, checkpoints.identity
+            )
         _check_shape(outputs, batch.requests)
     except StopDenoising:
         status = "stopped"

@@ -69,6 +69,7 @@ def report_data(report: PipelineReport) -> dict[str, Any]:
             "num_frames": report.request.num_frames,
         },
         "output_shapes": [list(shape) for shape in report.output_shapes],
+        "resumes": report.resumes,
         "limits": dict(report.limits),
         "inputs": report.inputs,
     }
@@ -86,6 +87,12 @@ def report_lines(report: PipelineReport) -> list[str]:
         f"{request.num_frames} frame(s) → uint8 {shapes} in {report.run_s:.2f} s; "
         f"on_step_end called {report.steps_reported}×",
         "  stop:    StopDenoising from on_step_end ended run() after step 1",
+        "  resume:  "
+        + (
+            "save_state/restore_state: a run resumed after step 2 of 4 gave the same bytes"
+            if report.resumes
+            else "no save_state/restore_state: an interrupted job restarts from step 0"
+        ),
         f"  fields:  {', '.join(sorted(report.fields))}",
         f"  limits:  {limits}",
         f"  inputs:  {inputs}",

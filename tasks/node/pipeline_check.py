@@ -6,7 +6,11 @@ smallest size (the job contract's smallest side, rounded up to the pipeline's si
 fewest frames) goes through `validate` and `run`; what `run` returns must be, per request and per
 output, a uint8 array (frames, height, width, 3), and `on_step_end` must have been called. Then a
 two-step request whose `on_step_end` raises `StopDenoising` after step 1 must end `run` with that
-exception, with no further step: that is how a cancel stops a forward on every rank.
+exception, with no further step: that is how a cancel stops a forward on every rank. A pipeline
+with the save/restore hooks (`StepStateHooks`) must resume: a four-step run is checkpointed after
+step 2 through Kiln's own capture, the state encoded and decoded as a node stores it, and a run
+resumed from it must call `on_step_end` for steps 3 and 4 only and return the same bytes as the
+run never stopped.
 """
 
 from __future__ import annotations
@@ -29,9 +33,18 @@ from kiln.gpu_worker.pipeline_specs import check_spec_form, one_line
 from kiln.gpu_worker.pipelines import (
     Pipeline,
     SpecError,
+    StepStateHooks,
     StopDenoising,
     load_pipeline,
     prepare_pipeline,
+)
+from kiln.gpu_worker.pipelines.diffusers_resume import Checkpointing
+from kiln.gpu_worker.pipelines.hooked_resume import hooks_identity, run_with_hooks
+from kiln.gpu_worker.pipelines.step_checkpoint import (
+    CheckpointRefused,
+    DenoiseState,
+    decode,
+    encode,
 )
 from kiln.gpu_worker.previews import check_preview_hook
 from kiln.gpu_worker.protocol import GenerationRequest
@@ -60,6 +73,7 @@ class PipelineReport:
     steps_reported: int
     load_s: float
     run_s: float
+    resumes: bool = False  # it has the save/restore hooks, and a run resumed byte-identical
 
 
 def check_pipeline(
@@ -96,10 +110,65 @@ def check_pipeline(
     _check_stop(pipeline, replace(request, request_id="check-stop", steps=2))
     hook = replace(request, request_id="check-preview", steps=2)
     _call("the preview hook", lambda: check_preview_hook(pipeline, hook))
+    resumes = isinstance(pipeline, StepStateHooks)
+    if resumes:
+        check_resume(pipeline, replace(request, request_id="check-resume", steps=RESUME_STEPS))
     return PipelineReport(
         spec, name, device, frozenset(fields), limits, inputs, request, shapes, steps_reported,
-        load_s, run_s,
+        load_s, run_s, resumes,
     )  # fmt: skip
+
+
+RESUME_STEPS = 4  # the resume check's run: checkpointed after step 2, resumed for 3 and 4
+_RESUME_AT = 2
+
+
+def check_resume(pipeline: Pipeline, request: GenerationRequest) -> None:
+    """A run resumed after step 2 from what `save_state` gave equals the run never stopped."""
+    identity = hooks_identity(pipeline, request)
+    saved: list[DenoiseState] = []
+    at_step_2 = Checkpointing(due=lambda done, _total: done == _RESUME_AT, sink=saved.append)
+    whole = _call(
+        "run() with a checkpoint after step 2",
+        lambda: run_with_hooks(pipeline, [request], _no_stop, at_step_2, identity),
+    )
+    if len(saved) != 1:
+        raise CheckFailed(
+            "save_state() gave no state after step 2 (it raised, or returned no mapping of "
+            "tensors, numbers, strings, lists and str-keyed dicts: the worker log says which)"
+        )
+    try:
+        stored = decode(encode(saved[0]), identity)  # as a node writes it and a later one reads it
+    except CheckpointRefused as exc:
+        raise CheckFailed(f"the state save_state() gave does not read back: {exc}") from None
+    steps: list[int] = []
+    resuming = Checkpointing(resume=stored)
+    resumed = _call(
+        "run() resumed after step 2",
+        lambda: run_with_hooks(
+            pipeline, [request], lambda step, _total: steps.append(step), resuming, identity
+        ),
+    )
+    if resuming.refusal is not None:
+        raise CheckFailed(f"restore_state() refused what save_state() gave: {resuming.refusal}")
+    if steps != list(range(_RESUME_AT + 1, request.steps + 1)):
+        raise CheckFailed(
+            f"a run resumed after step 2 called on_step_end for steps {steps}; expected "
+            f"{list(range(_RESUME_AT + 1, request.steps + 1))} (it must go on where it was)"
+        )
+    same = all(
+        a.tobytes() == b.tobytes() for a, b in zip(whole[0], resumed[0], strict=True)
+    ) and len(whole[0]) == len(resumed[0])
+    if not same:
+        raise CheckFailed(
+            "a run resumed after step 2 returned other outputs than the run never stopped: "
+            "save_state() must return everything the later steps read (latents, every random "
+            "generator's get_state(), a scheduler's history)"
+        )
+
+
+def _no_stop(_step: int, _total: int) -> None:
+    return None
 
 
 def smallest_request(

@@ -41,5 +41,6 @@ def test_the_example_passes_pipeline_check_from_its_own_folder(tmp_path: Path) -
 
 def test_the_page_names_every_protocol_member() -> None:
     text = PIPELINES_DOC.read_text()
-    for member in (*PIPELINE_MEMBERS, "limits", "input_schema", "StopDenoising", "on_step_end"):
+    optional = ("limits", "input_schema", "preview_decoder", "save_state", "restore_state")
+    for member in (*PIPELINE_MEMBERS, *optional, "StopDenoising", "on_step_end"):
         assert f"`{member}" in text, member

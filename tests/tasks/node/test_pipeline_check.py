@@ -101,3 +101,17 @@ def test_the_command_says_one_line_and_exits_by_kind(capsys: pytest.CaptureFixtu
 def test_a_spec_that_does_not_load_is_a_spec_error() -> None:
     with pytest.raises(SpecError, match="unknown pipeline spec"):
         check_pipeline("nosuch")
+
+
+RESUMABLE = "python:tests.e2e.resumable_pipeline"
+
+
+def test_a_pipeline_with_the_hooks_is_checked_to_resume_byte_identical() -> None:
+    assert check_pipeline(f"{RESUMABLE}:make").resumes is True
+    assert check_pipeline(fixture_spec()).resumes is False  # no hooks: restarts from step 0
+    forgot = failure(f"{RESUMABLE}:forgetful")
+    assert forgot.startswith("a run resumed after step 2 returned other outputs than the run")
+    assert "every random generator's get_state()" in forgot
+    refused = failure(f"{RESUMABLE}:stubborn")
+    assert refused.startswith("restore_state() refused what save_state() gave: restore_state")
+    assert "ValueError: cannot go on from step 2 of 4" in refused
