@@ -57,6 +57,22 @@ SUBMIT_FIELDS = (
 )
 
 
+def checkpoint_cadence(text: str) -> dict[str, Any]:
+    """`--checkpoint-every`: `10` is every 10 steps, `90s` every 90 seconds.
+
+    Only the form is checked here; the request's own checks say what is out of range.
+    """
+    value = text.strip()
+    try:
+        if value.endswith("s"):
+            return {"every_seconds": float(value[:-1])}
+        return {"every_steps": int(value)}
+    except ValueError:
+        raise UsageError(
+            f"--checkpoint-every {text}: give steps (10) or seconds ending in s (90s)"
+        ) from None
+
+
 def backend_for(args: argparse.Namespace) -> JobsBackend:
     """The remote API when `--api` is given, else Redis directly."""
     if getattr(args, "api", None):
@@ -76,6 +92,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.preview is not None or args.preview_every is not None:
         every = args.preview_every
         fields["preview"] = {"every_steps": every} if every is not None else {}
+    if args.checkpoint_every is not None:
+        fields["checkpoint"] = checkpoint_cadence(args.checkpoint_every)
     with contextlib.closing(backend_for(args)) as backend:
         return _submit_command(args, backend, fields)
 

@@ -225,6 +225,12 @@ def _add_submit(sub: Any) -> None:
     p.add_argument(
         "--preview-every", type=int, metavar="N", help="a preview every N steps (default: 1)"
     )
+    p.add_argument(
+        "--checkpoint-every",
+        metavar="N|Ss",
+        help="a step checkpoint every N steps, or every S seconds (e.g. 10, or 90s), so an "
+        "interrupted job resumes there (default: the node's: a video every 30 s, an image never)",
+    )
     _wait_for_node_arg(p)
     _job_args(p)
 

@@ -303,3 +303,18 @@ def test_pause_and_resume_a_job_from_redis_and_through_the_api(api: Api) -> None
         assert refused.returncode == 1
         assert "is succeeded" in refused.stderr
         assert refused.stderr.count("\n") == 1  # one line, no traceback
+
+
+@pytest.mark.parametrize("remote", [None, "alice"])
+def test_submit_asks_for_its_own_checkpoint_cadence(api: Api, remote: str | None) -> None:
+    small = ["a kiln", "--pipeline", "tiny", "--width", "64", "--height", "64"]
+    for given, cadence in (("10", {"every_steps": 10}), ("90s", {"every_seconds": 90.0})):
+        made = kiln(api, "submit", *small, "--checkpoint-every", given, remote=remote)
+        assert made.returncode == 0, made.stderr
+        stored = api.store.get(made.stdout.strip()).request
+        assert stored["version"] == 2
+        assert {k: v for k, v in stored["checkpoint"].items() if v is not None} == cadence
+    for given, said in (("ten", "give steps (10) or seconds ending in s"), ("0", "every_steps")):
+        refused = kiln(api, "submit", *small, "--checkpoint-every", given, remote=remote)
+        assert refused.returncode == EXIT_USAGE, refused.stderr
+        assert said in refused.stderr
