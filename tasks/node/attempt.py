@@ -144,8 +144,10 @@ class LeasedAttempt:
         if started_at is not None:
             waited = {JOB_ID_ATTRIBUTE: self.job_id, ATTEMPT_ATTRIBUTE: self.record.attempts}
             record_span(QUEUE_WAIT_SPAN, record.trace, record.created_at, started_at, waited)
-        if tracked.stop_reason is not None:
+        if tracked.stop_reason not in (None, StopReason.PAUSED):
             raise JobStopped(tracked.stop_reason)
+        # a pause asked once every step ran comes too late to free the GPU: the job ends as it
+        # would have (its end drops the pause request), rather than pausing with its work lost
         report = encode_and_upload(
             self.node.objects,
             self.job_id,
