@@ -136,6 +136,8 @@ class NodeMetrics:
         for pipeline in pipelines:
             self.ooms.labels(self.node_id, pipeline)
             self.checkpoints_written.labels(self.node_id, pipeline)
+            self.checkpoint_seconds.labels(self.node_id, pipeline)
+            self.checkpoint_bytes.labels(self.node_id, pipeline)
         self.registry.register(scraped)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
