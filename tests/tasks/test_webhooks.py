@@ -273,6 +273,27 @@ def test_a_late_first_attempt_reports_its_event_not_the_job_now(
     assert store.get(job_id).state == JobState.SUCCEEDED
 
 
+def test_paused_and_resumed_webhooks_report_the_job_as_it_was_then(
+    deps: WebhookDeps, receiver: Receiver
+) -> None:
+    store, producer = deps.store, RecordingProducer()
+    send: Any = producer
+    job_id = webhook_job(store, receiver.url, ["paused", "resumed"])
+    store.pause(job_id)
+    assert enqueue_webhook_events(store, job_id, "paused", app=send)
+    store.resume(job_id)
+    assert enqueue_webhook_events(store, job_id, "resumed", app=send)
+    assert enqueue_webhook_events(store, job_id, "succeeded", app=send) is None  # not asked
+    drive_to_success(store, job_id)  # sent after the job ran on: each says what it was then
+    for delivery in producer.deliveries():
+        assert deliver_once(deps, delivery) is None
+    paused, resumed = (verify(hit) for hit in receiver.hits)
+    assert (paused["type"], paused["data"]["status"]) == ("job.paused", "paused")
+    assert paused["seq"] == event_of(store, job_id, "paused").seq
+    assert (resumed["type"], resumed["data"]["status"]) == ("job.resumed", "queued")
+    assert resumed["seq"] == event_of(store, job_id, "resumed").seq
+
+
 # --- a real webhooks worker -------------------------------------------------------------------
 
 
