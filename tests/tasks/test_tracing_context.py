@@ -8,7 +8,10 @@ read back from the message as Celery's worker hands it to the task.
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,3 +177,35 @@ def test_the_python_client_sends_the_context_the_api_stores(
     assert job_store.get(traced.id).trace == given
     assert job_store.get(plain.id).trace == {}  # tracing off here: nothing started
     assert job_store.get(broken.id).trace == {}  # not W3C: dropped, as the spec says
+
+
+def test_the_console_exporter_prints_a_process_spans() -> None:
+    parent = f"00-{'a' * 32}-{'b' * 16}-01"
+    script = (
+        "from kiln.common.tracing import ADMISSION_SPAN, span, start_tracing\n"
+        "assert start_tracing('kiln-probe')\n"
+        f"with span(ADMISSION_SPAN, {{'traceparent': '{parent}'}}):\n"
+        "    pass\n"
+    )
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console"}
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)  # the SDK's console exporter: one JSON object per span
+    assert printed["name"] == "kiln.admission"
+    assert printed["context"]["trace_id"] == "0x" + "a" * 32
+    assert printed["parent_id"] == "0x" + "b" * 16
+    assert printed["resource"]["attributes"]["service.name"] == "kiln-probe"
+    # and off by default: the same process prints nothing
+    env.pop("OTEL_TRACES_EXPORTER")
+    quiet = subprocess.run(
+        [sys.executable, "-c", script.replace("assert start_tracing", "assert not start_tracing")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout == ""
