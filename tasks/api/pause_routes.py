@@ -6,6 +6,9 @@ job is refused with 409, naming its state. The step itself is tasks/intake/pausi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from fastapi import HTTPException
 
 from kiln.tasks.api.context import ApiContext
@@ -16,11 +19,20 @@ from kiln.tasks.intake.pausing import JobPausing, PauseRefused
 from kiln.tasks.webhooks.event_sink import EventSink
 
 router = api_router()
+T = TypeVar("T")
 PAUSE_ERRORS = error_docs(401, 403, 404, 409)
 
 
 def _pausing(ctx: ApiContext) -> JobPausing:
     return JobPausing(ctx.store, ctx.submitter, EventSink(ctx.store, ctx.celery))
+
+
+def _refused_as_409(step: Callable[[], T]) -> T:
+    """`step`'s answer; a finished job's refusal (PauseRefused) is the API's 409 naming why."""
+    try:
+        return step()
+    except PauseRefused as exc:
+        raise HTTPException(409, str(exc)) from exc
 
 
 @router.post(
@@ -29,10 +41,7 @@ def _pausing(ctx: ApiContext) -> JobPausing:
 def pause_job(ctx: Ctx, caller: Caller, job_id: JobId) -> PauseResult:
     """Pause: a queued job at once; a running one at its next step, with a step checkpoint."""
     record = visible_job(ctx, caller, job_id)
-    try:
-        effect, after = _pausing(ctx).pause(record)
-    except PauseRefused as exc:
-        raise HTTPException(409, str(exc)) from exc
+    effect, after = _refused_as_409(lambda: _pausing(ctx).pause(record))
     return PauseResult(effect=effect, job=job_view(after, ctx.objects))
 
 
@@ -42,8 +51,5 @@ def pause_job(ctx: Ctx, caller: Caller, job_id: JobId) -> PauseResult:
 def resume_job(ctx: Ctx, caller: Caller, job_id: JobId) -> ResumeResult:
     """Resume: a paused job is queued again at the back of its lane; a pending pause withdrawn."""
     record = visible_job(ctx, caller, job_id)
-    try:
-        effect, after = _pausing(ctx).resume(record)
-    except PauseRefused as exc:
-        raise HTTPException(409, str(exc)) from exc
+    effect, after = _refused_as_409(lambda: _pausing(ctx).resume(record))
     return ResumeResult(effect=effect, job=job_view(after, ctx.objects))
