@@ -46,7 +46,7 @@ def cancel_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchVi
     ONE_BATCH + "/pause", response_model=BatchView, responses=CONTROL_ERRORS, tags=["batches"]
 )
 def pause_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchView:
-    """Feed nothing new: the batch's queued and running jobs go on; its window drains."""
+    """Feed nothing new and pause its fed lines (queued at once, running at their next step)."""
     return _change(service, caller, batch_id, service.pause)
 
 
@@ -54,7 +54,7 @@ def pause_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchVie
     ONE_BATCH + "/resume", response_model=BatchView, responses=CONTROL_ERRORS, tags=["batches"]
 )
 def resume_batch(caller: Caller, service: Batches, batch_id: BatchId) -> BatchView:
-    """Feed a paused batch again."""
+    """Feed a paused batch again and resume its paused lines."""
     return _change(service, caller, batch_id, service.resume)
 
 

@@ -29,8 +29,8 @@ from kiln.tasks.contract.batches import DEFAULT_COMPLETION_WINDOW, RetryInclude
 
 RETRY_INCLUDE = tuple(RetryInclude)
 DOWNLOAD_WORKERS = 8  # the client's default (httpx loads only when a command needs it)
-CONTROLS = {"status": "show a batch", "cancel": "cancel a batch", "pause": "stop feeding a batch"}
-CONTROLS["resume"] = "feed a paused batch again"
+CONTROLS = {"status": "show a batch", "cancel": "cancel a batch", "pause": "pause a batch"}
+CONTROLS["resume"] = "feed a paused batch again, its lines resumed"
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

@@ -594,12 +594,12 @@ class KilnClient:
         return BatchView.model_validate(response.json())
 
     def pause_batch(self, batch_id: str) -> BatchView:
-        """Stop feeding the batch (jobs already queued or running go on); `resume_batch` undoes."""
+        """Stop feeding the batch and pause its lines' jobs; `resume_batch` undoes both."""
         response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/pause")
         return BatchView.model_validate(response.json())
 
     def resume_batch(self, batch_id: str) -> BatchView:
-        """Feed a paused batch again."""
+        """Feed a paused batch again and resume its paused lines."""
         response = self._call("POST", f"{BATCHES_PATH}/{batch_id}/resume")
         return BatchView.model_validate(response.json())
 
