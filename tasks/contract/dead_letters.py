@@ -26,6 +26,16 @@ class AttemptView(BaseModel):
     ended_at: float | None = None
     outcome: str | None = Field(default=None, description="The state the run left the job in.")
     error: dict[str, Any] | None = None
+    # its step accounting (docs/contract.md §5b), set as the run ended; null for a run that
+    # ended before attempts were accounted
+    steps_restored: int | None = None
+    steps_reached: int | None = Field(
+        default=None, description="The furthest denoising step the run reached."
+    )
+    steps_computed: int | None = None
+    steps_recomputed: int | None = None
+    seconds_lost: float | None = None
+    step_s: float | None = Field(default=None, description="The run's mean seconds per step.")
 
 
 class DeadLetterView(BaseModel):

@@ -14,6 +14,7 @@ from kiln.common.accounting import AttemptSteps, StepAccounting
 from kiln.common.states import JobState
 from kiln.storage.checkpoints import record_checkpoint
 from kiln.storage.counters import finished_counts
+from kiln.storage.dead_letters import DeadLetterStore
 from kiln.storage.job_store import JobStore
 from tests.storage.helpers import WORKER, lapse_lease, new_job
 
@@ -131,6 +132,10 @@ def test_a_failed_and_a_canceled_attempt_are_counted(job_store: JobStore) -> Non
     token = run(job_store, job_id)
     job_store.fail(job_id, token, {"type": "Boom", "message": "x"}, steps=AttemptSteps(0, 7, 1.0))
     assert job_store.get(job_id).accounting.steps_computed == 7
+    letter = DeadLetterStore(job_store.redis, job_store.settings).get(job_id)
+    assert letter is not None
+    (run_once,) = letter.attempt_log  # the dead letter keeps each run's figures
+    assert (run_once["steps_computed"], run_once["steps_reached"]) == (7, 7)
     other = job_store.create_job(new_job(queue=QUEUE))[0].id
     token = run(job_store, other)
     record = job_store.finish_canceled(other, token, steps=AttemptSteps(0, 3, 1.0))
