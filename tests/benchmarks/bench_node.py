@@ -21,6 +21,10 @@ the direct path) and its forwards recorded (see bench_pipelines.py for why).
    same job on each Kiln node (submit -> the terminal event, read with a blocking XREAD on the
    job's event stream: no polling granularity). Kiln's time is split into 8 consecutive segments
    from its record, its events (Redis TIME) and rank 0's recorded forward.
+   With --tracing, two more --max-batch 4 nodes take each job in turn: one exporting its spans
+   (OTEL_TRACES_EXPORTER=otlp to a collector in this process; each job given a traceparent), and,
+   with --before-tree PATH, one run from that checkout (the tree without tracing: see
+   docs/performance.md); the report compares their overhead with the plain node's.
 2. busy: the `busy` pipeline sleeps --sleep s PER REQUEST (batching cannot fake it); the image
    size is calibrated in this run so that PNG encode + put is ~30 % of that (printed). Busy = sum
    of forward times recorded on rank 0 / wall from the first forward's start to the last job's
@@ -65,6 +69,7 @@ from tests.benchmarks.baseline_worker import BaselineProcess  # noqa: E402
 from tests.benchmarks.bench_pipelines import image_like  # noqa: E402
 from tests.conftest import delete_namespace  # noqa: E402
 from tests.e2e.cluster import Cluster, WorkerProcess  # noqa: E402
+from tests.span_collector import SpanCollector, span_collector  # noqa: E402
 
 BENCHES = ("overhead", "busy", "throughput")
 BUSY_SPEC = "python:tests.benchmarks.bench_pipelines:busy"
@@ -115,6 +120,8 @@ class Services:
     threads: int
     concurrency: int = 0  # a Kiln node's --concurrency; 0: its default
     nodes: dict[int, Node] = field(default_factory=dict)
+    # --tracing: more --max-batch 4 nodes by label ("traced", "before"), each job run on each
+    variants: dict[str, Node] = field(default_factory=dict)
     baseline: BaselineProcess | None = None
     baseline_forwards: Path | None = None
     namespaces: list[str] = field(default_factory=list)
@@ -152,13 +159,23 @@ class Services:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def start_node(self, max_batch: int) -> None:
-        """Start a `kiln worker` (1 CPU rank; tiny and busy resident); returns at once."""
-        namespace, bucket, folder = self._namespace(f"mb{max_batch}")
+    def start_node(
+        self,
+        max_batch: int,
+        label: str | None = None,
+        extra_env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        """Start a `kiln worker` (1 CPU rank; tiny and busy resident); returns at once.
+
+        `label`: a variant of the --max-batch node (--tracing), run from `cwd` where given.
+        """
+        namespace, bucket, folder = self._namespace(label or f"mb{max_batch}")
         env = {
             **self._env(folder),
             "KILN_REDIS_NAMESPACE": namespace,
             "KILN_STORAGE_URL": f"s3://{bucket}/outputs",
+            **(extra_env or {}),
         }
         cluster = Cluster(env=env, tmp=folder)
         worker = cluster.start_worker(
@@ -173,8 +190,13 @@ class Services:
                 *(["--concurrency", str(self.concurrency)] if self.concurrency else []),
             ],
             wait=False,
+            cwd=cwd or ROOT,
         )
-        self.nodes[max_batch] = Node(max_batch, cluster, worker, folder / "forwards.log")
+        node = Node(max_batch, cluster, worker, folder / "forwards.log")
+        if label is None:
+            self.nodes[max_batch] = node
+        else:
+            self.variants[label] = node
 
     def start_baseline(self) -> None:
         """Start the hand-written worker (tiny and busy loaded in-process); returns at once."""
@@ -192,14 +214,14 @@ class Services:
 
     def wait_ready(self) -> None:
         """Block until every node and the baseline are loaded and warm."""
-        for node in self.nodes.values():
+        for node in [*self.nodes.values(), *self.variants.values()]:
             node.worker.wait_ready(timeout_s=600)
         if self.baseline is not None:
             self.baseline.wait_ready(timeout_s=600)
 
     def stop(self) -> None:
         """Stop every process and delete every namespace."""
-        for node in self.nodes.values():
+        for node in [*self.nodes.values(), *self.variants.values()]:
             node.cluster.stop_all()
         if self.baseline is not None:
             self.baseline.stop()
@@ -209,8 +231,13 @@ class Services:
 
 
 @contextlib.contextmanager
-def services(args: argparse.Namespace, tmp: Path) -> Iterator[Services]:
-    """Moto plus the Kiln nodes and baseline the chosen benchmarks need, started in parallel."""
+def services(
+    args: argparse.Namespace, tmp: Path, collector: SpanCollector | None = None
+) -> Iterator[Services]:
+    """Moto plus the Kiln nodes and baseline the chosen benchmarks need, started in parallel.
+
+    `collector` (--tracing): where the traced node exports its spans.
+    """
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
@@ -227,6 +254,12 @@ def services(args: argparse.Namespace, tmp: Path) -> Iterator[Services]:
             batches.add(4)
         for max_batch in sorted(batches, reverse=True):
             found.start_node(max_batch)
+        if collector is not None and "overhead" in args.only:
+            # the SDK's own export schedule (5 s), not the tests' quick one
+            env = {k: v for k, v in collector.env().items() if k != "OTEL_BSP_SCHEDULE_DELAY"}
+            found.start_node(4, "traced", env)
+            if args.before_tree is not None:
+                found.start_node(4, "before", cwd=args.before_tree)
         if "busy" in args.only or "throughput" in args.only:
             found.start_baseline()
         started = time.monotonic()
@@ -392,11 +425,14 @@ def direct_once(
 
 
 def kiln_once(
-    cluster: Cluster, request: JobRequest, direct: tuple[float, float, float]
+    cluster: Cluster,
+    request: JobRequest,
+    direct: tuple[float, float, float],
+    trace: dict[str, str] | None = None,
 ) -> OverheadSample:
-    """One Kiln job, submit to terminal event, with its event timeline."""
+    """One Kiln job, submit to terminal event, with its event timeline (`trace`: its context)."""
     submitted_at = time.time()
-    record, _ = cluster.intake.submit(request)
+    record, _ = cluster.intake.submit(request, trace=trace)
     state = wait_event(cluster.store, record.id)
     seen_at = time.time()
     if state != "succeeded":
@@ -421,12 +457,19 @@ def match_forwards(samples: list[OverheadSample], forwards: Path, since: float) 
         sample.forward = inside[0]
 
 
-def run_overhead(found: Services, requests: list[JobRequest]) -> dict[int, list[OverheadSample]]:
-    """Direct vs each Kiln node, one job at a time, interleaved so load drift hits all alike."""
+def run_overhead(
+    found: Services, requests: list[JobRequest]
+) -> tuple[dict[int, list[OverheadSample]], dict[str, list[OverheadSample]]]:
+    """Direct vs each Kiln node, one job at a time, interleaved so load drift hits all alike.
+
+    Returns the samples per --max-batch node, and per --tracing variant (the traced node's jobs
+    each given a traceparent of their own, the `trace_ids` of its samples).
+    """
     os.environ["KILN_BENCH_TORCH_THREADS"] = str(found.threads)
     pipeline = load_pipeline(TINY_SPEC, torch.device("cpu"))  # load_pipeline('tiny'), threads set
     objects = found.nodes[4].cluster.objects
     samples: dict[int, list[OverheadSample]] = {b: [] for b in sorted(found.nodes, reverse=True)}
+    variants: dict[str, list[OverheadSample]] = {label: [] for label in found.variants}
     warmup = tiny_requests(WARMUP_JOBS, "warm-up")
     began = time.time()
     for index, request in enumerate([*warmup, *requests]):
@@ -435,9 +478,60 @@ def run_overhead(found: Services, requests: list[JobRequest]) -> dict[int, list[
             sample = kiln_once(found.nodes[max_batch].cluster, request, direct)
             if index >= WARMUP_JOBS:
                 samples[max_batch].append(sample)
+        for label in variants:
+            trace = {"traceparent": traceparent()} if label == "traced" else None
+            sample = kiln_once(found.variants[label].cluster, request, direct, trace)
+            if index >= WARMUP_JOBS:
+                variants[label].append(sample)
     for max_batch, node_samples in samples.items():
         match_forwards(node_samples, found.nodes[max_batch].forwards, began)
-    return samples
+    for label, node_samples in variants.items():
+        match_forwards(node_samples, found.variants[label].forwards, began)
+    return samples, variants
+
+
+def traceparent() -> str:
+    """A fresh W3C traceparent: each traced job's trace of its own."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+def tracing_lines(
+    plain: list[OverheadSample],
+    variants: dict[str, list[OverheadSample]],
+    collector: SpanCollector,
+) -> list[str]:
+    """Overhead of the plain --max-batch 4 node beside its variants, and spans per traced job."""
+    rows = [("tracing off (this tree)", plain)] + [
+        (VARIANT_NAMES[label], samples) for label, samples in variants.items()
+    ]
+    head = f"one job at a time, {len(plain)} jobs each, interleaved"
+    lines = [f"  {head:<52} {'p50 ms':>8} {'p95 ms':>8}"]
+    for name, samples in rows:
+        lines.append(f"  {name + ': L - D':<52} {ms([x.latency - x.direct for x in samples])}")
+        lines.append(
+            f"  {name + ': L - own compute':<52} {ms([x.latency - x.compute for x in samples])}"
+        )
+    base = pct([x.latency - x.direct for x in plain], 0.5)
+    for name, samples in rows[1:]:
+        delta = (pct([x.latency - x.direct for x in samples], 0.5) - base) * 1e3
+        lines.append(f"  {name + ': p50 L - D minus off':<52} {delta:8.1f}")
+    traced = variants.get("traced", [])
+    if traced:
+        ids = {x.record.trace["traceparent"].split("-")[1] for x in traced}
+        deadline = time.monotonic() + 30  # the node exports every 5 s (OTEL_BSP_SCHEDULE_DELAY)
+        while time.monotonic() < deadline and not ids <= {s.trace_id for s in collector.spans()}:
+            time.sleep(0.2)
+        spans = [s for s in collector.spans() if s.trace_id in ids]
+        lines.append(
+            f"  {'traced: spans per job (node and rank 0)':<52} {len(spans) / len(ids):8.1f}"
+        )
+    return lines
+
+
+VARIANT_NAMES = {
+    "traced": "tracing on (OTLP/HTTP export)",
+    "before": "before tracing (--before-tree)",
+}
 
 
 # --- 2. busy ratio and 3. throughput -----------------------------------------------------------
@@ -683,6 +777,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--node-concurrency", type=int, default=0, help="Kiln nodes' --concurrency; 0: default"
     )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="1.: also a --max-batch 4 node exporting its spans (OTLP/HTTP to this process)",
+    )
+    parser.add_argument(
+        "--before-tree",
+        type=Path,
+        help="with --tracing: also a node run from this checkout (the tree without tracing)",
+    )
     args = parser.parse_args()
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     if set(args.only) - set(BENCHES):
@@ -695,17 +799,22 @@ def main() -> None:
     """Start everything, run the chosen benchmarks, print the report."""
     args = parse_args()
     overhead: dict[int, list[OverheadSample]] = {}
+    variants: dict[str, list[OverheadSample]] = {}
     busy: list[StreamResult] = []
     throughput: list[StreamResult] = []
     size = args.busy_size
     began = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="kiln-bench-") as folder,
-        services(args, Path(folder)) as found,
+        span_collector() as collector,
+        services(args, Path(folder), collector if args.tracing else None) as found,
     ):
         if "overhead" in args.only:
             print("# 1. overhead", flush=True)
-            overhead = run_overhead(found, tiny_requests(args.overhead_jobs, "overhead"))
+            requests = tiny_requests(args.overhead_jobs, "overhead")
+            overhead, variants = run_overhead(found, requests)
+            if variants:
+                tracing = tracing_lines(overhead[4], variants, collector)
         if "busy" in args.only:
             size = size or calibrate_busy_size(found, target_s=0.3 * args.sleep)
             requests = job_requests("busy", args.jobs, size, "busy")
@@ -721,6 +830,9 @@ def main() -> None:
             print("# 3. throughput, baseline", flush=True)
             throughput.append(run_baseline_stream(found, requests))
     print_report(args, size, overhead, busy, throughput)
+    if variants:
+        print("\n1b. tracing: the --max-batch 4 node's overhead, tracing off and on")
+        print("\n".join(tracing))
     print(f"\n(total {time.monotonic() - began:.0f} s)")
 
 

@@ -168,8 +168,12 @@ class Cluster:
         extra_env: dict[str, str] | None = None,
         extra_args: Iterable[str] = (),
         wait: bool = True,
+        cwd: Path = REPO_ROOT,
     ) -> WorkerProcess:
-        """Start `kiln worker` serving `pipelines` (NAME or NAME=SPEC)."""
+        """Start `kiln worker` serving `pipelines` (NAME or NAME=SPEC).
+
+        `cwd`: the tree whose `kiln` it runs (a checkout of another commit, for a benchmark).
+        """
         node_id = f"node-{uuid.uuid4().hex[:8]}"
         args = [
             sys.executable,
@@ -189,9 +193,7 @@ class Cluster:
         log_path = self.tmp / f"{node_id}.log"
         env = {**self.env, **(extra_env or {})}
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
-            )
+            process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
         worker = WorkerProcess(process, node_id, log_path, self.store)
         self.workers.append(worker)
         if wait:
