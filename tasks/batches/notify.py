@@ -80,6 +80,7 @@ class BatchNotifier:
             webhook_id=batch_webhook_id(batch.id, str(event), finished_lines(view)),
             url=str(batch.webhook["url"]),
             body=batch_webhook_body(str(event), view.model_dump(mode="json"), time.time()),
+            trace=dict(batch.trace) or None,
         )
         try:
             publish_batch_delivery(self.app or current_app, delivery)

@@ -20,6 +20,7 @@ from typing import Any
 
 from celery import Celery, shared_task
 
+from kiln.common.tracing import BATCH_ID_ATTRIBUTE, WEBHOOK_SPAN, SpanKind, job_carrier, span
 from kiln.tasks.contract.backoff import scheduled_delay
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
@@ -42,6 +43,9 @@ class BatchDelivery:
     body: str
     attempt: int = 1
     not_before: float | None = None
+    # the batch's W3C trace context: the delivery attempt's span is its child, and the receiver's
+    # `traceparent` (kiln/common/tracing.py)
+    trace: dict[str, str] | None = None
 
 
 def batch_webhook_body(event: str, view: dict[str, Any], now: float) -> str:
@@ -79,7 +83,15 @@ def deliver_batch_once(
     headers = signed_headers(
         secret.get_secret_value(), delivery.webhook_id, delivery.body, time.time()
     )
-    result = send(delivery.url, headers, delivery.body, settings)
+    facts = {
+        BATCH_ID_ATTRIBUTE: delivery.batch_id,
+        "kiln.webhook.event": delivery.event,
+        "kiln.webhook.attempt": delivery.attempt,
+    }
+    given = delivery.trace or {}
+    with span(WEBHOOK_SPAN, given, kind=SpanKind.CLIENT, attributes=facts) as attempt:
+        trace = job_carrier(attempt, given)
+        result = send(delivery.url, {**headers, **trace}, delivery.body, settings)
     log.info(
         "batch webhook %s attempt %d: %s",
         delivery.webhook_id,
@@ -129,7 +141,8 @@ def deliver_batch_webhook(
     body: str,
     attempt: int = 1,
     not_before: float | None = None,
+    trace: dict[str, str] | None = None,
 ) -> None:
     """Celery task: deliver one batch webhook message (one attempt; retries are new messages)."""
-    delivery = BatchDelivery(batch_id, event, webhook_id, url, body, attempt, not_before)
+    delivery = BatchDelivery(batch_id, event, webhook_id, url, body, attempt, not_before, trace)
     run_batch_delivery(self.app, _worker_settings(), delivery)

@@ -42,7 +42,8 @@ from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.submit import Submitter
-from tests.tasks.helpers import ThreadServer, api_settings
+from kiln.tasks.webhooks.batch_hooks import BatchDelivery, deliver_batch_once
+from tests.tasks.helpers import Api, Receiver, ThreadServer, api_settings
 
 QUEUE = "interactive.tiny"
 TASK_ID = "0b7d3c5e-1f4a-4c2b-9d8e-6a5f4e3d2c1b"
@@ -209,3 +210,18 @@ def test_the_console_exporter_prints_a_process_spans() -> None:
     )
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stdout == ""
+
+
+def test_a_batch_webhook_carries_the_batch_trace_context(api: Api, receiver: Receiver) -> None:
+    given = given_carrier(traceparent(), "vendor=batch")
+    delivery = BatchDelivery(
+        "b1", "batch.completed", "msg_batch_b1_completed", receiver.url, "{}", trace=given
+    )
+    assert deliver_batch_once(api.settings, delivery) is None  # delivered: no retry
+    untraced = BatchDelivery("b2", "batch.completed", "msg_batch_b2_completed", receiver.url, "{}")
+    assert deliver_batch_once(api.settings, untraced) is None
+    traced_hit, plain_hit = receiver.wait_for(2)
+    headers = {k.lower(): v for k, v in traced_hit.headers.items()}
+    # tracing off in this process: the batch's context goes out as it was stored
+    assert (headers[TRACEPARENT], headers[TRACESTATE]) == (given[TRACEPARENT], "vendor=batch")
+    assert TRACEPARENT not in {k.lower() for k in plain_hit.headers}
