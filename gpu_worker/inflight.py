@@ -43,9 +43,9 @@ from kiln.gpu_worker.tickets import Ticket
 logger = logging.getLogger(__name__)
 
 # Stops after which the request runs again elsewhere: rank 0 checkpoints the step it stops at
-# (a drain hands the job back, a pause holds it; it resumes on its next attempt having lost no
-# step).
-CHECKPOINTED_STOPS = frozenset({StopReason.HANDED_BACK, StopReason.PAUSED})
+# (a drain hands the job back, a pause holds it, a priority preemption queues it again; it
+# resumes on its next attempt having lost no step).
+CHECKPOINTED_STOPS = frozenset({StopReason.HANDED_BACK, StopReason.PAUSED, StopReason.PREEMPTED})
 
 
 @dataclass(eq=False)

@@ -64,6 +64,14 @@ class Keys:
         """Flag set while a cancel of the running job is pending."""
         return self.job(job_id) + ":cancel"
 
+    def preempt(self, job_id: str) -> str:
+        """Set while a preemption of the running job is pending: the id of the job it is for."""
+        return self.job(job_id) + ":preempt"
+
+    def preempt_claim(self, job_id: str) -> str:
+        """Set while a preemption made room for this waiting job: one per job at a time."""
+        return self.job(job_id) + ":preempt_for"
+
     def webhooks(self, job_id: str) -> str:
         """List of webhook delivery attempts (JSON)."""
         return self.job(job_id) + ":webhooks"

@@ -80,6 +80,8 @@ ScriptName = Literal[
     "surplus_claim",
     "dead_letter_claim",
     "checkpoint",
+    "preempt_request",
+    "preempted",
 ]
 SCRIPT_NAMES: tuple[ScriptName, ...] = get_args(ScriptName)
 PRELUDE = "_prelude"

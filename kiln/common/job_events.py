@@ -54,7 +54,7 @@ class ErrorData(BaseModel):
     retryable: bool = False
 
 
-QueuedReason = Literal["created", "retry", "lease_expired"]
+QueuedReason = Literal["created", "retry", "lease_expired", "preempted"]
 CanceledReason = Literal["requested", "cancel_requested", "purged"]
 
 
@@ -64,6 +64,21 @@ class QueuedData(Accounted):
     kind = JobState.QUEUED.value
     reason: QueuedReason
     error: ErrorData | None = None
+
+
+class PreemptedData(Payload):
+    """`preempted`: its run stopped at a step boundary, checkpointed, for a waiting job.
+
+    It is queued again at the head of its lane, its attempt not counted (the `queued` event before
+    this one says `reason: preempted`).
+
+    `for_job`: the interactive job it made room for; `preemptions`: how many times this job has
+    been preempted, this one included (the script fills it in).
+    """
+
+    kind = "preempted"
+    for_job: str | None = None
+    preemptions: int | None = None
 
 
 class StartData(Payload):

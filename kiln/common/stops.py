@@ -18,6 +18,9 @@ class StopReason(StrEnum):
     EXPIRED = "expired"  # its start_by passed before it started: queued → expired
     LEASE_LOST = "lease_lost"  # another node holds the job now: its record is left to it
     HANDED_BACK = "handed_back"  # the node drains: running → queued, published again
+    # a waiting interactive job needs its node: running → queued at the head of its lane,
+    # checkpointed, its attempt not counted (tasks/control/preemption.py)
+    PREEMPTED = "preempted"
     PAUSED = "paused"  # a pause was requested: running → paused, its checkpoint kept
     DEADLINE = "deadline"  # it ran past max_run_seconds: failed with DeadlineExceeded
     START_REFUSED = "start_refused"  # its caller refused its start (a batch's `batch_start`)

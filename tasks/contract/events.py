@@ -28,6 +28,7 @@ from kiln.common.job_events import (
     FailedData,
     PausedData,
     Payload,
+    PreemptedData,
     ProgressData,
     QueuedData,
     ResumedData,
@@ -54,6 +55,8 @@ __all__ = [
     "PausedData",
     "PausedEvent",
     "Payload",
+    "PreemptedData",
+    "PreemptedEvent",
     "PreviewPayload",
     "ProgressData",
     "ProgressEvent",
@@ -119,6 +122,13 @@ class QueuedEvent(_Entry):
 
     type: Literal["queued"]
     payload: QueuedData
+
+
+class PreemptedEvent(_Entry):
+    """A `preempted` entry (after the `queued` one of the same change)."""
+
+    type: Literal["preempted"]
+    payload: PreemptedData
 
 
 class RunningEvent(_Entry):
@@ -193,6 +203,7 @@ class ResumedEvent(_Entry):
 
 Event = Annotated[
     QueuedEvent
+    | PreemptedEvent
     | RunningEvent
     | ProgressEvent
     | StepPreviewEvent

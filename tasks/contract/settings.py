@@ -101,6 +101,24 @@ class KilnSettings(BaseSettings):
         description="A video job's step checkpoints: one at most this often (s); 0: none. A job "
         "with recorded checkpoints resumes from them whatever this says.",
     )
+    priority_preemption: bool = Field(
+        default=True,
+        description="An interactive job waiting past KILN_TARGET_START_S_INTERACTIVE while every "
+        "node serving its pipeline runs bulk jobs suspends one of them at its next step "
+        "(checkpointed, back at the head of its lane, no attempt counted) so it can start; "
+        "only jobs that take step checkpoints (docs/operations.md §19).",
+    )
+    priority_preemption_min_run_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="A job is preempted only after running this long since its latest start "
+        "(its first, or its resume after a preemption): bulk work cannot thrash.",
+    )
+    priority_preemption_max: int = Field(
+        default=2,
+        ge=0,
+        description="Most times one job is preempted; past it, it runs to its end.",
+    )
     bulk_share_every: int = Field(
         default=4,
         description="A node lets one bulk job through after this many interactive ones in a row.",

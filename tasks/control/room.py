@@ -20,6 +20,7 @@ from kiln.tasks.control.audit import audit_after_restart, audit_queued, audit_ti
 from kiln.tasks.control.components import Component, never_paused
 from kiln.tasks.control.context import ControlContext
 from kiln.tasks.control.paused import expire_paused
+from kiln.tasks.control.preemption import preemption_step
 from kiln.tasks.control.reaper import prune_indexes, reap_expired
 from kiln.tasks.control.sweeper import sweep_unpublished
 from kiln.tasks.queue.lanes import node_queues
@@ -52,6 +53,7 @@ def cluster_components(
         ),
         Component("audit", audit_tick_s(settings), lambda: audit_queued(ctx, queues())),
         Component("batches", settings.batch_feed_interval_s, feeder.tick, feeding_paused),
+        Component("preemption", settings.reaper_interval_s, preemption_step(ctx, queues)),
     ]
 
 

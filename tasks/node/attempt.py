@@ -60,6 +60,7 @@ from kiln.tasks.node.node import Node, TrackedJob
 from kiln.tasks.node.outcomes import Delivery, DeliveryOutcome, describe_error
 from kiln.tasks.node.output_uploads import discard_outputs, encode_and_upload
 from kiln.tasks.node.poison import poison_reason, poisoned
+from kiln.tasks.node.preempted import head_of_lane_message, preemption_ops
 from kiln.tasks.node.previews import JobPreviews
 from kiln.tasks.node.progress_writer import PendingPreview, PendingProgress
 from kiln.tasks.queue.policy import error_dict, retry_delay
@@ -260,6 +261,7 @@ class LeasedAttempt:
             self.attempt,
             on_written=lambda ref, seconds: metrics.observe_checkpoint(pipeline, seconds, ref.size),
         )
+        self.tracked.checkpoints = True  # a stop checkpoints its step: it may be preempted
         return replace(request, checkpoint=plan), writer
 
     def start_request(self) -> Start | None:
@@ -408,6 +410,8 @@ class LeasedAttempt:
             self.events.changed(JobState.CANCELED)
         elif reason == StopReason.PAUSED:
             self._paused(token)
+        elif reason == StopReason.PREEMPTED:
+            self._preempted(token)
         elif reason == StopReason.HANDED_BACK:
             error = {"type": "handed_back", "message": "the node shut down", "retryable": True}
             self._publish_requeued(self._requeue(token, error))
@@ -443,6 +447,32 @@ class LeasedAttempt:
         self.outcome = DeliveryOutcome(kind)
         log.info("job %s %s while running", self.job_id, state)
         self.events.changed(state)
+
+    def _preempted(self, token: int) -> None:
+        """Suspended for a waiting interactive job: queued at the head of its lane, not counted.
+
+        Its stop checkpointed the step it stopped at (gpu_worker/inflight.py CHECKPOINTED_STOPS),
+        so its next attempt recomputes nothing; a cancel or pause requested meanwhile ends it so.
+        """
+        ops = preemption_ops(self.node)
+        message = head_of_lane_message(self.node, self.record)
+        for_job = self.tracked.preempted_for
+        record = self._end(
+            lambda: ops.requeue_preempted(self.job_id, token, for_job, message, self._steps()),
+            lambda record: record.state in _REQUEUED,
+        )
+        if record.state != JobState.QUEUED:
+            self.outcome = DeliveryOutcome(Delivery(record.state.value))
+            log.info("job %s %s as it was preempted", self.job_id, record.state)
+            self.events.changed(record.state)
+            return
+        if not record.published:  # no message built here: at the back of the broker's list
+            self.node.submitter.publish(record)
+        self.node.metrics.count_preemption(self.job.spec.pipeline)
+        self.outcome = DeliveryOutcome(Delivery.PREEMPTED)
+        log.info(
+            "job %s preempted for job %s: queued at the head of its lane", self.job_id, for_job
+        )
 
     def _failed(self, error: dict[str, Any], *, retryable: bool) -> None:
         self.node.progress.settle(self.job_id)

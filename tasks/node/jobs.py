@@ -54,6 +54,7 @@ ENDED_WITH_A_TRANSITION = frozenset(
         Delivery.RETRYING,
         Delivery.HANDED_BACK,
         Delivery.PAUSED,
+        Delivery.PREEMPTED,
     }
 )
 

@@ -3,7 +3,8 @@
 The node's components (`node_components`; some only for a `kiln worker` node):
 
 - heartbeat (every `heartbeat_interval_s`): renew held leases, then publish the node's health;
-- cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel or pause to stop;
+- cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel or pause to stop,
+  and those a priority preemption asks for (tasks/node/preempted.py);
 - controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
   drain request (tasks/node/controls.py);
 - surplus (every `heartbeat_interval_s`, for a `kiln worker` node with `KILN_SURPLUS_EXIT`): an
@@ -29,6 +30,7 @@ from kiln.tasks.control.context import ControlContext
 from kiln.tasks.control.room import cluster_components
 from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls
 from kiln.tasks.node.node import Node
+from kiln.tasks.node.preempted import watch_preemptions
 from kiln.tasks.node.surplus import SurplusWatch
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,12 @@ def watch_cancels(node: Node) -> None:
         running[job_id].stop_reason = reason
 
 
+def watch_stops(node: Node) -> None:
+    """The cancel watch's step: cancels and pauses, then preemptions (tasks/node/preempted.py)."""
+    watch_cancels(node)
+    watch_preemptions(node)
+
+
 def node_context(node: Node) -> ControlContext:
     """The node's own settings, stores and Celery app, for the cluster's loops it runs."""
     return ControlContext(
@@ -116,7 +124,7 @@ def node_components(node: Node, controls: NodeControls | None) -> list[Component
             lambda: heartbeat(node),
             start=lambda: announce(node),
         ),
-        Component("cancels", CANCEL_POLL_S, lambda: watch_cancels(node)),
+        Component("cancels", CANCEL_POLL_S, lambda: watch_stops(node)),
     ]
     if controls is not None:
         components.append(Component("controls", CONTROL_POLL_S, controls.poll))

@@ -130,11 +130,19 @@ class NodeMetrics:
             buckets=CHECKPOINT_BYTES_BUCKETS,
             registry=self.registry,
         )
+        self.preemptions = Counter(
+            "kiln_node_preemptions",
+            "Running jobs this node suspended at a step boundary (checkpointed, queued again at "
+            "the head of their lane) for a waiting interactive job.",
+            [*labels, "pipeline"],
+            registry=self.registry,
+        )
         # Present (at 0) from the first scrape, so rate() and increase() have a start.
         self.lease_renewal_failures.labels(self.node_id)
         self.upload_retries.labels(self.node_id)
         for pipeline in pipelines:
             self.ooms.labels(self.node_id, pipeline)
+            self.preemptions.labels(self.node_id, pipeline)
             self.checkpoints_written.labels(self.node_id, pipeline)
             self.checkpoint_seconds.labels(self.node_id, pipeline)
             self.checkpoint_bytes.labels(self.node_id, pipeline)
@@ -162,6 +170,10 @@ class NodeMetrics:
         self.checkpoints_written.labels(self.node_id, pipeline).inc()
         self.checkpoint_seconds.labels(self.node_id, pipeline).observe(max(0.0, seconds))
         self.checkpoint_bytes.labels(self.node_id, pipeline).observe(size)
+
+    def count_preemption(self, pipeline: str) -> None:
+        """A running job of `pipeline` was suspended for a waiting interactive job."""
+        self.preemptions.labels(self.node_id, pipeline).inc()
 
     def count_lease_renewal_failure(self) -> None:
         """A lease renewal was refused or failed."""

@@ -103,6 +103,10 @@ class TrackedJob:
     last_progress_at: float = field(default_factory=time.time)
     last_stage: str = ""
     started: bool = False  # its group has started it (queued → running); until then it waits
+    # its run takes step checkpoints (it has a plan): a stop checkpoints its step, so it may be
+    # preempted (tasks/node/preempted.py); the heartbeat lists such jobs
+    checkpoints: bool = False
+    preempted_for: str | None = None  # the interactive job a preemption stops it for
 
 
 class StartingJob(Protocol):
@@ -356,6 +360,8 @@ class Node:
             "max_batch": self.group_config.max_batch,  # sizes the batch windows (batches/fairness)
             "jobs_running": len(jobs),
             "jobs_waiting": len(self.waiting),  # held, queued until the group starts them
+            # running jobs a priority preemption may suspend (tasks/control/preemption.py)
+            "checkpointing_jobs": sorted(j.job_id for j in jobs if j.checkpoints),
             "last_progress_at": max((j.last_progress_at for j in jobs), default=None),
             "draining": self.draining.is_set(),
             "quarantined": self.quarantine.health(),  # None, or {reason, since}

@@ -8,6 +8,7 @@
 | ended the job `expired`, or found it expired         | REVOKED      | the same, `expired=True`  |
 | ran an attempt that failed, job queued again         | RETRY        | raises `Retry`            |
 | handed the job back while draining                   | RETRY        | raises `Retry`            |
+| suspended it for a waiting interactive job (queued)  | RETRY        | raises `Retry`            |
 | stopped the job for its pause (the job is `paused`)  | SUCCESS      | returns `"paused"`        |
 | re-published it (leased elsewhere), lost its lease,  | SUCCESS      | returns what it did       |
 | or found it finished already                         |              |                           |
@@ -44,6 +45,7 @@ class Delivery(StrEnum):
     EXPIRED = StopReason.EXPIRED.value
     RETRYING = "retrying"  # this attempt failed retryably; the job is queued again
     HANDED_BACK = StopReason.HANDED_BACK.value  # the node drained; the job is queued again
+    PREEMPTED = StopReason.PREEMPTED.value  # suspended for an interactive job; queued again
     PAUSED = StopReason.PAUSED.value  # its pause stopped it; the job is paused, checkpoint kept
     DEFERRED = "deferred"  # leased by another live owner: re-published for later
     LEASE_LOST = StopReason.LEASE_LOST.value  # another node took the job over mid-run
@@ -86,7 +88,7 @@ def settle_task(task: Any, outcome: DeliveryOutcome) -> str:
     if kind in (Delivery.CANCELED, Delivery.EXPIRED):
         announce_revoked(task, StopReason(kind.value))
         raise Ignore(str(kind))
-    if kind in (Delivery.RETRYING, Delivery.HANDED_BACK):
+    if kind in (Delivery.RETRYING, Delivery.HANDED_BACK, Delivery.PREEMPTED):
         cause = JobAttemptFailed(describe_error(outcome.error))
         when: Any = outcome.retry_in_s  # seconds (Celery's stubs want numbers.Real)
         raise Retry(str(kind), exc=cause, when=when)

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from kiln.common.states import JobState
 from kiln.storage.job_store import JobStore
+from kiln.storage.preemption import PreemptionOps
 from kiln.tasks.contract.events import (
     EVENT_TYPES,
     OutputPayload,
@@ -97,6 +98,10 @@ def every_kind_written(store: JobStore) -> list[str]:
     token = start_job(store, stopped)
     store.cancel(stopped)  # a cancel flag on a running job
     store.requeue(stopped, token, ERROR)  # canceled (cancel_requested)
+    preempted = queued_job(store)
+    token = start_job(store, preempted)
+    # queued (preempted), then preempted
+    PreemptionOps(store.redis, store.settings).requeue_preempted(preempted, token, ran)
     paused = queued_job(store)
     store.pause(paused)  # paused (requested)
     store.resume(paused)  # resumed
@@ -104,7 +109,7 @@ def every_kind_written(store: JobStore) -> list[str]:
     store.pause(paused)  # a pause request on a running job
     store.pause_stopped(paused, token)  # paused (pause_requested)
     store.expire_paused(paused)  # expired (paused_retention)
-    return [ran, retried, lapsed, canceled, purged, expired, stopped, paused]
+    return [ran, retried, lapsed, canceled, purged, expired, stopped, preempted, paused]
 
 
 def test_every_kind_round_trips_as_its_writer_stored_it(job_store: JobStore) -> None:
@@ -120,6 +125,7 @@ def test_every_kind_round_trips_as_its_writer_stored_it(job_store: JobStore) -> 
     assert {"created", "retry", "lease_expired", "requested", "purged", "cancel_requested"} | {
         "pause_requested",
         "paused_retention",
+        "preempted",
     } <= (reasons)
 
 

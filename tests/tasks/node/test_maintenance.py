@@ -8,7 +8,16 @@ from kiln.tasks.node.maintenance import Maintenance
 from tests.tasks.node.conftest import NodeFactory
 
 NODE_LOOPS = ["heartbeat", "cancels"]
-CLUSTER_LOOPS = ["reaper", "sweeper", "pruner", "paused", "restarts", "audit", "batches"]
+CLUSTER_LOOPS = [
+    "reaper",
+    "sweeper",
+    "pruner",
+    "paused",
+    "restarts",
+    "audit",
+    "batches",
+    "preemption",
+]
 
 
 def test_a_node_runs_the_cluster_loops_by_default(make_node: NodeFactory) -> None:
