@@ -108,10 +108,16 @@ def test_a_drained_node_hands_its_job_back_checkpointed_and_another_resumes_it(
         f"{computed_first}, exited {exit_s:.1f} s after the drain; resumed at {restored}; "
         f"steps lost {lost}"
     )
+    accounting = record.accounting  # the job's own figures (kiln/common/accounting.py)
     if before:
         assert checkpoints == []
         assert restored == 0  # the whole run again
         assert lost == computed_first
+        # every step the first node ran, which its own report may know past its last progress
+        # event (the progress writer drops what is pending as the attempt ends)
+        assert computed_first <= accounting.steps_recomputed <= stop_step_logged(first, job_id)
+        assert accounting.steps_computed == accounting.steps_recomputed + steps
+        assert (accounting.steps_restored, accounting.seconds_lost > 0) == (0, True)
         return
     assert len(checkpoints) == 1  # the drain's own: the 30 s cadence took none
     assert checkpoints[0].steps_done == computed_first  # the step it stopped at: none lost
@@ -122,5 +128,8 @@ def test_a_drained_node_hands_its_job_back_checkpointed_and_another_resumes_it(
     assert computed_first == stop_step_logged(first, job_id)
     assert lost == 0
     assert record.metrics["steps_computed"] == STEPS - restored
+    assert (accounting.steps_recomputed, accounting.seconds_lost) == (0, 0)
+    assert accounting.steps_restored == restored
+    assert accounting.steps_computed == computed_first + STEPS - restored
     if how == "spot notice":
         assert spot_metadata.polls >= 1
