@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from kombu.exceptions import OperationalError
@@ -37,13 +38,30 @@ class Publish(Protocol):
         """Publish `run_job(job_id)` on `queue`, `countdown` seconds from now."""
 
 
-def celery_publisher(app: Any) -> Publish:
+class CeleryPublisher:
     """A `Publish` that sends `kiln.run_job` through a Celery app (by name: no torch import)."""
 
-    def publish(job_id: str, queue: str, countdown: float = 0.0) -> None:
-        app.send_task(RUN_JOB_TASK, args=[job_id], queue=queue, countdown=countdown or None)
+    def __init__(self, app: Any) -> None:
+        self.app = app
 
-    return publish
+    def __call__(self, job_id: str, queue: str, countdown: float = 0.0) -> None:
+        """Publish `run_job(job_id)` on `queue`, `countdown` seconds from now."""
+        self.traced(job_id, queue, countdown, {})
+
+    def traced(self, job_id: str, queue: str, countdown: float, trace: Mapping[str, str]) -> None:
+        """The same, the job's W3C trace context sent as the message's headers."""
+        self.app.send_task(
+            RUN_JOB_TASK,
+            args=[job_id],
+            queue=queue,
+            countdown=countdown or None,
+            headers=dict(trace) or None,
+        )
+
+
+def celery_publisher(app: Any) -> Publish:
+    """A `Publish` that sends `kiln.run_job` through a Celery app (a `CeleryPublisher`)."""
+    return CeleryPublisher(app)
 
 
 def job_queue(record: JobRecord, spec: JobSpec | None = None) -> str:
@@ -144,11 +162,20 @@ class Submitter:
 
     def publish(self, record: JobRecord, countdown: float = 0.0) -> None:
         """(Re-)publish a queued job; failures are logged and left to the sweeper."""
-        self._publish_and_mark(record.id, job_queue(record), countdown)
+        self._publish_and_mark(record.id, job_queue(record), countdown, record.trace)
 
-    def _publish_and_mark(self, job_id: str, queue: str, countdown: float = 0.0) -> None:
+    def _publish_and_mark(
+        self,
+        job_id: str,
+        queue: str,
+        countdown: float = 0.0,
+        trace: Mapping[str, str] | None = None,
+    ) -> None:
         try:
-            self._publish(job_id, queue, countdown)
+            if trace and isinstance(self._publish, CeleryPublisher):
+                self._publish.traced(job_id, queue, countdown, trace)
+            else:
+                self._publish(job_id, queue, countdown)
             self.store.mark_published(job_id)
         except (StorageError, RedisError, OperationalError, OSError) as exc:
             # (kombu raises a lost broker as its OperationalError, not as an OSError: a node

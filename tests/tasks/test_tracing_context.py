@@ -41,7 +41,7 @@ from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from kiln.tasks.queue.messages import CeleryMessages
-from kiln.tasks.queue.submit import Submitter
+from kiln.tasks.queue.submit import Submitter, celery_publisher
 from kiln.tasks.webhooks.batch_hooks import BatchDelivery, deliver_batch_once
 from tests.tasks.helpers import Api, Receiver, ThreadServer, api_settings
 
@@ -225,3 +225,16 @@ def test_a_batch_webhook_carries_the_batch_trace_context(api: Api, receiver: Rec
     # tracing off in this process: the batch's context goes out as it was stored
     assert (headers[TRACEPARENT], headers[TRACESTATE]) == (given[TRACEPARENT], "vendor=batch")
     assert TRACEPARENT not in {k.lower() for k in plain_hit.headers}
+
+
+def test_a_job_published_by_celery_itself_carries_its_context_too(
+    app: Celery, job_store: JobStore
+) -> None:
+    # no message with the record (another broker, task events on): kombu publishes after it
+    submitter = Submitter(job_store, api_settings(), celery_publisher(app))
+    given = given_carrier(traceparent(), "vendor=kombu")
+    record, _ = Intake(submitter, None).submit(JobRequest(pipeline="tiny", prompt="x"), trace=given)
+    assert job_store.get(record.id).published
+    assert message_carrier(delivered(app)) == given
+    submitter.publish(job_store.get(record.id))  # the sweeper's re-publish: the same headers
+    assert message_carrier(delivered(app)) == given
