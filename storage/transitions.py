@@ -397,10 +397,12 @@ class TransitionOps(StoreBase):
         return self._record(job_id, self._run_acknowledged(name, keys, args, strict=False))
 
     @redis_boundary
-    def pause_stopped(self, job_id: str, lease_token: int) -> JobRecord:
+    def pause_stopped(
+        self, job_id: str, lease_token: int, steps: AttemptSteps | None = None
+    ) -> JobRecord:
         """Running → paused (fenced), once its node stopped the run its pause asked to stop.
 
-        A cancel requested meanwhile wins: → canceled.
+        A cancel requested meanwhile wins: → canceled. `steps`: what the attempt ran.
         """
         return self._transition(
             job_id,
@@ -409,6 +411,7 @@ class TransitionOps(StoreBase):
             fence="token",
             token=lease_token,
             payload=PausedData(reason="pause_requested"),
+            fields=_with_steps({}, steps),
             honor_cancel=True,
         )
 

@@ -111,6 +111,14 @@ end
 -- progress (`denoised`, progress.lua) or its own newest checkpoint, whichever is larger.
 local ACCOUNTED = {'steps_computed', 'steps_restored', 'steps_recomputed', 'seconds_lost'}
 
+-- of a transition's flat field/value list, the node's `attempt_steps` pair only
+local function attempt_steps_only(fields)
+  for i = 1, #fields - 1, 2 do
+    if fields[i] == 'attempt_steps' then return {fields[i], fields[i + 1]} end
+  end
+  return {}
+end
+
 -- a JSON field of the record; nil when absent or damaged (accounting never fails a job's end)
 local function json_field(m, name)
   local ok, value = pcall(cjson.decode, redis.call('HGET', m.job, name) or 'null')

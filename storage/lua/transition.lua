@@ -73,7 +73,11 @@ if target == S.running and running_cap ~= '' and job.job_owner ~= ''
 end
 if honor_cancel == '1' then
   local requested, requested_payload = requested_end(m)
-  if requested then target, payload, fields = requested, requested_payload, {} end
+  if requested then
+    -- the requested end writes none of the caller's fields but its attempt's steps, which
+    -- account the attempt it closes however it ends
+    target, payload, fields = requested, requested_payload, attempt_steps_only(fields)
+  end
 end
 local time = transition(m, job, target, payload, fields)
 if target == S.failed then bury(d, m.job, m.seq, job, time) end

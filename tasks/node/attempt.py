@@ -439,7 +439,7 @@ class LeasedAttempt:
         CHECKPOINTED_STOPS); a cancel requested meanwhile ends it canceled instead.
         """
         record = self._end(
-            lambda: self.store.pause_stopped(self.job_id, token),
+            lambda: self.store.pause_stopped(self.job_id, token, self._steps()),
             lambda record: record.state in _PAUSE_ENDS,
         )
         state = record.state if record.state in _PAUSE_ENDS else JobState.PAUSED

@@ -149,3 +149,13 @@ def test_a_job_that_never_ran_ends_with_zeros(job_store: JobStore) -> None:
     assert record.accounting == StepAccounting()
     # its event says nothing of steps: a reader takes the missing figures as zeros
     assert job_store.events(job_id, count=10)[-1].payload == {"reason": "requested"}
+
+
+def test_a_paused_attempt_is_counted_from_its_report(job_store: JobStore) -> None:
+    job_id = job_store.create_job(new_job(queue=QUEUE))[0].id
+    token = run(job_store, job_id)
+    job_store.pause(job_id)  # running: its node stops it at its next step
+    record = job_store.pause_stopped(job_id, token, steps=AttemptSteps(0, 9, 0.5))
+    assert record.state == JobState.PAUSED
+    assert record.accounting == StepAccounting(steps_computed=9)
+    assert job_store.events(job_id, count=10)[-1].payload["accounting"]["steps_computed"] == 9
