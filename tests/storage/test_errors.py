@@ -218,6 +218,8 @@ SCRIPT_ERRORS: list[tuple[str, Callable[[JobStore], object], type[StorageError]]
         IllegalTransition,
     ),
     ("cancel", lambda s: s.cancel(_missing()), JobNotFound),
+    ("pause", lambda s: s.pause(_missing()), JobNotFound),
+    ("resume", lambda s: s.resume(_missing()), JobNotFound),
     ("checkpoint", lambda s: record_checkpoint(s, _missing(), 1, _CHECKPOINT), JobNotFound),
     (
         "checkpoint",
