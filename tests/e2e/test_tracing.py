@@ -36,6 +36,7 @@ from kiln.common.tracing import (
     WEBHOOK_SPAN,
 )
 from tests.e2e.cluster import SLEEPY, Cluster
+from tests.e2e.pipelines import POISON_PROMPT
 from tests.e2e.test_observability import ApiProcess, start_api
 from tests.span_collector import CollectedSpan, SpanCollector, span_collector
 from tests.waiting import wait_until
@@ -276,3 +277,33 @@ def test_a_batch_of_50_lines_is_50_job_traces_linked_to_the_batch(stack: TracedS
             assert admission.trace_id not in {t for t, _ in own.values()} | {batch_trace}
         attempt = [s for s in spans if s.trace_id == admission.trace_id and s.name == ATTEMPT_SPAN]
         assert [s.parent_id for s in attempt] == [admission.span_id]
+
+
+@pytest.mark.slow  # a crash test: two group deaths and a new group
+def test_a_retried_attempt_links_to_the_one_before(stack: TracedStack) -> None:
+    # (last in the module: its job kills its rank twice, and the node starts a new group)
+    producer_trace = secrets.token_hex(16)
+    response = httpx.post(
+        f"{stack.api.url}/v1/jobs",
+        json={"prompt": POISON_PROMPT, "pipeline": "sleepy", "steps": STEPS},
+        headers={"traceparent": f"00-{producer_trace}-{secrets.token_hex(8)}-01"},
+        timeout=10,
+    )
+    assert response.status_code == 201, response.text
+    job_id = response.json()["id"]
+    record = stack.cluster.wait_for(job_id, timeout_s=180)
+    assert record.state == JobState.FAILED  # poison: its second group death fails it
+    assert record.attempts == 2
+
+    def two_attempts(spans: list[CollectedSpan]) -> bool:
+        return sum(s.name == ATTEMPT_SPAN and s.trace_id == producer_trace for s in spans) == 2
+
+    spans = stack.collector.wait_for(two_attempts)
+    first, second = sorted(
+        (s for s in spans if s.name == ATTEMPT_SPAN and s.trace_id == producer_trace),
+        key=lambda s: s.start_ns,
+    )
+    assert (first.attributes["kiln.attempt"], second.attributes["kiln.attempt"]) == (1, 2)
+    assert first.links == ()
+    assert second.links == ((producer_trace, first.span_id),)
+    assert first.parent_id == second.parent_id  # both the job's admission's children
