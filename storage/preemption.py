@@ -1,4 +1,4 @@
-"""Priority preemption's reads and writes (docs/operations.md §19).
+"""Priority preemption's reads and writes (docs/operations.md §20).
 
 The control room (tasks/control/preemption.py) reads the oldest waiting jobs of a queue
 (`waiting`) and the running jobs of some queues (`running_in`), and asks for a preemption with

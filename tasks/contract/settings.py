@@ -106,7 +106,7 @@ class KilnSettings(BaseSettings):
         description="An interactive job waiting past KILN_TARGET_START_S_INTERACTIVE while every "
         "node serving its pipeline runs bulk jobs suspends one of them at its next step "
         "(checkpointed, back at the head of its lane, no attempt counted) so it can start; "
-        "only jobs that take step checkpoints (docs/operations.md §19).",
+        "only jobs that take step checkpoints (docs/operations.md §20).",
     )
     priority_preemption_min_run_s: float = Field(
         default=30.0,

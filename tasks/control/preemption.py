@@ -3,7 +3,7 @@
 Every tick, per pipeline whose queues the process watches: when the oldest interactive jobs have
 waited past `KILN_TARGET_START_S_INTERACTIVE` and every live node serving the pipeline is busy
 with bulk jobs only (none idle, none running interactive work), one bulk job per late job is
-asked to stop at its next step boundary (docs/operations.md §19). Only a job whose run takes step
+asked to stop at its next step boundary (docs/operations.md §20). Only a job whose run takes step
 checkpoints is chosen (its node lists it in its heartbeat: `checkpointing_jobs`), so its node
 checkpoints the very step it stops at and it resumes with nothing recomputed; the job goes back to
 the head of its lane, its attempt not counted (storage/lua/preempted.lua).
@@ -123,6 +123,14 @@ def _node_state(info: dict[str, Any]) -> NodeState:
     )
 
 
+def takes_work(info: dict[str, Any]) -> bool:
+    """Whether a node's heartbeat says it takes new jobs: not draining, drained or quarantined.
+
+    A node that takes none neither runs the late job nor counts as idle.
+    """
+    return not (info.get("draining") or info.get("drain") or info.get("quarantined"))
+
+
 def preempt_for_late_jobs(ctx: ControlContext, queues: Sequence[str]) -> list[Preemption]:
     """One tick: ask for the preemptions late interactive jobs of `queues`' pipelines need."""
     settings = ctx.settings
@@ -150,7 +158,7 @@ def preempt_for_late_jobs(ctx: ControlContext, queues: Sequence[str]) -> list[Pr
         nodes = [
             _node_state(info)
             for info in nodes_read
-            if pipeline in info.get("pipelines", []) and not info.get("draining")
+            if pipeline in info.get("pipelines", []) and takes_work(info)
         ]
         if not nodes:
             continue  # no node serves it: the autoscaler's signal, not preemption's

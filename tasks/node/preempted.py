@@ -1,7 +1,7 @@
 """A node's part of priority preemption: stop a job at its next step, queue it at the head.
 
 A preemption requested for one of the node's running jobs (the decision: tasks/control/
-preemption.py; docs/operations.md §19) stops that job at its next step boundary, checkpointed,
+preemption.py; docs/operations.md §20) stops that job at its next step boundary, checkpointed,
 and queues it again at the head of its lane.
 
 The node reads the requests with its cancel watch (`watch_preemptions`, one pipelined read for

@@ -107,6 +107,20 @@ def test_nothing_is_preempted_while_a_node_serving_the_pipeline_is_idle(
     assert _requested(job_store, busy) == {}
 
 
+def test_a_node_that_takes_no_work_is_not_an_idle_one(
+    control: ControlHarness, job_store: JobStore
+) -> None:
+    busy = _running(job_store, "node-a")
+    _node(job_store, "node-a", [busy])
+    job_store.publish_node(
+        "node-quarantined",
+        {"pipelines": [PIPELINE], "quarantined": {"reason": "device", "since": 1.0}},
+        60.0,
+    )
+    late = _late(job_store)
+    assert preempt_for_late_jobs(control.ctx, QUEUES) == [Preemption(busy, "node-a", late)]
+
+
 def test_nothing_is_preempted_while_a_node_runs_interactive_work(
     control: ControlHarness, job_store: JobStore
 ) -> None:
