@@ -57,6 +57,10 @@ QUEUE_ATTRIBUTE: Final = "kiln.queue"
 BATCH_ID_ATTRIBUTE: Final = "kiln.batch_id"
 ATTEMPT_ATTRIBUTE: Final = "kiln.attempt"
 NODE_ATTRIBUTE: Final = "kiln.node"
+BATCH_ITEMS_ATTRIBUTE: Final = "kiln.batch_items"
+WEBHOOK_EVENT_ATTRIBUTE: Final = "kiln.webhook_event"
+WEBHOOK_ATTEMPT_ATTRIBUTE: Final = "kiln.webhook_attempt"
+WEBHOOK_OUTCOME_ATTRIBUTE: Final = "kiln.webhook_outcome"
 # OTEL_TRACES_EXPORTER's `otlp`: the OTLP exporter installed with Kiln (HTTP/protobuf)
 _OTLP_EXPORTERS: Final = {"otlp": "otlp_proto_http"}
 
@@ -312,6 +316,7 @@ __all__ = [
     "ATTEMPT_ATTRIBUTE",
     "ATTEMPT_SPAN",
     "BATCH_ID_ATTRIBUTE",
+    "BATCH_ITEMS_ATTRIBUTE",
     "BATCH_SPAN",
     "DECODE_SPAN",
     "DENOISE_SPAN",
@@ -327,6 +332,9 @@ __all__ = [
     "TRACESTATE",
     "UPLOAD_SPAN",
     "WAKE_SPAN",
+    "WEBHOOK_ATTEMPT_ATTRIBUTE",
+    "WEBHOOK_EVENT_ATTRIBUTE",
+    "WEBHOOK_OUTCOME_ATTRIBUTE",
     "WEBHOOK_SPAN",
     "Carrier",
     "SpanKind",

@@ -27,6 +27,7 @@ from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
 from kiln.common.request import Lane
 from kiln.common.tracing import (
     BATCH_ID_ATTRIBUTE,
+    BATCH_ITEMS_ATTRIBUTE,
     BATCH_SPAN,
     TRACEPARENT,
     TRACESTATE,
@@ -152,7 +153,7 @@ async def _submit_batch(
         await anyio.to_thread.run_sync(intake.abort)
         return safe_json_response(refusal_body(report), 422, BATCH_REFUSED_422)
     batch = await anyio.to_thread.run_sync(service.accept, batch_id, report, options)
-    set_span_attributes({BATCH_ID_ATTRIBUTE: batch.id, "kiln.batch.items": batch.items})
+    set_span_attributes({BATCH_ID_ATTRIBUTE: batch.id, BATCH_ITEMS_ATTRIBUTE: batch.items})
     view = batch_view(batch)
     return JSONResponse(view.model_dump(mode="json"), status_code=201)
 

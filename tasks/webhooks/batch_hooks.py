@@ -20,7 +20,15 @@ from typing import Any
 
 from celery import Celery, shared_task
 
-from kiln.common.tracing import BATCH_ID_ATTRIBUTE, WEBHOOK_SPAN, SpanKind, job_carrier, span
+from kiln.common.tracing import (
+    BATCH_ID_ATTRIBUTE,
+    WEBHOOK_ATTEMPT_ATTRIBUTE,
+    WEBHOOK_EVENT_ATTRIBUTE,
+    WEBHOOK_SPAN,
+    SpanKind,
+    job_carrier,
+    span,
+)
 from kiln.tasks.contract.backoff import scheduled_delay
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.lanes import WEBHOOKS_QUEUE
@@ -85,8 +93,8 @@ def deliver_batch_once(
     )
     facts = {
         BATCH_ID_ATTRIBUTE: delivery.batch_id,
-        "kiln.webhook.event": delivery.event,
-        "kiln.webhook.attempt": delivery.attempt,
+        WEBHOOK_EVENT_ATTRIBUTE: delivery.event,
+        WEBHOOK_ATTEMPT_ATTRIBUTE: delivery.attempt,
     }
     given = delivery.trace or {}
     with span(WEBHOOK_SPAN, given, kind=SpanKind.CLIENT, attributes=facts) as attempt:

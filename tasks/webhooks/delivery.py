@@ -17,7 +17,17 @@ from typing import Any, Literal
 
 import httpx
 
-from kiln.common.tracing import JOB_ID_ATTRIBUTE, WEBHOOK_SPAN, Carrier, SpanKind, job_carrier, span
+from kiln.common.tracing import (
+    JOB_ID_ATTRIBUTE,
+    WEBHOOK_ATTEMPT_ATTRIBUTE,
+    WEBHOOK_EVENT_ATTRIBUTE,
+    WEBHOOK_OUTCOME_ATTRIBUTE,
+    WEBHOOK_SPAN,
+    Carrier,
+    SpanKind,
+    job_carrier,
+    span,
+)
 from kiln.storage.errors import JobNotFound
 from kiln.storage.job_store import JobEvent, JobRecord, JobStore
 from kiln.storage.objects import ObjectStore
@@ -237,15 +247,15 @@ def deliver_once(
         return None
     facts = {
         JOB_ID_ATTRIBUTE: delivery.job_id,
-        "kiln.webhook.event": str(delivery.event),
-        "kiln.webhook.attempt": delivery.attempt,
+        WEBHOOK_EVENT_ATTRIBUTE: str(delivery.event),
+        WEBHOOK_ATTEMPT_ATTRIBUTE: delivery.attempt,
     }
     with span(WEBHOOK_SPAN, record.trace, kind=SpanKind.CLIENT, attributes=facts) as attempt:
         # the receiver's `traceparent`: this attempt's span, else the job's context as stored
         trace = job_carrier(attempt, record.trace)
         result = _attempt_once(deps, fixed, webhook.url, fixed.body, trace)
         if attempt is not None:
-            attempt.set_attribute("kiln.webhook.outcome", result.outcome)
+            attempt.set_attribute(WEBHOOK_OUTCOME_ATTRIBUTE, result.outcome)
     outcome, following = _schedule(deps.settings, fixed, result, rng or random.Random())
     if outcome != "skipped":
         _record(deps.store, fixed, webhook.url, replace(result, outcome=outcome), following)
