@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from importlib.metadata import entry_points
 from typing import Any, Final
 
 from opentelemetry import trace
@@ -125,6 +124,8 @@ def start_tracing(service: str) -> bool:
 
 def _exporter(name: str) -> Any:
     """The span exporter an `OTEL_TRACES_EXPORTER` name stands for (its entry point)."""
+    from importlib.metadata import entry_points  # deferred: read only where tracing is on
+
     wanted = _OTLP_EXPORTERS.get(name, name)
     found = entry_points(group="opentelemetry_traces_exporter", name=wanted)
     if not found:
