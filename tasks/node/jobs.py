@@ -228,7 +228,7 @@ class JobRunner:
                 with attempt_span(self.store, self.node.node_id, record, self.trace):
                     self.outcome = attempt.run()
             finally:
-                waiting.leave(self.job_id)  # a job that never started leaves the line too
+                waiting.leave(self.job_id, token)  # one that never started leaves too
         self.node.progress.settle(self.job_id)  # once more: a lost lease ends on no transition
         if self.outcome.kind not in ENDED_WITH_A_TRANSITION:
             self.store.release_lease(self.job_id, token)

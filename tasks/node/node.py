@@ -220,7 +220,10 @@ class Node:
         """Hold a job on this node: its lease is renewed by the heartbeat while inside.
 
         A job tracked while the node drains is marked handed back from the start: the group
-        stops it at once and it goes back to the queue.
+        stops it at once and it goes back to the queue. A job queued again by its attempt (a
+        preemption pushes its message at the head of its queue) may be delivered again here
+        before that attempt's delivery leaves: the newer delivery's tracking replaces it, and
+        the older one's end leaves it in place (else its lease would go unrenewed).
         """
         tracked = TrackedJob(job_id, lease_token)
         if self.draining.is_set():
@@ -231,7 +234,8 @@ class Node:
             yield tracked
         finally:
             with self._lock:
-                self._jobs.pop(job_id, None)
+                if self._jobs.get(job_id) is tracked:
+                    del self._jobs[job_id]
 
     def tracked_jobs(self) -> list[TrackedJob]:
         """A snapshot of the jobs this node holds."""

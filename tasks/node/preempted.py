@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 import weakref
 
 from kombu.exceptions import OperationalError
@@ -72,7 +73,9 @@ def head_of_lane_message(node: Node, record: JobRecord) -> tuple[str, str] | Non
     if messages is None:
         return None
     try:
-        return messages.run_job(record.id, job_queue(record))
+        # built whole by Celery (its template, `run_job`, expects no running task: inside this
+        # delivery's task Celery names it as the message's parent and root)
+        return messages.celery_built(record.id, job_queue(record), str(uuid.uuid4()))
     except (RedisError, OperationalError, OSError, ValueError) as exc:
         log.warning("job %s: its message was not built (%s); published after", record.id, exc)
         return None

@@ -39,10 +39,14 @@ class WaitingInNode:
         with self._lock:
             self._jobs[job_id] = lease_token
 
-    def leave(self, job_id: str) -> None:
-        """A job started or left the node: the jobs behind it move up (each position written)."""
+    def leave(self, job_id: str, lease_token: int | None = None) -> None:
+        """A job started or left the node: the jobs behind it move up (each position written).
+
+        `lease_token`: only the delivery holding it under that token leaves (another delivery of
+        the same job may wait here already: a preempted job's, fetched again at once).
+        """
         with self._lock:
-            if job_id not in self._jobs:
+            if job_id not in self._jobs or lease_token not in (None, self._jobs[job_id]):
                 return
             order = list(self._jobs)
             at = order.index(job_id)

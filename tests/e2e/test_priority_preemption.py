@@ -99,8 +99,10 @@ def test_a_late_interactive_job_suspends_a_bulk_job_which_resumes_with_nothing_r
     wait_until(lambda: node.node_id not in {n["node_id"] for n in cluster.store.live_nodes()})
 
     # after: preemption on (the default)
-    cluster.start_worker(VIDEO, extra_env=ENV)
+    node = cluster.start_worker(VIDEO, extra_env=ENV)
     bulk, interactive, wait_s = run_pair(cluster)
+    # its message went back at the head of the bulk queue with its requeue (not published after)
+    assert "its message was not built" not in node.output()
 
     events = cluster.store.events(bulk.id)
     (preempted,) = [e for e in events if e.type == "preempted"]

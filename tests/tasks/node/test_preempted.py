@@ -60,3 +60,22 @@ def test_the_head_of_lane_message_is_celerys_for_the_jobs_queue(make_node: NodeF
     key, message = built
     assert key == queue_list_keys(harness.node.celery_app, QUEUE)[0]
     assert listed_run_job_id(message) == record.id
+
+
+def test_a_delivery_of_a_job_fetched_again_outlives_the_older_ones_end(
+    make_node: NodeFactory,
+) -> None:
+    # a preempted job's message is at the head of its queue: this node may fetch it again while
+    # the preempted attempt's delivery is still unwinding; that one's end must not untrack it
+    node = make_node().node
+    older = node.tracking("job-x", 1)
+    older.__enter__()
+    newer = node.tracking("job-x", 2)
+    tracked = newer.__enter__()
+    node.waiting.add("job-x", 2)
+    older.__exit__(None, None, None)
+    node.waiting.leave("job-x", 1)  # the older delivery's own leave
+    assert node.tracked_jobs() == [tracked]  # its lease is still renewed by the heartbeat
+    assert len(node.waiting) == 1
+    newer.__exit__(None, None, None)
+    assert node.tracked_jobs() == []
