@@ -62,13 +62,13 @@ def test_unversioned_item_lines_of_the_previous_release_feed_as_written(api: Api
 def test_item_lines_of_a_newer_version_fail_the_batch_naming_it(api: Api) -> None:
     batch_id = post_batch(api, jsonl(lines_of(3))).json()["id"]
     key, items = stored_lines(api, batch_id)
-    rewrite(api, key, [{**item, "r": {**item["r"], "version": 2}} for item in items])
+    rewrite(api, key, [{**item, "r": {**item["r"], "version": 3}} for item in items])
     feed, published = feeder(api)
     for _ in range(3):
         feed.tick()
     view = get_batch(api, batch_id)
     assert view["status"] == "failed", view
     assert "a line of the batch's input cannot be read" in view["error"]
-    assert "version 2, newer than this release" in view["error"]
+    assert "version 3, newer than this release" in view["error"]
     assert published.calls == []
     assert view["counts"]["failed"] == 3  # its unread lines ended
