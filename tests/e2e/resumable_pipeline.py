@@ -6,10 +6,13 @@ a run's output depends on the latents *and* the generator's state at every step.
 step therefore gives the uninterrupted run's bytes only when both were saved and restored, which
 is what the tests check. Its state is kept on the pipeline while a run is under way (`_loop`,
 what `save_state` returns) and a state to resume from waits in `_resume` for the next `run`.
+Each step also sleeps `KILN_TEST_STEP_SECONDS` (default 0), for runs that stand in for long ones.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +23,7 @@ from kiln.common.limits import DeclaredLimits
 from kiln.gpu_worker.errors import UnsupportedRequest
 from kiln.gpu_worker.pipelines.base import StepCallback
 from kiln.gpu_worker.protocol import GenerationRequest
+from tests.e2e.pipelines import STEP_SECONDS_ENV
 
 CHANNELS = 4
 SCALE = 8  # pixels per latent, as a VAE's
@@ -39,6 +43,7 @@ class DriftingPipeline:
         with torch.no_grad():
             self.mixer.weight.copy_(torch.randn(CHANNELS, CHANNELS, generator=weights) * 0.5)
             self.mixer.bias.copy_(torch.randn(CHANNELS, generator=weights) * 0.1)
+        self.step_s = float(os.environ.get(STEP_SECONDS_ENV, "0"))
         self._loop: dict[str, Any] = {}
         self._resume: tuple[Mapping[str, Any], int] | None = None
 
@@ -99,6 +104,7 @@ class DriftingPipeline:
                 )
                 mixed = self.mixer(latents.to(self.device).movedim(1, -1)).movedim(-1, 1).cpu()
                 latents = 0.8 * torch.tanh(mixed) + 0.2 * noise
+                time.sleep(self.step_s)
                 self._loop = {
                     "step": step,
                     "latents": latents,
