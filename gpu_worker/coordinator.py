@@ -183,6 +183,15 @@ class Coordinator:
         with self._cond:
             return self._inflight.counters.snapshot()
 
+    def take_charge(self, request_id: str) -> tuple[float, float | None]:
+        """A finished request's share of its batch's GPU-seconds and joules (kiln/common/ledger.py).
+
+        Set as its batch leaves the group, before its future is resolved; taken once (0.0 and
+        None for a request that never ran on the group).
+        """
+        with self._cond:
+            return self._inflight.take_charge(request_id)
+
     def shutdown(self) -> None:
         """Fail what is queued or running with WorkerGroupDied and stop the group; idempotent."""
         with self._cond:
@@ -203,6 +212,8 @@ class Coordinator:
             self._start_error = exc
             self._started.set()
             return
+        with self._cond:
+            self._inflight.warm()  # its devices are held from here: the ledger's node total
         self._started.set()
         try:
             while self._dispatch_once():

@@ -6,6 +6,7 @@ the node reads a copy at scrape time, so nothing here costs more than a few addi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 # Why a group was replaced (labels of the node's rebuild counter): a rank died or rank 0 could not
@@ -25,6 +26,19 @@ class GroupCounters:
     batch_sizes: dict[int, int] = field(default_factory=dict)  # outputs per forward -> forwards
     peak_memory_mb: float | None = None  # of the last forward that finished (max over ranks)
     rebuilds: dict[str, int] = field(default_factory=dict)  # per REBUILD_* reason
+    # The ledger (kiln/common/ledger.py): GPU-seconds its batches occupied (each batch's wall time
+    # × the group's devices, charged to its requests), and those it held warm: devices × the time
+    # since its first group was ready (`warm_at`, monotonic; a snapshot fills `held_gpu_s`).
+    # held - busy is its idle GPU-seconds; a group being rebuilt is held, not busy.
+    devices: int = 1
+    busy_gpu_s: float = 0.0
+    held_gpu_s: float = 0.0
+    warm_at: float | None = None
+
+    @property
+    def idle_gpu_s(self) -> float:
+        """GPU-seconds held warm with no batch on the group."""
+        return max(0.0, self.held_gpu_s - self.busy_gpu_s)
 
     def add_forward(self, pipeline: str, steps_run: int, batch_size: int, peak_mb: float) -> None:
         """Count one finished forward of `batch_size` outputs."""
@@ -41,9 +55,11 @@ class GroupCounters:
     @classmethod
     def merged(cls, parts: list[GroupCounters]) -> GroupCounters:
         """Several groups' counters added up (a node of replica groups); peak: the highest."""
-        total = cls()
+        total = cls(devices=sum(part.devices for part in parts) or 1)
         for part in parts:
             total.busy_s += part.busy_s
+            total.busy_gpu_s += part.busy_gpu_s
+            total.held_gpu_s += part.held_gpu_s
             for pipeline, steps in part.steps.items():
                 total.steps[pipeline] = total.steps.get(pipeline, 0) + steps
             for size, count in part.batch_sizes.items():
@@ -55,9 +71,11 @@ class GroupCounters:
         return total
 
     def snapshot(self) -> GroupCounters:
-        """A copy that later updates do not change."""
+        """A copy that later updates do not change; `held_gpu_s` as of now."""
+        held = 0.0 if self.warm_at is None else self.devices * (time.monotonic() - self.warm_at)
         return replace(
             self,
+            held_gpu_s=held,
             steps=dict(self.steps),
             batch_sizes=dict(self.batch_sizes),
             rebuilds=dict(self.rebuilds),

@@ -18,9 +18,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kiln.common.ledger import shares, work_units
 from kiln.common.stops import StopReason
 from kiln.gpu_worker.config import GroupConfig
 from kiln.gpu_worker.counters import GroupCounters
+from kiln.gpu_worker.energy import EnergyMeter
 from kiln.gpu_worker.errors import JobFailed, UnsupportedRequest
 from kiln.gpu_worker.failures import failure_error
 from kiln.gpu_worker.group import GroupMessage
@@ -40,6 +42,10 @@ from kiln.gpu_worker.protocol import (
 from kiln.gpu_worker.shm import discard_frames, read_frames
 from kiln.gpu_worker.tickets import Ticket
 
+# requests' charges kept until their caller takes them (`take_charge`); a caller that never does
+# (a bench, a test) leaves at most this many behind, the oldest dropped first
+CHARGES_KEPT = 4096
+
 logger = logging.getLogger(__name__)
 
 # Stops after which the request runs again elsewhere: rank 0 checkpoints the step it stops at
@@ -55,6 +61,7 @@ class InflightBatch:
     batch_id: int
     tickets: dict[str, Ticket]
     started_at: float
+    energy_at: float | None = None  # the devices' energy counter (J) as it started; None: unread
     faults: list[RankFault] = field(default_factory=list)
     first_fault_at: float | None = None
 
@@ -96,6 +103,10 @@ class InflightRequests:
         self.last_progress_at: float | None = None
         self.counters = GroupCounters()  # for the node's metrics (`Coordinator.counters`)
         self.adapters: dict[str, AdapterState] = {}  # per pipeline, as rank 0 last reported
+        self.counters.devices = len(config.world())
+        self._energy = EnergyMeter(config.world())
+        # per request: its share of its batch's GPU-seconds and joules (None: not measured)
+        self._charges: dict[str, tuple[float, float | None]] = {}
 
     def adapter_stats(self) -> dict[str, dict[str, object]]:
         """Per pipeline, its adapters loaded and fused on the ranks (for the heartbeat)."""
@@ -115,15 +126,52 @@ class InflightRequests:
         """Number a new batch of these tickets and hold it as the running one."""
         self._batch_seq += 1
         by_id = {ticket.request.request_id: ticket for ticket in tickets}
-        self.batch = InflightBatch(self._batch_seq, by_id, time.monotonic())
+        self.batch = InflightBatch(self._batch_seq, by_id, time.monotonic(), self._energy.read_j())
         return self.batch
+
+    def warm(self) -> None:
+        """The group is ready: from now on its devices are held (the ledger's node totals)."""
+        if self.counters.warm_at is None:
+            self.counters.warm_at = time.monotonic()
+
+    def take_charge(self, request_id: str) -> tuple[float, float | None]:
+        """A finished request's GPU-seconds and joules (0.0 and None when it never ran)."""
+        return self._charges.pop(request_id, (0.0, None))
+
+    def _charge(self, batch: InflightBatch) -> None:
+        """The batch left the group: its wall time × devices, shared among its requests.
+
+        Every request of the batch is charged (succeeded, stopped, failed or refused a result):
+        all of them held the devices, so the charges add up to the node's busy GPU-seconds.
+        """
+        seconds = time.monotonic() - batch.started_at
+        self.counters.busy_s += seconds
+        gpu_s = seconds * self.counters.devices
+        self.counters.busy_gpu_s += gpu_s
+        works = {
+            request_id: work_units(
+                ticket.request.num_outputs,
+                ticket.request.width,
+                ticket.request.height,
+                ticket.request.num_frames,
+            )
+            for request_id, ticket in batch.tickets.items()
+        }
+        energy_now = self._energy.read_j()
+        joules: dict[str, float] = {}
+        if energy_now is not None and batch.energy_at is not None:
+            joules = shares(max(0.0, energy_now - batch.energy_at), works)
+        for request_id, share in shares(gpu_s, works).items():
+            self._charges[request_id] = (share, joules.get(request_id))
+        while len(self._charges) > CHARGES_KEPT:
+            del self._charges[next(iter(self._charges))]
 
     def detach(self) -> InflightBatch | None:
         """Give up the running batch (its group died or is replaced); the caller fails it."""
         batch, self.batch = self.batch, None
         self.adapters.clear()  # the next group's ranks start with no adapter loaded
         if batch is not None:
-            self.counters.busy_s += time.monotonic() - batch.started_at
+            self._charge(batch)
         return batch
 
     def police(self, now: float) -> Policing:
@@ -211,7 +259,7 @@ class InflightRequests:
             if batch is not None:
                 self.batch = None
                 self.batches_run += 1
-                self.counters.busy_s += time.monotonic() - batch.started_at
+                self._charge(batch)
                 self._cond.notify_all()
             return batch
 

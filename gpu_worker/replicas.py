@@ -161,6 +161,16 @@ class Replicas:
         """Input schemas of the pipelines that declare one (alike in every group)."""
         return self.coordinators[0].pipeline_inputs()
 
+    def take_charge(self, request_id: str) -> tuple[float, float | None]:
+        """A finished request's GPU-seconds and joules, from the group that ran it."""
+        gpu_s, energy_j = 0.0, None
+        for coordinator in self.coordinators:  # one of them held it; the others answer 0
+            seconds, joules = coordinator.take_charge(request_id)
+            gpu_s += seconds
+            if joules is not None:
+                energy_j = (energy_j or 0.0) + joules
+        return gpu_s, energy_j
+
     def counters(self) -> GroupCounters:
         """Every group's work counters added up, for the node's metrics."""
         return GroupCounters.merged([c.counters() for c in self.coordinators])

@@ -10,7 +10,8 @@ job (batch_fed.lua: canceled, expired or failed before it was fed); or, refused 
 stay right after the records they count have expired, and every API process or node reading it
 sees the same numbers. `live_batches` counts the batches still being fed or finished by status.
 The transition that closes an attempt adds its step accounting there too (`steps/<queue>/<figure>`,
-kiln/common/accounting.py).
+kiln/common/accounting.py), and its GPU-seconds (`gpu/<pipeline>/<owner key id>`,
+kiln/common/ledger.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class FinishedCounts:
     # steps_restored, steps_recomputed and seconds_lost, added by the transition that closes an
     # attempt (storage/lua/_machine.lua `account_attempt`)
     steps: dict[tuple[str, str], float] = field(default_factory=dict)
+    # GPU-seconds per (pipeline, owner key id; '-' without a key), the ledger's
+    # (storage/lua/_machine.lua `account_usage`)
+    gpu: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 @redis_boundary
@@ -53,6 +57,9 @@ def finished_counts(store: StoreBase) -> FinishedCounts:
         queue, _, state = rest.rpartition("/")
         if kind == "steps":
             counts.steps[queue, state] = float(value)
+            continue
+        if kind == "gpu":  # gpu/<pipeline>/<owner>
+            counts.gpu[queue, state] = float(value)
             continue
         if kind == "line" and not queue and state in LINE_STATUSES:
             counts.lines[state] = int(value)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.common.accounting import ACCOUNTING_FIELD, StepAccounting
+from kiln.common.ledger import LEDGER_FIELD, JobLedger
 from kiln.common.request import Lane
 from kiln.common.states import JobState
 from kiln.storage.keys import valid_id, valid_queue
@@ -64,6 +65,8 @@ class JobRecord:
     trace: dict[str, str] = field(default_factory=dict)  # as `NewJob.trace`
     # the steps its attempts computed, restored and recomputed (kiln/common/accounting.py)
     accounting: StepAccounting = field(default_factory=StepAccounting)
+    # seconds per phase, GPU-seconds and energy over its attempts (kiln/common/ledger.py)
+    ledger: JobLedger = field(default_factory=JobLedger)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ def job_from_hash(data: dict[str, str]) -> JobRecord:
         queue=data.get("queue") or None,
         trace=json.loads(data.get("trace", "{}")),
         accounting=StepAccounting.from_field(data.get(ACCOUNTING_FIELD)),
+        ledger=JobLedger.from_field(data.get(LEDGER_FIELD)),
     )
 
 

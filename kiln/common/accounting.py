@@ -20,6 +20,7 @@ A job's figures are the sums over its attempts (docs/contract.md §5b).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,12 +68,17 @@ class AttemptSteps:
     restored: int
     reached: int
     step_s: float
+    # the attempt's ledger figures, carried in the same field (kiln/common/ledger.py AttemptUsage)
+    usage: Mapping[str, object] | None = None
 
     def field(self) -> str:
         """The record field's value (the transition script reads and removes it)."""
-        return json.dumps(
-            {"restored": self.restored, "reached": self.reached, "step_s": round(self.step_s, 6)}
-        )
+        figures = {
+            "restored": self.restored,
+            "reached": self.reached,
+            "step_s": round(self.step_s, 6),
+        }
+        return json.dumps(figures if self.usage is None else {**figures, "usage": self.usage})
 
 
 class StepTracker:

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 from kiln.common.accounting import StepAccounting
+from kiln.common.ledger import JobLedger
 from kiln.common.states import JobState
 
 
@@ -35,13 +36,15 @@ class Payload(BaseModel):
 
 
 class Accounted(Payload):
-    """A state change that may close an attempt or end the job: it may carry `accounting`.
+    """A state change that may close an attempt or end the job: `accounting` and `ledger`.
 
-    The job's step accounting so far, added to the event by the transition that closes an
-    attempt or ends a job that ran (storage/lua/_machine.lua `with_accounting`); absent: zeros.
+    The job's step accounting and ledger so far, added to the event by the transition that
+    closes an attempt or ends a job that ran (storage/lua/_machine.lua `with_accounting`);
+    absent: zeros.
     """
 
     accounting: StepAccounting | None = None
+    ledger: JobLedger | None = None
 
 
 class ErrorData(BaseModel):

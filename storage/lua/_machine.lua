@@ -170,19 +170,74 @@ local function account_attempt(m, job, log)
   redis.call('HSET', m.job, 'accounting', cjson.encode(total))
 end
 
+-- The ledger (docs/contract.md §5c, kiln/common/ledger.py): the node's own figures for the
+-- attempt ride in its reported steps (`attempt_steps`, key `usage`: its pipeline, GPU-seconds,
+-- joules, seconds loading, computing, encoding, uploading); the attempt's log entry gets its
+-- GPU-seconds and joules, and the record's `ledger` field their sums over the job's attempts with
+-- the seconds per phase, queued_s included (from the job's creation, or the end of the attempt
+-- before, to the attempt's start). This file is its one writer. The attempt's GPU-seconds, joules
+-- and count are added to the hour's usage bucket (storage/usage.py: `<ns>:usage:<hour start>`,
+-- fields `<owner key id or ->/<pipeline>/<figure>`, kept USAGE_RETENTION_S after its last write)
+-- and its GPU-seconds to the deployment's counters (`gpu/<pipeline>/<owner>`). An attempt closed
+-- without a report (its node died) adds its queued time only: what it used is unknown.
+local LEDGER_PHASES = {'loading_s', 'computing_s', 'encoding_s', 'uploading_s'}
+local USAGE_BUCKET_S, USAGE_RETENTION_S = 3600, 93 * 24 * 3600  -- kiln/common/ledger.py
+
+local function rounded(x) return math.floor(x * 1e6 + 0.5) / 1e6 end
+
+local function account_usage(m, job, log, time)
+  local entry = log[#log]
+  local reported = json_field(m, 'attempt_steps')
+  local usage = reported and type(reported.usage) == 'table' and reported.usage or nil
+  local ledger = json_field(m, 'ledger') or {}
+  local since = tonumber(redis.call('HGET', m.job, 'created_at') or '0') or 0
+  if #log > 1 then since = tonumber(log[#log - 1].ended_at) or since end
+  local queued = math.max(0, (tonumber(entry.started_at) or since) - since)
+  ledger.queued_s = rounded((tonumber(ledger.queued_s) or 0) + queued)
+  for _, name in ipairs(LEDGER_PHASES) do
+    local add = usage and math.max(0, tonumber(usage[name]) or 0) or 0
+    ledger[name] = rounded((tonumber(ledger[name]) or 0) + add)
+  end
+  local gpu_s = usage and math.max(0, tonumber(usage.gpu_s) or 0) or 0
+  local energy = usage and tonumber(usage.energy_j) or nil
+  ledger.gpu_s = rounded((tonumber(ledger.gpu_s) or 0) + gpu_s)
+  if energy ~= nil then ledger.energy_j = rounded((tonumber(ledger.energy_j) or 0) + energy) end
+  if ledger.energy_j == nil then ledger.energy_j = cjson.null end
+  entry.gpu_s, entry.energy_j = rounded(gpu_s), energy or cjson.null
+  redis.call('HSET', m.job, 'ledger', cjson.encode(ledger))
+  if usage == nil or type(usage.pipeline) ~= 'string' then return end
+  local owner = job.job_owner ~= '' and job.job_owner or '-'
+  local hour = math.floor(tonumber(time) / USAGE_BUCKET_S) * USAGE_BUCKET_S
+  local bucket = string.gsub(m.finished, ':counters:finished$', ':usage:') .. hour
+  local prefix = owner .. '/' .. usage.pipeline .. '/'
+  redis.call('HINCRBYFLOAT', bucket, prefix .. 'gpu_s', gpu_s)
+  redis.call('HINCRBY', bucket, prefix .. 'attempts', 1)
+  if energy ~= nil then redis.call('HINCRBYFLOAT', bucket, prefix .. 'energy_j', energy) end
+  redis.call('EXPIRE', bucket, USAGE_RETENTION_S)
+  if gpu_s > 0 then
+    redis.call('HINCRBYFLOAT', m.finished, 'gpu/' .. usage.pipeline .. '/' .. owner, gpu_s)
+  end
+end
+
+-- a field of the record spliced into an event's payload (a JSON object as written)
+local function splice_field(payload, name, value)
+  local body = string.match(payload, '^%s*{(.*)}%s*$')
+  if body == nil then return payload end
+  if string.find(body, '%S') then body = body .. ',' end
+  return '{' .. body .. string.sub(cjson.encode({[name] = value}), 2, -2) .. '}'
+end
+
 -- the event of a transition that closes an attempt or ends the job carries the job's accounting
--- so far (none for a job that never ran: its figures are zeros), spliced into the payload's JSON
--- object as written
+-- and ledger so far (none for a job that never ran: its figures are zeros)
 local function with_accounting(m, job, target, payload)
   if not (TERMINAL[target] or (job.state == S.running and target ~= S.running)) then
     return payload
   end
   local total = json_field(m, 'accounting')
-  if total == nil then return payload end
-  local body = string.match(payload, '^%s*{(.*)}%s*$')
-  if body == nil then return payload end
-  if string.find(body, '%S') then body = body .. ',' end
-  return '{' .. body .. string.sub(cjson.encode({accounting = total}), 2, -2) .. '}'
+  if total ~= nil then payload = splice_field(payload, 'accounting', total) end
+  local ledger = json_field(m, 'ledger')
+  if ledger ~= nil then payload = splice_field(payload, 'ledger', ledger) end
+  return payload
 end
 
 -- the record's `attempt_log` (JSON list): one entry per run, opened as the job enters running
@@ -210,6 +265,7 @@ local function close_attempt(m, job, time, target, payload)
     local event = cjson.decode(payload)
     last.error = event.error or (event.reason and {type = event.reason}) or nil
   end
+  account_usage(m, job, log, time)  -- before account_attempt takes the reported steps away
   account_attempt(m, job, log)
   redis.call('HSET', m.job, 'attempt_log', cjson.encode(log))
 end

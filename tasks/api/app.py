@@ -47,6 +47,7 @@ from kiln.tasks.api.pause_routes import router as pause_routes
 from kiln.tasks.api.pipeline_routes import router as pipeline_routes
 from kiln.tasks.api.system_routes import router as system_routes
 from kiln.tasks.api.upload_routes import router as upload_routes
+from kiln.tasks.api.usage_routes import router as usage_routes
 from kiln.tasks.contract.batches import BATCHES_PATH
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.contract.upload_slots import LOCAL_PUT_PATH
@@ -99,6 +100,7 @@ def create_app(
         admin_routes,
         upload_routes,
         dead_letter_routes,
+        usage_routes,
     ):
         app.include_router(routes)
     mount_console(app)  # /console: the static page, which calls the routes above

@@ -21,6 +21,10 @@
   each attempt, a dead node's included): `kiln_steps_computed_total`, `kiln_steps_restored_total`
   and `kiln_steps_recomputed_total` (denoising steps), and `kiln_seconds_lost_total` (compute
   seconds of recomputed steps), by pipeline and lane.
+- The ledger (docs/contract.md §5c), kept the same way: `kiln_gpu_seconds_total{pipeline,owner}`,
+  the GPU-seconds jobs' attempts occupied, by pipeline and owner key id (`-`: no key). Its
+  cardinality is pipelines × API keys that ran a job, bounded by the keys an operator creates
+  (never by jobs or users' input). Nodes export their own held and idle GPU-seconds.
 - The backlog autoscalers read, per known pipeline (tasks/queue/backlog.py has the arithmetic),
   read from Kiln's records at scrape time (prefetched messages still count as queued):
   `kiln_pipeline_queued_gpu_seconds{pipeline,lane}` (queued jobs × the mean recent run time),
@@ -215,6 +219,7 @@ class FinishedCollector(Collector):
             return
         yield self.jobs_finished(counts)
         yield from self.steps(counts)
+        yield gpu_seconds(counts)
         lines = CounterMetricFamily(
             "kiln_batch_lines_finished",
             "Batch lines that ended, by the status of their result: their job's terminal state, "
@@ -375,3 +380,16 @@ def install_metrics(app: FastAPI, ctx: ApiContext) -> ApiMetrics:
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.state.metrics = metrics
     return metrics
+
+
+def gpu_seconds(counts: FinishedCounts) -> CounterMetricFamily:
+    """The ledger's GPU-seconds by pipeline and owner key id (kiln/common/ledger.py)."""
+    family = CounterMetricFamily(
+        "kiln_gpu_seconds",
+        "GPU-seconds jobs' attempts occupied (a batch's seconds x devices, shared by work), by "
+        "pipeline and owner key id.",
+        labels=["pipeline", "owner"],
+    )
+    for (pipeline, owner), value in sorted(counts.gpu.items()):
+        family.add_metric([pipeline, owner], value)
+    return family

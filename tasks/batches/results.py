@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kiln.common.accounting import StepAccounting
+from kiln.common.ledger import JobLedger
 from kiln.storage.base import dumps
 from kiln.storage.batch_store import BatchStore
 from kiln.storage.job_store import JobRecord
@@ -45,9 +46,11 @@ def _result(
     error: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
     accounting: StepAccounting | None = None,
+    ledger: JobLedger | None = None,
 ) -> dict[str, Any]:
-    # every line has its job's step accounting (zeros for a line that never became a job)
+    # every line has its job's step accounting and ledger (zeros for a line never a job)
     steps = accounting if accounting is not None else StepAccounting()
+    cost = ledger if ledger is not None else JobLedger()
     return {
         "type": "result",
         "line": line,
@@ -58,6 +61,7 @@ def _result(
         "error": error,
         "metrics": metrics or {},
         "accounting": steps.model_dump(mode="json"),
+        "ledger": cost.model_dump(mode="json"),
     }
 
 
@@ -92,6 +96,7 @@ def job_line(
             error=record.error,
             metrics=record.metrics,
             accounting=record.accounting,
+            ledger=record.ledger,
         )
     )
 

@@ -318,6 +318,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from kiln.tasks.cli import control as control_cli
     from kiln.tasks.cli import dead as dead_cli
     from kiln.tasks.cli import pipeline as pipeline_cli
+    from kiln.tasks.cli import usage as usage_cli
 
     _add_submit(sub)
     _add_job_commands(sub)
@@ -328,6 +329,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     config_cli.add_parser(sub)
     control_cli.add_parser(sub)
     dead_cli.add_parser(sub)
+    usage_cli.add_parser(sub)
     return parser
 
 
@@ -444,6 +446,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
     from kiln.tasks.cli import control as control_cli
     from kiln.tasks.cli import dead as dead_cli
     from kiln.tasks.cli import pipeline as pipeline_cli
+    from kiln.tasks.cli import usage as usage_cli
 
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "submit": c.cmd_submit,
@@ -463,6 +466,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
         "config": config_cli.run,
         "control": control_cli.run,
         "dead": dead_cli.run,
+        "usage": usage_cli.run,
     }
     return handlers[command]
 

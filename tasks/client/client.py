@@ -70,6 +70,7 @@ from kiln.tasks.contract.responses import (
 )
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.upload_slots import UPLOADS_PATH, UploadSlotView
+from kiln.tasks.contract.usage import UsageReport
 from kiln.tasks.contract.views import EventView, JobView, PreviewData, PreviewEvent
 
 # `wait` polls soon after submitting (short jobs finish fast), then backs off to `poll_s`
@@ -488,6 +489,18 @@ class KilnClient:
         return DeadLetterList.model_validate(
             self._call("GET", "/v1/dead-letters", params=clean).json()
         )
+
+    def usage(
+        self, *, since: str | None = None, until: str | None = None, group_by: str = "key"
+    ) -> UsageReport:
+        """GPU-seconds, energy and attempts per key or pipeline over [since, until).
+
+        `since`/`until`: epoch seconds, ISO 8601 or a duration back from now (`24h`); a key sees
+        its own totals, an admin key every key's and the nodes' own.
+        """
+        params = {"since": since, "until": until, "group_by": group_by}
+        clean = {k: v for k, v in params.items() if v is not None}
+        return UsageReport.model_validate(self._call("GET", "/v1/usage", params=clean).json())
 
     def dead_letter(self, job_id: str) -> DeadLetterView:
         """One failed job's dead letter: its request, every attempt, its error."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.common.accounting import StepAccounting
+from kiln.common.ledger import JobLedger
 from kiln.common.states import JobState, is_terminal
 from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
 from kiln.tasks.contract.schemas import JobRequest
@@ -119,6 +120,11 @@ class JobView(BaseModel):
         description="Denoising steps its attempts computed, restored from step checkpoints and "
         "computed again, and the compute seconds lost to interruptions (docs/contract.md §5b).",
     )
+    ledger: JobLedger = Field(
+        default_factory=JobLedger,
+        description="Seconds per phase, GPU-seconds and energy over its attempts "
+        "(docs/contract.md §5c).",
+    )
     parameters: JobParameters
     batch_id: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
@@ -224,6 +230,7 @@ def job_view(
         error=ErrorView.model_validate(record.error) if record.error else None,
         metrics=Metrics.model_validate(record.metrics or {}),
         accounting=record.accounting,
+        ledger=record.ledger,
         parameters=parameters,
         batch_id=record.batch_id,
         metadata=dict(record.metadata),

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kiln.common.accounting import AttemptSteps, StepTracker
+from kiln.common.ledger import AttemptUsage
 from kiln.common.previews import DEFAULT_PREVIEW_FORMAT
 from kiln.common.request import pipeline_takes_checkpoints
 from kiln.common.states import JobState
@@ -106,6 +107,8 @@ class LeasedAttempt:
         # the denoising steps it runs, reported with its end (kiln/common/accounting.py)
         self.denoised = StepTracker()
         self.result_steps: AttemptSteps | None = None  # its result's, once the group returns
+        # its ledger figures (kiln/common/ledger.py), measured as it goes, reported with its end
+        self.usage = AttemptUsage(pipeline=job.spec.pipeline, gpu_s=0.0)
 
     def run(self) -> DeliveryOutcome:
         """Generate and store the outputs; any failure ends the job (it never raises for it)."""
@@ -165,6 +168,7 @@ class LeasedAttempt:
         )
         self.node.metrics.observe_stage("encode", report.encode_s)
         self.node.metrics.observe_stage("upload", report.upload_s)
+        self.usage = replace(self.usage, encoding_s=report.encode_s, uploading_s=report.upload_s)
         # the record as its start left it (`started`): queue_s runs to the group's start
         started = self.record
         metrics: dict[str, Any] = {**run_metrics(started, result, report.encode_s, report.upload_s)}
@@ -238,8 +242,26 @@ class LeasedAttempt:
         finally:
             if writer is not None:
                 writer.close()
+            self._charge(request.request_id, time.monotonic() - submitted)
         self._observe_compute(result, time.monotonic() - submitted, decoding_at)
         return result
+
+    def _charge(self, request_id: str, with_group_s: float) -> None:
+        """Its share of its batch's GPU-seconds and energy, once its group is done with it.
+
+        Its time with the group is computing until `_observe_compute` splits it by the result's
+        forward seconds (a failed or stopped run has no result: all of it counts as computing,
+        or as loading when it never reached a forward).
+        """
+        gpu_s, energy_j = self.node.take_charge(request_id)
+        ran = gpu_s > 0
+        self.usage = replace(
+            self.usage,
+            gpu_s=gpu_s,
+            energy_j=energy_j,
+            computing_s=with_group_s if ran else 0.0,
+            loading_s=0.0 if ran else with_group_s,
+        )
 
     def _with_checkpoints(
         self, request: GenerationRequest
@@ -367,6 +389,7 @@ class LeasedAttempt:
         ran, restored = result.metrics.steps_run, result.metrics.resumed_at_step
         step_s = (run_s - decode_s) / ran if ran else 0.0
         self.result_steps = AttemptSteps(restored, restored + ran, step_s)
+        self.usage = replace(self.usage, loading_s=total_s - run_s, computing_s=run_s)
         self.node.metrics.observe_stage("load", total_s - run_s)
         self.node.metrics.observe_stage("denoise", run_s - decode_s)
         self.node.metrics.observe_stage("decode", decode_s)
@@ -512,8 +535,12 @@ class LeasedAttempt:
         )
 
     def _steps(self) -> AttemptSteps:
-        """What this attempt ran, for its end: its result's figures, or its progress's."""
-        return self.result_steps if self.result_steps is not None else self.denoised.steps()
+        """What this attempt ran, for its end, with its ledger figures (kiln/common/ledger.py).
+
+        Its steps are its result's figures, or its progress's.
+        """
+        steps = self.result_steps if self.result_steps is not None else self.denoised.steps()
+        return replace(steps, usage=self.usage.as_dict())
 
     def _end(
         self, end: Callable[[], JobRecord], ended_here: Callable[[JobRecord], bool]

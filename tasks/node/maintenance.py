@@ -69,6 +69,7 @@ def heartbeat(node: Node) -> None:
     renew_leases(node)
     node.store.publish_node(node.node_id, node.health(), heartbeat_ttl(node))
     node.held.write()
+    node.report_usage()  # its idle GPU-seconds (tasks/node/usage.py)
 
 
 def announce(node: Node) -> None:

@@ -11,7 +11,9 @@ target and adds no label of its own; deploy/grafana/kiln-dashboard.json groups b
   `kiln_node_group_busy_seconds_total` (time a batch was on the group: its rate is the busy
   ratio), `kiln_node_batch_size` (outputs per forward), `kiln_node_peak_memory_bytes{device}` (the
   last forward's peak, the max over the group's ranks; `device` is the group's devices) and
-  `kiln_node_group_rebuilds_total{reason}` (rank_died, killed, start_failed).
+  `kiln_node_group_rebuilds_total{reason}` (rank_died, killed, start_failed); the ledger's
+  `kiln_node_gpu_seconds_total` (devices x time since the group was first ready) and
+  `kiln_node_idle_gpu_seconds_total` (of those, with no batch on the group).
 - Counted where they happen: `kiln_node_stage_duration_seconds{stage}` (queue, load, denoise,
   decode, encode, upload: see `JobRunner`), `kiln_node_ooms_total{pipeline}` (job attempts that
   failed out of memory, device or host), `kiln_node_lease_renewal_failures_total` (a renewal
@@ -264,6 +266,21 @@ def group_families(node_id: str, devices: str, counters: GroupCounters) -> Itera
     )
     busy.add_metric([node_id], counters.busy_s)
     yield busy
+    # the ledger's node totals (kiln/common/ledger.py): GPU-seconds held warm, and idle of them
+    held = CounterMetricFamily(
+        "kiln_node_gpu_seconds",
+        "GPU-seconds the node held warm: its group's devices x the time since it was first ready.",
+        labels=["node_id"],
+    )
+    held.add_metric([node_id], counters.held_gpu_s)
+    yield held
+    idle = CounterMetricFamily(
+        "kiln_node_idle_gpu_seconds",
+        "GPU-seconds the node held warm with no batch on its group (held - jobs' GPU-seconds).",
+        labels=["node_id"],
+    )
+    idle.add_metric([node_id], counters.idle_gpu_s)
+    yield idle
     yield _batch_sizes(node_id, counters.batch_sizes)
     if counters.peak_memory_mb is not None:
         peak = GaugeMetricFamily(

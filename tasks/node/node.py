@@ -43,6 +43,7 @@ from kiln.tasks.node.held import HeldDeliveries
 from kiln.tasks.node.metrics import GroupCollector, NodeMetrics
 from kiln.tasks.node.progress_writer import ProgressWriter
 from kiln.tasks.node.quarantine import Quarantine
+from kiln.tasks.node.usage import NodeUsageReport
 from kiln.tasks.node.waiting import WaitingInNode
 from kiln.tasks.queue.process import ProcessParts
 from kiln.tasks.queue.quotas import RunningCaps
@@ -187,6 +188,7 @@ class Node:
         # a device failing different jobs stops the node taking work (tasks/node/quarantine.py)
         self.quarantine = Quarantine(settings.quarantine_jobs, settings.quarantine_window_s)
         self.held = HeldDeliveries()  # job messages this worker holds, for its heartbeat
+        self.usage = NodeUsageReport()  # its GPU-seconds held and busy, reported by the heartbeat
         # operator controls: pauses and this node's drain request (tasks/node/controls.py)
         self.controls = ControlState()
         self.running_caps = RunningCaps(parts.api_keys, settings.max_running_per_key)
@@ -212,6 +214,10 @@ class Node:
 
     def shutdown(self) -> None:
         """Stop the group and the progress writer (idempotent)."""
+        try:  # its last GPU-seconds held, so the usage buckets hold its whole warm time
+            self.report_usage()
+        except StorageError as exc:
+            log.warning("node %s: its last usage report failed: %s", self.node_id, exc)
         self.coordinator.shutdown()
         self.progress.stop()
 
@@ -300,6 +306,18 @@ class Node:
         return self.coordinator.submit(
             request, on_progress, should_stop, max_run_seconds, on_checkpoint
         )
+
+    def report_usage(self) -> None:
+        """Add its GPU-seconds held and busy since the last report to the usage buckets."""
+        self.usage.report(self.store, self.node_id, self.coordinator)
+
+    def take_charge(self, request_id: str) -> tuple[float, float | None]:
+        """A finished request's GPU-seconds and joules (kiln/common/ledger.py).
+
+        A test's fake group, like its missing `counters`, charges nothing.
+        """
+        take = getattr(self.coordinator, "take_charge", None)
+        return take(request_id) if take is not None else (0.0, None)
 
     @contextlib.contextmanager
     def starting(self, job_id: str, job: StartingJob) -> Iterator[None]:

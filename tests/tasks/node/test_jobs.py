@@ -193,7 +193,8 @@ def test_a_cancel_stops_the_job_at_its_next_step(harness: NodeHarness) -> None:
     assert [e.type for e in events] == ["queued", "progress", "running", "canceled"]
     # the node's own report of its attempt: it stopped after step 2 of its run
     ran = StepAccounting(steps_computed=2).model_dump()
-    assert events[-1].payload == {"reason": "requested", "accounting": ran}
+    ledger = record.ledger.model_dump()  # its ledger (kiln/common/ledger.py) as the record's
+    assert events[-1].payload == {"reason": "requested", "accounting": ran, "ledger": ledger}
     assert harness.published == []
     assert harness.store.lease_owner(job_id) is None
 
@@ -298,7 +299,13 @@ def test_a_retryable_failure_requeues_with_backoff(harness: NodeHarness) -> None
     events = harness.events(job_id)
     assert [e.type for e in events] == ["queued", "progress", "running", "queued"]
     ran = StepAccounting(steps_computed=4).model_dump()  # every step, then the group died
-    assert events[-1].payload == {"reason": "retry", "error": record.error, "accounting": ran}
+    ledger = record.ledger.model_dump()
+    assert events[-1].payload == {
+        "reason": "retry",
+        "error": record.error,
+        "accounting": ran,
+        "ledger": ledger,
+    }
     ((published_id, queue, countdown),) = harness.published
     assert (published_id, queue) == (job_id, QUEUE)
     backoff = harness.node.settings.retry_backoff_s  # attempt 1: between d/2 and d
