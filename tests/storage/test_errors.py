@@ -36,6 +36,7 @@ from kiln.storage.errors import (
 )
 from kiln.storage.job_store import JobStore
 from kiln.storage.objects import S3ObjectStore
+from kiln.storage.preemption import PreemptionOps
 from kiln.storage.s3_errors import translate_client_error
 from kiln.storage.scripts import SCRIPT_NAMES, header, read
 from kiln.storage.settings import StorageSettings
@@ -169,6 +170,11 @@ def _held(store: JobStore) -> tuple[str, int]:
 _CHECKPOINT = {"key": "k", "sha256": "0" * 64, "size": 1, "steps_done": 1}
 
 
+def _preempted(store: JobStore, job_id: str, lease_token: int) -> object:
+    """A node's end of a run it suspended for a priority preemption (storage/preemption.py)."""
+    return PreemptionOps(store.redis, store.settings).requeue_preempted(job_id, lease_token, None)
+
+
 def _held_by_another(store: JobStore) -> str:
     job_id, _ = job_in_state(store, JobState.QUEUED)
     store.acquire_lease(job_id, "worker-b")
@@ -220,6 +226,9 @@ SCRIPT_ERRORS: list[tuple[str, Callable[[JobStore], object], type[StorageError]]
     ("cancel", lambda s: s.cancel(_missing()), JobNotFound),
     ("pause", lambda s: s.pause(_missing()), JobNotFound),
     ("resume", lambda s: s.resume(_missing()), JobNotFound),
+    ("preempted", lambda s: _preempted(s, _missing(), 1), JobNotFound),
+    ("preempted", lambda s: _preempted(s, *_held(s)), IllegalTransition),
+    ("preempted", lambda s: _preempted(s, job_in_state(s, JobState.RUNNING)[0], 99), StaleLease),
     ("checkpoint", lambda s: record_checkpoint(s, _missing(), 1, _CHECKPOINT), JobNotFound),
     (
         "checkpoint",

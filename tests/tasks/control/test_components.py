@@ -62,6 +62,7 @@ def test_the_cluster_components_are_declared_with_their_intervals(
         "sweeper": 3.0,
         "pruner": 60.0,
         "paused": 60.0,
+        "preemption": 3.0,  # as often as the reaper: a late interactive job waits no longer
         "restarts": 3.0,
         "audit": min(ctx.settings.heartbeat_interval_s, ctx.settings.queued_audit_interval_s),
         "batches": 0.5,
