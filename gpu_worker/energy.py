@@ -5,7 +5,7 @@ NVIDIA GPUs since Volta count the energy they used in millijoules since the driv
 read only where every rank is a CUDA device and `pynvml` is installed (it is not a dependency of
 Kiln); anywhere else (CPU ranks, another vendor, no NVML) `read_j` is None and so is every job's
 `energy_j`. A `cuda:N` device is NVML's device N: with CUDA_VISIBLE_DEVICES set, CUDA's numbering
-may differ from NVML's, so the figure then is another device's (docs/operations.md §20).
+may differ from NVML's, so the figure then is another device's (docs/operations.md §21).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Usage totals over a time range from hourly buckets (kiln/common/ledger.py, operations §20).
+"""Usage totals over a time range from hourly buckets (kiln/common/ledger.py, operations §21).
 
 One hash per hour of the deployment, `<ns>:usage:<hour start, epoch s>`, kept USAGE_RETENTION_S
 after its last write. Its fields:

@@ -83,6 +83,8 @@ SUBMIT_ROUTE = ("POST", "/v1/jobs")
 SUBMIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+NO_OWNER = "-"  # the owner label of jobs submitted without a key (storage/lua/_machine.lua)
+
 # the step accounting's counters: (its figure in FinishedCounts.steps, name, help)
 _STEP_FAMILIES = (
     ("steps_computed", "kiln_steps_computed", "Denoising steps attempts ran."),
@@ -219,7 +221,7 @@ class FinishedCollector(Collector):
             return
         yield self.jobs_finished(counts)
         yield from self.steps(counts)
-        yield gpu_seconds(counts)
+        yield gpu_seconds(counts, self._ctx.submitter.known_pipelines())
         lines = CounterMetricFamily(
             "kiln_batch_lines_finished",
             "Batch lines that ended, by the status of their result: their job's terminal state, "
@@ -382,14 +384,20 @@ def install_metrics(app: FastAPI, ctx: ApiContext) -> ApiMetrics:
     return metrics
 
 
-def gpu_seconds(counts: FinishedCounts) -> CounterMetricFamily:
-    """The ledger's GPU-seconds by pipeline and owner key id (kiln/common/ledger.py)."""
+def gpu_seconds(counts: FinishedCounts, pipelines: Iterable[str]) -> CounterMetricFamily:
+    """The ledger's GPU-seconds by pipeline and owner key id (kiln/common/ledger.py).
+
+    Every known pipeline has its keyless series (owner `-`) from 0, so the family is exported
+    before any job ran and `increase()` has a start.
+    """
     family = CounterMetricFamily(
         "kiln_gpu_seconds",
         "GPU-seconds jobs' attempts occupied (a batch's seconds x devices, shared by work), by "
         "pipeline and owner key id.",
         labels=["pipeline", "owner"],
     )
-    for (pipeline, owner), value in sorted(counts.gpu.items()):
+    by_labels = {(pipeline, NO_OWNER): 0.0 for pipeline in pipelines}
+    by_labels.update(counts.gpu)
+    for (pipeline, owner), value in sorted(by_labels.items()):
         family.add_metric([pipeline, owner], value)
     return family

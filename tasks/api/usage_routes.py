@@ -2,7 +2,7 @@
 
 A key sees its own jobs' totals; an admin key sees every key's and every node's own (held, busy
 and idle GPU-seconds). The totals are read from hourly buckets, never from job records
-(storage/usage.py, docs/operations.md §20).
+(storage/usage.py, docs/operations.md §21).
 """
 
 from __future__ import annotations

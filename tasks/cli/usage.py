@@ -2,7 +2,7 @@
 
 Without `--api` it reads Redis's usage buckets directly (every key's and every node's, as
 `kiln admin` sees them); with `--api URL --api-key KEY` it calls /v1/usage, scoped to the key's
-own jobs unless it is an admin key. docs/operations.md §20 tells what the figures are.
+own jobs unless it is an admin key. docs/operations.md §21 tells what the figures are.
 """
 
 from __future__ import annotations

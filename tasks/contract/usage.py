@@ -1,7 +1,7 @@
 """`GET /v1/usage` and `kiln usage`: GPU-seconds, energy and attempts per key or pipeline.
 
 What the totals are and how they are kept: kiln/common/ledger.py and storage/usage.py
-(docs/operations.md §20). The range's ends are read here, once, for the API and the CLI alike:
+(docs/operations.md §21). The range's ends are read here, once, for the API and the CLI alike:
 epoch seconds, an ISO 8601 time, or a duration back from now (`90s`, `30m`, `24h`, `7d`).
 """
 
@@ -98,7 +98,7 @@ class NodeUsageView(BaseModel):
 
 
 class UsageReport(BaseModel):
-    """Totals over [since, until), by whole hours (docs/operations.md §20)."""
+    """Totals over [since, until), by whole hours (docs/operations.md §21)."""
 
     model_config = ConfigDict(from_attributes=True)
 
