@@ -54,6 +54,7 @@ def test_instants_are_epoch_seconds_iso_times_or_durations_back() -> None:
         ("9" * 400, "finite"),
         ("yesterday", "not epoch seconds"),
         ("24y", "not epoch seconds"),
+        ("999999999d", "out of range"),  # a duration back before 1970
     ],
 )
 def test_a_hostile_instant_is_refused_saying_why(text: str, says: str) -> None:

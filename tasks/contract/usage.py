@@ -31,11 +31,9 @@ def parse_instant(text: str, now: float) -> float:
     Raises ValueError saying what is wrong (NaN, infinite, negative, past year 9999, unreadable).
     """
     value = text.strip()
-    match = _DURATION.match(value)
-    if match:
-        return now - int(match.group(1)) * _UNIT_S[match.group(2)]
+    back = _DURATION.match(value)  # a duration: that long before now
     try:
-        instant = float(value)
+        instant = now - int(back.group(1)) * _UNIT_S[back.group(2)] if back else float(value)
     except ValueError:
         try:
             moment = datetime.datetime.fromisoformat(value)

@@ -249,6 +249,13 @@ def _counters(coordinator: Any) -> GroupCounters | None:
     return counters if isinstance(counters, GroupCounters) else None
 
 
+BUSY_HELP = "Wall time the worker group spent on a batch."
+HELD_HELP = (
+    "GPU-seconds the node held warm: its group's devices x the time since it was first ready."
+)
+IDLE_HELP = "GPU-seconds the node held warm with no batch on its group (held - jobs' GPU-seconds)."
+
+
 def group_families(node_id: str, devices: str, counters: GroupCounters) -> Iterable[Metric]:
     """The coordinator's counters as metric families (node_id label on each)."""
     steps = CounterMetricFamily(
@@ -259,28 +266,16 @@ def group_families(node_id: str, devices: str, counters: GroupCounters) -> Itera
     for pipeline, count in sorted(counters.steps.items()):
         steps.add_metric([node_id, pipeline], count)
     yield steps
-    busy = CounterMetricFamily(
-        "kiln_node_group_busy_seconds",
-        "Wall time the worker group spent on a batch.",
-        labels=["node_id"],
-    )
-    busy.add_metric([node_id], counters.busy_s)
-    yield busy
-    # the ledger's node totals (kiln/common/ledger.py): GPU-seconds held warm, and idle of them
-    held = CounterMetricFamily(
-        "kiln_node_gpu_seconds",
-        "GPU-seconds the node held warm: its group's devices x the time since it was first ready.",
-        labels=["node_id"],
-    )
-    held.add_metric([node_id], counters.held_gpu_s)
-    yield held
-    idle = CounterMetricFamily(
-        "kiln_node_idle_gpu_seconds",
-        "GPU-seconds the node held warm with no batch on its group (held - jobs' GPU-seconds).",
-        labels=["node_id"],
-    )
-    idle.add_metric([node_id], counters.idle_gpu_s)
-    yield idle
+    # its wall time on batches; the ledger's node totals (kiln/common/ledger.py): GPU-seconds held
+    # warm, and of those idle
+    for name, what, value in (
+        ("kiln_node_group_busy_seconds", BUSY_HELP, counters.busy_s),
+        ("kiln_node_gpu_seconds", HELD_HELP, counters.held_gpu_s),
+        ("kiln_node_idle_gpu_seconds", IDLE_HELP, counters.idle_gpu_s),
+    ):
+        family = CounterMetricFamily(name, what, labels=["node_id"])
+        family.add_metric([node_id], value)
+        yield family
     yield _batch_sizes(node_id, counters.batch_sizes)
     if counters.peak_memory_mb is not None:
         peak = GaugeMetricFamily(

@@ -109,6 +109,12 @@ def test_jobs_gpu_seconds_and_the_nodes_idle_add_up_to_the_nodes_totals(
     assert jobs_gpu_s > 0
     assert idle > 0
     assert jobs_gpu_s + idle == pytest.approx(held, rel=0.01)
+    for node in nodes:  # the node's own metrics say the same
+        sample = node.metrics.registry.get_sample_value
+        labels = {"node_id": node.node_id}
+        node_idle = sample("kiln_node_idle_gpu_seconds_total", labels)
+        assert node_idle is not None
+        assert 0 < node_idle < (sample("kiln_node_gpu_seconds_total", labels) or 0)
     # each job ran a forward (no NVML here: no energy)
     assert all(r.ledger.computing_s > 0 and r.ledger.energy_j is None for r in records)
 
