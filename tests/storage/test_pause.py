@@ -46,7 +46,7 @@ def test_running_job_is_asked_then_paused_by_its_node(job_store: JobStore) -> No
     assert job_store.lease_owner(job_id) is None  # no lease: it holds no GPU
     assert job_id not in job_store.redis.zrange(job_store.keys.running, 0, -1)
     assert job_store.stops_requested([job_id]) == {}
-    log = json.loads(job_store.redis.hget(job_store.keys.job(job_id), "attempt_log"))
+    log = json.loads(job_store.redis.hget(job_store.keys.job(job_id), "attempt_log") or "[]")
     assert log[-1]["outcome"] == "paused"  # its attempt is closed, not failed
     assert record.attempts == 0  # and not counted: pausing never uses up attempts
     assert job_store.events(job_id)[-1].payload["reason"] == "pause_requested"

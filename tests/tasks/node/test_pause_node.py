@@ -48,7 +48,11 @@ def test_a_pause_pending_when_an_attempt_fails_retryably_pauses_it(
     harness: NodeHarness,
 ) -> None:
     job_id = harness.submit()
-    harness.coordinator.on_step = lambda step: harness.store.pause(job_id) if step == 1 else None
+    def pause_at_step_1(step: int) -> None:
+        if step == 1:
+            harness.store.pause(job_id)
+
+    harness.coordinator.on_step = pause_at_step_1
     harness.coordinator.fail_with = JobFailed("flaky", retryable=True)
     harness.deliver(job_id)  # no cancel watch ran: the failure ends the run first
     assert harness.store.get(job_id).state == JobState.PAUSED
