@@ -152,6 +152,19 @@ class Keys:
         """
         return self.completions_prefix + queue
 
+    @property
+    def usage_prefix(self) -> str:
+        """Prefix of the hourly usage buckets (scripts complete it with the hour they write)."""
+        return f"{self.ns}:usage:"
+
+    def usage(self, hour: str) -> str:
+        """Hash per hour (its start, epoch seconds): the ledger's usage (storage/usage.py).
+
+        GPU-seconds, joules and attempts per owner and pipeline, and nodes' held and busy
+        GPU-seconds; it expires USAGE_RETENTION_S after its last write (kiln/common/ledger.py).
+        """
+        return self.usage_prefix + hour
+
     # --- dead letters (storage/dead_letters.py) -------------------------------------------------
     @property
     def dead_letter_prefix(self) -> str:

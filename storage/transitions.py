@@ -101,6 +101,7 @@ class TransitionOps(StoreBase):
             self.settings.event_stream_maxlen,
             self.settings.retention_s,
             COMPLETION_WINDOW_S,
+            k.usage_prefix,
         ]
 
     def _transition(

@@ -31,11 +31,8 @@ GROUP_BY: tuple[GroupBy, ...] = ("key", "pipeline")
 
 
 def usage_bucket(store: StoreBase, hour: int) -> str:
-    """The hash of the hour starting at `hour` (epoch seconds, a multiple of USAGE_BUCKET_S).
-
-    `account_usage` derives the same name from the finished counters' key, `<ns>:counters:finished`.
-    """
-    return f"{store.keys.ns}:usage:{hour}"
+    """The hash of the hour starting at `hour` (epoch seconds, a multiple of USAGE_BUCKET_S)."""
+    return store.keys.usage(str(hour))
 
 
 def bucket_hours(since: float, until: float) -> list[int]:

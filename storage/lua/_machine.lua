@@ -9,9 +9,10 @@
 --     its queue index score from it) and the per-owner counts of queued and running jobs;
 --   m.finished: the monotonic counters of terminal transitions (keys.finished_counts);
 --   m.state_index_prefix, m.batch_prefix, m.batch_index_prefix, m.idem_prefix,
---     m.queue_index_prefix, m.completions_prefix: prefixes from storage/keys.py, completed here
---     with the state, batch id, idempotency key and queue read from the record: the caller does
---     not know them before the script runs, so it cannot name the keys;
+--     m.queue_index_prefix, m.completions_prefix, m.usage_prefix: prefixes from storage/keys.py,
+--     completed here with the state, batch id, idempotency key, queue read from the record and
+--     the hour of an attempt's end: the caller does not know them before the script runs, so it
+--     cannot name the keys;
 --   m.maxlen: events kept per job; m.retention: seconds a finished job's keys are kept;
 --   m.window: seconds of finished runs a queue's completion window keeps.
 
@@ -208,7 +209,7 @@ local function account_usage(m, job, log, time)
   if usage == nil or type(usage.pipeline) ~= 'string' then return end
   local owner = job.job_owner ~= '' and job.job_owner or '-'
   local hour = math.floor(tonumber(time) / USAGE_BUCKET_S) * USAGE_BUCKET_S
-  local bucket = string.gsub(m.finished, ':counters:finished$', ':usage:') .. hour
+  local bucket = m.usage_prefix .. string.format('%d', hour)
   local prefix = owner .. '/' .. usage.pipeline .. '/'
   redis.call('HINCRBYFLOAT', bucket, prefix .. 'gpu_s', gpu_s)
   redis.call('HINCRBY', bucket, prefix .. 'attempts', 1)

@@ -37,7 +37,8 @@
 -- ARGV[12] = events kept per job
 -- ARGV[13] = retention seconds
 -- ARGV[14] = completion window (s)
--- ARGV[15..] = record fields written with the change (the attempt's steps): field, value, ...
+-- ARGV[15] = usage bucket prefix
+-- ARGV[16..] = record fields written with the change (the attempt's steps): field, value, ...
 local job_id, token, queued_payload, preempted_payload = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local message = ARGV[5]
 local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
@@ -45,9 +46,9 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   owner_queued = KEYS[11], owner_running = KEYS[12], finished = KEYS[13],
   state_index_prefix = ARGV[6], batch_prefix = ARGV[7], batch_index_prefix = ARGV[8],
   idem_prefix = ARGV[9], queue_index_prefix = ARGV[10], completions_prefix = ARGV[11],
-  maxlen = ARGV[12], retention = ARGV[13], window = ARGV[14]}
+  maxlen = ARGV[12], retention = ARGV[13], window = ARGV[14], usage_prefix = ARGV[15]}
 local request_key, list_key = KEYS[14], KEYS[15]
-local fields = {unpack(ARGV, 15)}
+local fields = {unpack(ARGV, 16)}
 
 local job = load_job(m.job, job_id)
 check_fence(job, 'token', token)

@@ -26,13 +26,14 @@
 -- ARGV[8] = events kept per job
 -- ARGV[9] = retention seconds
 -- ARGV[10] = completion window (s)
+-- ARGV[11] = usage bucket prefix
 local job_id = ARGV[1]
 local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
   running = KEYS[6], unpublished = KEYS[7], depth = KEYS[8], retired = KEYS[9], seq = KEYS[10],
   owner_queued = KEYS[11], owner_running = KEYS[12], finished = KEYS[13],
   state_index_prefix = ARGV[2], batch_prefix = ARGV[3], batch_index_prefix = ARGV[4],
   idem_prefix = ARGV[5], queue_index_prefix = ARGV[6], completions_prefix = ARGV[7],
-  maxlen = ARGV[8], retention = ARGV[9], window = ARGV[10]}
+  maxlen = ARGV[8], retention = ARGV[9], window = ARGV[10], usage_prefix = ARGV[11]}
 
 local job = load_job(m.job, job_id)
 if job.state == S.paused then

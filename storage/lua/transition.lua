@@ -40,11 +40,12 @@
 -- ARGV[15] = events kept per job
 -- ARGV[16] = retention seconds
 -- ARGV[17] = completion window (s)
--- ARGV[18] = dead-letter record prefix (the cap drops records named by ids the index holds)
--- ARGV[19] = dead-letter owner index prefix (completed with the owner a record names)
--- ARGV[20] = dead-letter retention seconds
--- ARGV[21] = most dead letters kept
--- ARGV[22..] = record fields written with the change: field, value, field, value, ...
+-- ARGV[18] = usage bucket prefix
+-- ARGV[19] = dead-letter record prefix (the cap drops records named by ids the index holds)
+-- ARGV[20] = dead-letter owner index prefix (completed with the owner a record names)
+-- ARGV[21] = dead-letter retention seconds
+-- ARGV[22] = most dead letters kept
+-- ARGV[23..] = record fields written with the change: field, value, field, value, ...
 local job_id, sources, target, fence, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local payload, honor_cancel, running_cap = ARGV[6], ARGV[7], ARGV[8]
 local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], hooks = KEYS[5],
@@ -52,10 +53,10 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   owner_queued = KEYS[11], owner_running = KEYS[12], finished = KEYS[13],
   state_index_prefix = ARGV[9], batch_prefix = ARGV[10], batch_index_prefix = ARGV[11],
   idem_prefix = ARGV[12], queue_index_prefix = ARGV[13], completions_prefix = ARGV[14],
-  maxlen = ARGV[15], retention = ARGV[16], window = ARGV[17]}
-local d = {index = KEYS[14], record = KEYS[15], record_prefix = ARGV[18], owner_prefix = ARGV[19],
-  retention = ARGV[20], cap = ARGV[21]}
-local fields = {unpack(ARGV, 22)}
+  maxlen = ARGV[15], retention = ARGV[16], window = ARGV[17], usage_prefix = ARGV[18]}
+local d = {index = KEYS[14], record = KEYS[15], record_prefix = ARGV[19], owner_prefix = ARGV[20],
+  retention = ARGV[21], cap = ARGV[22]}
+local fields = {unpack(ARGV, 23)}
 
 local job = load_job(m.job, job_id)
 if TERMINAL[job.state] then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' ' .. target) end

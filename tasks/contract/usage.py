@@ -39,15 +39,15 @@ def parse_instant(text: str, now: float) -> float:
             moment = datetime.datetime.fromisoformat(value)
         except ValueError:
             raise ValueError(
-                f"{text!r} is not epoch seconds, an ISO 8601 time or a duration like 24h"
+                f"{text[:40]!r} is not epoch seconds, an ISO 8601 time or a duration like 24h"
             ) from None
         if moment.tzinfo is None:
             moment = moment.replace(tzinfo=datetime.UTC)
         instant = moment.timestamp()
     if not math.isfinite(instant):
-        raise ValueError(f"{text!r} is not a finite time")
+        raise ValueError(f"{text[:40]!r} is not a finite time")
     if not 0 <= instant <= LATEST_INSTANT:
-        raise ValueError(f"{text!r} is out of range (0 to {LATEST_INSTANT:.0f} epoch seconds)")
+        raise ValueError(f"{text[:40]!r} is out of range (0 to {LATEST_INSTANT:.0f} epoch seconds)")
     return instant
 
 

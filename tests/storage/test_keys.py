@@ -57,6 +57,7 @@ NAMES = {
     "dead_letter": "ns:dead:job:x",
     "dead_letter_index": "ns:dead:idx:all",
     "dead_letter_owner_index": "ns:dead:idx:owner:x",
+    "usage": "ns:usage:x",
 }
 # the prefixes scripts complete with an id they read, and the entry each must agree with
 PREFIXES = {
@@ -68,6 +69,7 @@ PREFIXES = {
     "owner_index_prefix": "owner_index",
     "queue_index_prefix": "queue_index",
     "completions_prefix": "completions",
+    "usage_prefix": "usage",
     "node_prefix": "node",
     "api_key_prefix": "api_key",
     "dead_letter_prefix": "dead_letter",
