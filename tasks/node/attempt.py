@@ -303,6 +303,7 @@ class LeasedAttempt:
                 log.info("job %s not expired at its start: %s", self.job_id, exc)
             return None
         cap = self.node.running_caps.cap(self.record.owner)
+        self.tracked.starting = True
         return Start(self.job_id, self.tracked.lease_token, self.node.node_id, cap)
 
     def started(self, result: JobRecord | StorageError) -> bool:

@@ -54,7 +54,9 @@ def hand_back_at_once(node: Node) -> list[TrackedJob]:
     for tracked in node.tracked_jobs():
         if tracked.stop_reason is not None:
             continue
-        if tracked.started and not runs_with_checkpoints(node, tracked.job_id):
+        # one whose start is under way counts as started: its record may say running already
+        running = tracked.started or tracked.starting
+        if running and not runs_with_checkpoints(node, tracked.job_id):
             continue
         tracked.stop_reason = StopReason.HANDED_BACK
         handed.append(tracked)

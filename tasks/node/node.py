@@ -104,6 +104,9 @@ class TrackedJob:
     last_progress_at: float = field(default_factory=time.time)
     last_stage: str = ""
     started: bool = False  # its group has started it (queued → running); until then it waits
+    # its start is on its way to Redis (the batch's one round trip): the record may already say
+    # running while `started` does not yet, so a drain in between must not take it for waiting
+    starting: bool = False
     # its run takes step checkpoints (it has a plan): a stop checkpoints its step, so it may be
     # preempted (tasks/node/preempted.py); the heartbeat lists such jobs
     checkpoints: bool = False

@@ -104,9 +104,13 @@ def test_running_is_what_the_group_runs_and_waits_are_queue_time(node_cluster: C
         assert record.state == JobState.SUCCEEDED, record
         assert record.finished_at is not None
         wall = record.finished_at - record.created_at
-        told = record.metrics["queue_s"] + record.metrics["run_s"]
-        # what is left is the start, encoding, uploading and the end: well under a step
-        assert 0 <= wall - told < STEP_S, (record.id, wall, record.metrics)
+        stages = ("queue_s", "run_s", "encode_s", "upload_s")
+        told = sum(record.metrics[stage] for stage in stages)
+        # what no stage counts is the start and the end, a few Redis round trips: never a wait
+        # (the bug this guards against hid 70 s of a 95 s wait); a step's time or a quarter of
+        # the job's, whichever is more, so a loaded machine's scheduling does not fail it
+        hidden = wall - told
+        assert 0 <= hidden < max(STEP_S, wall / 4), (record.id, wall, record.metrics)
         events = [e.type for e in cluster.store.events(record.id)]
         assert events.count("running") == 1, events  # each ran once
     # most jobs waited in the node before their start: the wait is queue time now
