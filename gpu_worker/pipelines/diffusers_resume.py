@@ -92,7 +92,7 @@ def weights_fingerprint(components: Mapping[str, Any]) -> str:
         digest.update(f"{name}|{type(component).__name__}|".encode())
         if config is not None:  # diffusers' FrozenDict, or a transformers config
             fields = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-            digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
+            digest.update(stable_config(fields).encode())
         for key, tensor in sorted(component.state_dict().items()):
             flat = tensor.detach().reshape(-1)
             stride = max(1, flat.numel() // _SAMPLE_VALUES)
@@ -114,9 +114,20 @@ def request_digest(request: GenerationRequest) -> str:
     return hashlib.sha256("\x00".join(fields).encode()).hexdigest()
 
 
+# diffusers' record of which config values were defaulted: a list built from a set, so its order
+# changes with each process's hash seed; the values themselves are in the config
+_DEFAULTED = "_use_default_values"
+
+
+def stable_config(config: Mapping[str, Any]) -> str:
+    """A config as canonical JSON, equal in every process that loaded the same one."""
+    fields = {name: value for name, value in config.items() if name != _DEFAULTED}
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
 def scheduler_identity(scheduler: Any) -> str:
     """The scheduler's class and a digest of its config."""
-    config = json.dumps(dict(scheduler.config), sort_keys=True, default=str)
+    config = stable_config(dict(scheduler.config))
     return f"{type(scheduler).__name__}:{hashlib.sha256(config.encode()).hexdigest()[:16]}"
 
 

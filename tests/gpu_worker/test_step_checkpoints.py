@@ -22,7 +22,7 @@ import torch
 
 from kiln.gpu_worker.pipelines import StopDenoising
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
-from kiln.gpu_worker.pipelines.diffusers_resume import Checkpointing
+from kiln.gpu_worker.pipelines.diffusers_resume import Checkpointing, stable_config
 from kiln.gpu_worker.pipelines.step_checkpoint import (
     MAGIC,
     CheckpointRefused,
@@ -324,3 +324,15 @@ def test_checkpoint_size_is_small_for_the_tiny_pipelines(
     # alphas over 1000 training steps) and DPM-Solver's two saved model outputs
     data, _ = valid
     assert len(data) < 64 * 1024
+
+
+def test_the_identity_does_not_depend_on_the_process_hash_seed(
+    pipelines: dict[str, DiffusersPipeline],
+) -> None:
+    # diffusers lists the defaulted config keys in set order, which each process's hash seed
+    # changes: a DDIM or DPM-Solver checkpoint was refused by every other process
+    # ("differs in: scheduler") until the identity left that list out
+    config = dict(pipelines["tiny"].pipe.scheduler.config)
+    shuffled = {**config, "_use_default_values": ["b", "a"]}
+    assert stable_config(shuffled) == stable_config({**config, "_use_default_values": ["a", "b"]})
+    assert stable_config(shuffled) != stable_config({**config, "num_train_timesteps": 7})
