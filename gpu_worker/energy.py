@@ -2,10 +2,11 @@
 
 NVIDIA GPUs since Volta count the energy they used in millijoules since the driver loaded
 (`nvmlDeviceGetTotalEnergyConsumption`); a forward's energy is the counter's rise over it. It is
-read only where every rank is a CUDA device and `pynvml` is installed (it is not a dependency of
-Kiln); anywhere else (CPU ranks, another vendor, no NVML) `read_j` is None and so is every job's
-`energy_j`. A `cuda:N` device is NVML's device N: with CUDA_VISIBLE_DEVICES set, CUDA's numbering
-may differ from NVML's, so the figure then is another device's (docs/operations.md §21).
+read only where every rank is a CUDA device and `pynvml` imports (NVIDIA's `nvidia-ml-py`, which
+Kiln's `worker` extra installs); anywhere else (CPU ranks, another vendor, no NVML driver)
+`read_j` is None and so is every job's `energy_j`. A `cuda:N` device is NVML's device N: with
+CUDA_VISIBLE_DEVICES set, CUDA's numbering may differ from NVML's, so the figure then is another
+device's (docs/operations.md §21).
 """
 
 from __future__ import annotations

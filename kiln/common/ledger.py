@@ -12,7 +12,7 @@ GPU-seconds: a batched forward occupies its group's devices for its wall time, s
 seconds × devices; that is shared among the batch's requests by their share of the work, a
 request's work being outputs × width × height × frames (`work_units`). A request that ran alone
 is charged its forward's whole time. Energy: the same share of the devices' NVML energy counter
-over the forward, where the devices are NVIDIA GPUs and `pynvml` is installed; else null.
+over the forward, where the devices are NVIDIA GPUs (NVML, through `nvidia-ml-py`); else null.
 """
 
 from __future__ import annotations
