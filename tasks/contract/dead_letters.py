@@ -77,7 +77,8 @@ class DeadLetterList(BaseModel):
 class RedriveFilter(BaseModel):
     """Which dead letters to redrive (every field set must match); newest first."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: `"poison": 0.0` or `"since": "5"` is a 422 naming the field, never read as a value
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     error_type: str | None = Field(default=None, max_length=128, description="e.g. poison")
     pipeline: str | None = Field(default=None, max_length=128)
@@ -91,7 +92,7 @@ class RedriveFilter(BaseModel):
 class RedriveRequest(BaseModel):
     """`ids` or a `filter` (one of them), paced at `rate` jobs per second."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_REDRIVE)
     filter: RedriveFilter | None = None

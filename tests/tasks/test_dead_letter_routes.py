@@ -138,6 +138,9 @@ def test_a_redrive_of_100_dead_jobs_respects_the_rate(api: Api) -> None:
         {"ids": [1, 2]},
         {"ids": ["../x"], "dry_run": "maybe"},
         {"filter": {"since": -1}},
+        {"filter": {"since": "5"}},  # a string is not a time, though it reads as one
+        {"filter": {"poison": 0.0}},  # a number is not a yes or no (the schema fuzz's find)
+        {"ids": ["a"], "dry_run": 1},
         {"filter": {"unknown": 1}},
         {"filter": {"error_type": "x" * 1000}},
         {"filter": []},
