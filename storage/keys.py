@@ -61,12 +61,11 @@ class Keys:
         return self.job(job_id) + ":lease"
 
     def cancel(self, job_id: str) -> str:
-        """Flag set while a cancel of the running job is pending."""
-        return self.job(job_id) + ":cancel"
+        """The running job's stop request while one is pending: a cancel, a pause or a preemption.
 
-    def preempt(self, job_id: str) -> str:
-        """Set while a preemption of the running job is pending: the id of the job it is for."""
-        return self.job(job_id) + ":preempt"
+        (Named when it held cancels only; storage/leases.py `StopRequest` reads its values.)
+        """
+        return self.job(job_id) + ":cancel"
 
     def preempt_claim(self, job_id: str) -> str:
         """Set while a preemption made room for this waiting job: one per job at a time."""

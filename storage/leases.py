@@ -11,11 +11,15 @@ Two kinds, one shape (`<token>|<owner>` under a TTL of `lease_ttl_s`, storage/ke
 - a batch's feeder lease (`FeederLeaseOps`): taken and renewed by each feeder pass
   (batch_lease.lua); once it lapses, the next feeder pass anywhere takes the batch over, and the
   old feeder's fenced writes (batch_fed.lua, batch_reported.lua) are refused.
+
+Beside a job's lease, its stop request (`StopRequest`): what its holder is asked to stop the run
+for, read by the node's cancel watch for all its jobs at once (`stops_requested`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 
 from kiln.common.job_events import ProgressData
@@ -24,9 +28,16 @@ from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.settings import StorageSettings
 
-# a running job's stop request that asks for a pause (storage/lua/_machine.lua STOP_PAUSE); any
-# other value is a cancel
+# A running job's stop request (`keys.cancel`: one key, one value naming why) as storage/lua/
+# _machine.lua writes and reads it: STOP_CANCEL ('1', as it always was), STOP_PAUSE, or a priority
+# preemption, `preempt:<the waiting job's id>` (storage/lua/preempt_request.lua; an id holds no
+# colon). Any other value is a cancel, as it always was.
 _STOP_PAUSE = "pause"
+_STOP_PREEMPT = "preempt:"
+# what a stop request may ask, as this release reads it; a node's heartbeat lists them
+# (`stops_read`, tasks/node/maintenance.py): one of an earlier release read every value but a
+# pause as a cancel, so no preemption is asked of its jobs (tasks/control/preemption.py)
+STOPS_READ = (StopReason.CANCELED, StopReason.PAUSED, StopReason.PREEMPTED)
 
 # the reaper looks at this many overdue jobs per call; it runs every few seconds
 _REAPER_BATCH = 1000
@@ -51,6 +62,32 @@ def waiting_progress(node_id: str, position: int) -> ProgressData:
 def delivery_owner(node_id: str, delivery: str) -> str:
     """A lease owner: one per delivery on a node; its node id is what precedes the last '/'."""
     return f"{node_id}/{delivery}"
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """A running job's pending stop request: why its node stops it, and for whom if preempted.
+
+    One per job, whoever asks (docs/operations.md §20): a cancel replaces a pause or a
+    preemption, a pause replaces a preemption, and a preemption is asked only of a job with none.
+    """
+
+    reason: StopReason  # CANCELED, PAUSED or PREEMPTED
+    for_job: str | None = None  # a preemption's waiting job, which the stop makes room for
+
+
+def preemption_stop(for_job: str) -> str:
+    """The stop request's value that asks for a preemption for the waiting job `for_job`."""
+    return _STOP_PREEMPT + for_job
+
+
+def read_stop(value: str) -> StopRequest:
+    """What a stop request's stored value asks for."""
+    if value == _STOP_PAUSE:
+        return StopRequest(StopReason.PAUSED)
+    if value.startswith(_STOP_PREEMPT):
+        return StopRequest(StopReason.PREEMPTED, value.removeprefix(_STOP_PREEMPT))
+    return StopRequest(StopReason.CANCELED)
 
 
 class Renewal(Enum):
@@ -128,30 +165,30 @@ class LeaseOps(StoreBase):
         alive = pipe.execute()
         return [job_id for job_id, live in zip(overdue, alive, strict=True) if not live]
 
-    @redis_boundary
     def cancel_requested(self, job_id: str) -> bool:
         """True while a cancel of the running job is pending (one GET; cheap)."""
-        self._require_id(job_id)
-        flag = self.redis.get(self.keys.cancel(job_id))
-        return bool(flag) and flag != _STOP_PAUSE
+        request = self.stop_requested(job_id)
+        return request is not None and request.reason == StopReason.CANCELED
 
     @redis_boundary
-    def stops_requested(self, job_ids: Sequence[str]) -> dict[str, StopReason]:
-        """Which of these running jobs were asked to stop, and why (a cancel or a pause).
+    def stop_requested(self, job_id: str) -> StopRequest | None:
+        """The running job's pending stop request (a cancel, a pause, a preemption), or None."""
+        self._require_id(job_id)
+        value: str | None = self.redis.get(self.keys.cancel(job_id))
+        return read_stop(value) if value else None
 
-        One pipelined round trip: the job's stop request (`keys.cancel`, storage/lua/_machine.lua
-        `STOP_CANCEL`/`STOP_PAUSE`) read for each.
+    @redis_boundary
+    def stops_requested(self, job_ids: Sequence[str]) -> dict[str, StopRequest]:
+        """Which of these running jobs were asked to stop, and why: one MGET, one round trip.
+
+        The node's cancel watch reads its jobs' requests with it every 20 ms, whatever they
+        ask (a cancel, a pause, a priority preemption).
         """
         if not job_ids:
             return {}
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.get(self.keys.cancel(job_id))
-        flags = pipe.execute()
+        values: list[str | None] = self.redis.mget([self.keys.cancel(j) for j in job_ids])
         return {
-            job_id: StopReason.PAUSED if flag == _STOP_PAUSE else StopReason.CANCELED
-            for job_id, flag in zip(job_ids, flags, strict=True)
-            if flag
+            job_id: read_stop(value) for job_id, value in zip(job_ids, values, strict=True) if value
         }
 
 

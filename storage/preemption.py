@@ -3,10 +3,12 @@
 The control room (tasks/control/preemption.py) reads the oldest waiting jobs of a queue
 (`waiting`) and the running jobs of some queues (`running_in`), and asks for a preemption with
 `request_preemption` (storage/lua/preempt_request.lua: the guard and a claim per waiting job, in
-one step, so control processes deciding at once ask once). The running job's node reads the
-request (`preemptions_requested`), stops the job at its next step boundary with a checkpoint, and
-ends the run with `requeue_preempted` (storage/lua/preempted.lua): queued at the head of its
-lane, its attempt not counted, `preemptions` and `preempted_at` on its record.
+one step, so control processes deciding at once ask once). The ask is the running job's stop
+request, the one a cancel and a pause write (storage/leases.py `StopRequest`), so its node's
+cancel watch reads it with the others in the same read (`stops_requested`); the node stops the
+job at its next step boundary with a checkpoint and ends the run with `requeue_preempted`
+(storage/lua/preempted.lua): queued at the head of its lane, its attempt not counted,
+`preemptions` and `preempted_at` on its record.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kiln.common.accounting import ATTEMPT_STEPS_FIELD, AttemptSteps
 from kiln.common.job_events import PreemptedData, QueuedData
 from kiln.storage.base import dumps
 from kiln.storage.boundary import redis_boundary
+from kiln.storage.leases import preemption_stop
 from kiln.storage.records import JobRecord
 from kiln.storage.transitions import TransitionOps
 
@@ -99,32 +102,18 @@ class PreemptionOps(TransitionOps):
     ) -> bool:
         """Ask `job_id`'s node to suspend it for `for_job`; False when the guard refuses.
 
-        Refused with nothing written: the job is not running, a stop or a preemption of it is
-        pending, it was preempted `cap` times, it ran less than `min_run_s` since its latest
-        start, or a preemption is claimed for `for_job` already (both live `ttl_s`).
+        The ask is the job's stop request (`StopRequest` PREEMPTED, naming `for_job`). Refused
+        with nothing written: the job is not running, a stop of it (a cancel, a pause, a
+        preemption) is pending, it was preempted `cap` times, it ran less than `min_run_s`
+        since its latest start, or a preemption is claimed for `for_job` already (the request
+        and the claim live `ttl_s`; a node that does not carry it out lets it lapse).
         """
         self._require_id(job_id)
         self._require_id(for_job)
         k = self.keys
-        keys = [k.job(job_id), k.cancel(job_id), k.preempt(job_id), k.preempt_claim(for_job)]
-        args = [job_id, for_job, cap, min_run_s, max(1, int(ttl_s * 1000))]
+        keys = [k.job(job_id), k.cancel(job_id), k.preempt_claim(for_job)]
+        args = [job_id, preemption_stop(for_job), cap, min_run_s, max(1, int(ttl_s * 1000))]
         return bool(self._run("preempt_request", keys, args))
-
-    @redis_boundary
-    def preemptions_requested(self, job_ids: Sequence[str]) -> dict[str, str]:
-        """Which of these running jobs have a pending preemption, and the job each is for."""
-        if not job_ids:
-            return {}
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.get(self.keys.preempt(job_id))
-        flags = pipe.execute()
-        return {job_id: flag for job_id, flag in zip(job_ids, flags, strict=True) if flag}
-
-    @redis_boundary
-    def drop_preemption(self, job_id: str) -> None:
-        """Forget a pending preemption the node does not carry out (its run cannot resume)."""
-        self.redis.delete(self.keys.preempt(job_id))
 
     @redis_boundary
     def requeue_preempted(
@@ -140,12 +129,13 @@ class PreemptionOps(TransitionOps):
         `message`: the job's `run_job` message and the list key kombu keeps its queue in
         (tasks/queue/messages.py), pushed where the queue's next fetch pops first; the job is
         then published. Without it the job is left unpublished: the caller publishes it (at the
-        back of the broker's list). A stop requested meanwhile ends it as that stop says.
+        back of the broker's list). Its stop request ends with the run; a cancel or a pause
+        that replaced the preemption meanwhile ends it as that stop says.
         `steps`: what the attempt ran, for its accounting (storage/lua/_machine.lua).
         """
         self._require_id(job_id)
         list_key, body = message if message is not None else ("", "")
-        keys = [*self._machine_keys(job_id), self.keys.preempt(job_id), list_key]
+        keys = [*self._machine_keys(job_id), list_key]
         args = [
             job_id,
             str(lease_token),

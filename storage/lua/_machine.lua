@@ -2,7 +2,8 @@
 -- Every function takes `m`, the keys and settings of one job, which each of those scripts builds
 -- from its KEYS and ARGV:
 --   m.job, m.events, m.lease, m.cancel, m.hooks: the job's record, events, lease, stop request
---     (STOP_CANCEL or STOP_PAUSE: what the running job's node stops it for) and webhook attempts;
+--     (STOP_CANCEL, STOP_PAUSE or a preemption: what the running job's node stops it for) and
+--     webhook attempts;
 --   m.running, m.unpublished, m.depth, m.retired: the namespace's running set, unpublished set,
 --     queue depth counter and retired set;
 --   m.seq, m.owner_queued, m.owner_running: the creation sequence (a job entering `queued` draws
@@ -19,12 +20,16 @@
 -- finished runs kept per queue's completion window, at most (the rate needs no more)
 local COMPLETIONS_KEPT = 1000
 
--- a running job's stop request (m.cancel), as its node reads it (storage/leases.py
--- `stops_requested`): a cancel ('1', as it always was) or a pause; a cancel replaces a pause
+-- a running job's stop request (m.cancel), one per job, as its node reads it (storage/leases.py
+-- `stops_requested`): a cancel ('1', as it always was), a pause, or a priority preemption
+-- ('preempt' and the waiting job's id: preempt_request.lua writes it, preempted.lua ends the run
+-- it stops). A cancel replaces a pause or a preemption, a pause replaces a preemption, never the
+-- reverse; it lives as long as the run it asks to stop (a preemption's until its claim lapses)
 local STOP_CANCEL, STOP_PAUSE = '1', 'pause'
 
 -- what a pending stop request turns the end of a run into (a retry, a drain's hand-back, a
--- lapsed lease): canceled or paused, with its event's payload; nil when none is pending
+-- lapsed lease, a preemption's requeue): canceled or paused, with its event's payload; nil when
+-- none is pending or the request is a preemption (the run went back to the queue anyway)
 local function requested_end(m)
   local flag = redis.call('GET', m.cancel)
   if flag == STOP_CANCEL then return S.canceled, cjson.encode({reason = 'cancel_requested'}) end
@@ -284,10 +289,12 @@ local function enter_running(m, job, time, now_ms, payload)
   return cjson.encode(event)
 end
 
--- back in the queue: unfenced, and the sweeper re-publishes it unless the caller confirms
+-- back in the queue: unfenced, and the sweeper re-publishes it unless the caller confirms. Its
+-- stop request ends with the run it asked to stop: a cancel or a pause took the run elsewhere
+-- (requested_end), so what is left is a preemption, which must not stop the job's next run
 local function enter_queued(m, job, time)
   redis.call('HSET', m.job, 'lease_token', '0', 'published', '0', 'progress', 'null')
-  redis.call('DEL', m.lease)
+  redis.call('DEL', m.lease, m.cancel)
   redis.call('ZREM', m.running, job.id)
   redis.call('ZADD', m.unpublished, time, job.id)
 end

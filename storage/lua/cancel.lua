@@ -1,11 +1,12 @@
--- cancel: a queued or paused job is canceled now; a running one gets its cancel flag (the worker stops it
--- and calls finish_canceled); a finished one is left as it is. Returns the record (flat HGETALL).
+-- cancel: a queued or paused job is canceled now; a running one's stop request becomes a cancel
+-- (replacing a pending pause or preemption: its node stops it and calls finish_canceled); a
+-- finished one is left as it is. Returns the record (flat HGETALL).
 -- Errors: NOTFOUND.
 -- include: _machine
 -- KEYS[1] = job record (hash)
 -- KEYS[2] = job events (stream)
 -- KEYS[3] = job lease (string)
--- KEYS[4] = job cancel flag (string)
+-- KEYS[4] = job stop request (string: a cancel, a pause or a preemption)
 -- KEYS[5] = job webhook attempts (list)
 -- KEYS[6] = running jobs (zset)
 -- KEYS[7] = unpublished jobs (zset)
@@ -38,6 +39,6 @@ local job = load_job(m.job, job_id)
 if job.state == S.queued or job.state == S.paused then
   transition(m, job, S.canceled, cjson.encode({reason = 'requested'}), {})
 elseif job.state == S.running then
-  redis.call('SET', m.cancel, STOP_CANCEL, 'EX', m.retention)  -- replaces a pending pause
+  redis.call('SET', m.cancel, STOP_CANCEL, 'EX', m.retention)  -- replaces a pause, a preemption
 end
 return redis.call('HGETALL', m.job)

@@ -1,13 +1,14 @@
 -- pause: a queued job is paused now (out of its queue; a message of it still in the broker finds
--- it paused and is dropped); a running one gets a pause request, which its node reads as it reads
--- a cancel (storage/leases.py `stops_requested`) and stops the run at its next step with a step
--- checkpoint, then moves it to paused (transition.lua); a paused one, one with a cancel pending
--- and a finished one are left as they are. Returns the record (flat HGETALL). Errors: NOTFOUND.
+-- it paused and is dropped); a running one's stop request becomes a pause (replacing a pending
+-- preemption), which its node reads as it reads a cancel (storage/leases.py `stops_requested`)
+-- and stops the run at its next step with a step checkpoint, then moves it to paused
+-- (transition.lua); a paused one, one with a cancel pending and a finished one are left as they
+-- are. Returns the record (flat HGETALL). Errors: NOTFOUND.
 -- include: _machine
 -- KEYS[1] = job record (hash)
 -- KEYS[2] = job events (stream)
 -- KEYS[3] = job lease (string)
--- KEYS[4] = job stop request (string: a cancel or a pause)
+-- KEYS[4] = job stop request (string: a cancel, a pause or a preemption)
 -- KEYS[5] = job webhook attempts (list)
 -- KEYS[6] = running jobs (zset)
 -- KEYS[7] = unpublished jobs (zset)

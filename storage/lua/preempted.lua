@@ -4,14 +4,15 @@
 -- that the next fetch pops first (kombu pushes on the other end: tasks/queue/kombu_redis.py), so
 -- marked published. Its attempt is not counted (attempts - 1: its next start counts the same
 -- number again); `preemptions` + 1 and `preempted_at` record it (the guard reads them), and a
--- `preempted` event follows the `queued` one. A stop requested meanwhile (a cancel, a pause) ends
--- it as that stop says instead, as a retry would. Returns the record as a flat HGETALL.
+-- `preempted` event follows the `queued` one. Its stop request ends with the run (_machine.lua
+-- enter_queued); a cancel or a pause that replaced the preemption meanwhile ends it as that stop
+-- says instead, as a retry would. Returns the record as a flat HGETALL.
 -- Errors: NOTFOUND, ILLEGAL (not running), STALE (fence).
 -- include: _machine
 -- KEYS[1] = job record (hash)
 -- KEYS[2] = job events (stream)
 -- KEYS[3] = job lease (string)
--- KEYS[4] = job cancel flag (string)
+-- KEYS[4] = job stop request (string: a cancel, a pause or this preemption)
 -- KEYS[5] = job webhook attempts (list)
 -- KEYS[6] = running jobs (zset)
 -- KEYS[7] = unpublished jobs (zset)
@@ -21,8 +22,7 @@
 -- KEYS[11] = queued jobs per owner (hash)
 -- KEYS[12] = running jobs per owner (hash)
 -- KEYS[13] = finished counts (hash: monotonic counters of terminal transitions)
--- KEYS[14] = job preemption request (string)
--- KEYS[15] = the job's queue message list ('' when no message is given: the caller publishes)
+-- KEYS[14] = the job's queue message list ('' when no message is given: the caller publishes)
 -- ARGV[1] = job id
 -- ARGV[2] = lease token
 -- ARGV[3] = the `queued` event's payload (JSON)
@@ -47,13 +47,12 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   state_index_prefix = ARGV[6], batch_prefix = ARGV[7], batch_index_prefix = ARGV[8],
   idem_prefix = ARGV[9], queue_index_prefix = ARGV[10], completions_prefix = ARGV[11],
   maxlen = ARGV[12], retention = ARGV[13], window = ARGV[14], usage_prefix = ARGV[15]}
-local request_key, list_key = KEYS[14], KEYS[15]
+local list_key = KEYS[14]
 local fields = {unpack(ARGV, 16)}
 
 local job = load_job(m.job, job_id)
 check_fence(job, 'token', token)
 if job.state ~= S.running then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' queued') end
-redis.call('DEL', request_key)
 local stopped, stop_payload = requested_end(m)
 if stopped then
   transition(m, job, stopped, stop_payload, fields)

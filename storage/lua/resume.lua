@@ -6,7 +6,7 @@
 -- KEYS[1] = job record (hash)
 -- KEYS[2] = job events (stream)
 -- KEYS[3] = job lease (string)
--- KEYS[4] = job stop request (string: a cancel or a pause)
+-- KEYS[4] = job stop request (string: a cancel, a pause or a preemption)
 -- KEYS[5] = job webhook attempts (list)
 -- KEYS[6] = running jobs (zset)
 -- KEYS[7] = unpublished jobs (zset)

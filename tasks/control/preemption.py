@@ -3,10 +3,13 @@
 Every tick, per pipeline whose queues the process watches: when the oldest interactive jobs have
 waited past `KILN_TARGET_START_S_INTERACTIVE` and every live node serving the pipeline is busy
 with bulk jobs only (none idle, none running interactive work), one bulk job per late job is
-asked to stop at its next step boundary (docs/operations.md §20). Only a job whose run takes step
+asked to stop at its next step boundary (docs/operations.md §20): its stop request, the one a
+cancel and a pause write, which its node's cancel watch reads. Only a job whose run takes step
 checkpoints is chosen (its node lists it in its heartbeat: `checkpointing_jobs`), so its node
 checkpoints the very step it stops at and it resumes with nothing recomputed; the job goes back to
-the head of its lane, its attempt not counted (storage/lua/preempted.lua).
+the head of its lane, its attempt not counted (storage/lua/preempted.lua). A node whose heartbeat
+does not list `preempted` in `stops_read` (one of an earlier release, which read any stop request
+but a pause as a cancel) is asked for none.
 
 Which one: a late job that a node holds already (waiting in it, its delivery taken) needs that
 node's group; otherwise a node holding no other waiting job frees its group for the late job's
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.common.request import Lane
+from kiln.common.stops import StopReason
 from kiln.storage.preemption import PreemptionOps, RunningJob, WaitingJob
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.control.context import ControlContext
@@ -59,6 +63,7 @@ class NodeState:
     node_id: str
     waiting: int  # jobs it holds that its group has not started
     checkpointing: frozenset[str]  # its running jobs whose run takes step checkpoints
+    reads_preemptions: bool = True  # its cancel watch stops a job for a preemption request
 
 
 def choose(
@@ -83,11 +88,15 @@ def choose(
         if not jobs or any(lane_and_pipeline(job.queue)[0] != Lane.bulk for job in jobs):
             return []
     serving = {node.node_id: node for node in nodes}
+    # a node that reads no preemption request (an earlier release's) offers no job and is no
+    # place to free: its watch would take the request for a cancel
+    askable = [node.node_id for node in nodes if node.reads_preemptions]
     candidates = {
         node.node_id: [
             job
             for job in by_node[node.node_id]
-            if job.queue == bulk_queue
+            if node.reads_preemptions
+            and job.queue == bulk_queue
             and job.job_id in node.checkpointing
             and job.preemptions < settings.priority_preemption_max
             and now - job.started_at >= settings.priority_preemption_min_run_s
@@ -99,8 +108,8 @@ def choose(
         if waiting.holder in serving:
             places = [waiting.holder]  # its delivery waits in that node for its group
         else:
-            free = [n for n in serving if serving[n].waiting == 0]
-            places = free or list(serving)
+            free = [n for n in askable if serving[n].waiting == 0]
+            places = free or askable
         pick = _best([job for place in places for job in candidates[place]])
         if pick is None:
             continue
@@ -120,6 +129,7 @@ def _node_state(info: dict[str, Any]) -> NodeState:
         node_id=str(info.get("node_id", "")),
         waiting=int(info.get("jobs_waiting") or 0),
         checkpointing=frozenset(str(j) for j in info.get("checkpointing_jobs") or []),
+        reads_preemptions=StopReason.PREEMPTED in (info.get("stops_read") or []),
     )
 
 

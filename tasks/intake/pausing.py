@@ -1,11 +1,12 @@
 """Pause and resume one job: the one step the API, `kiln pause|resume` and a batch's pause take.
 
 A pause moves a queued job to `paused` at once and asks a running one's node to stop it at its
-next step (the job's stop request, which the node reads as it reads a cancel); the node takes a
-step checkpoint there and moves the job to `paused` (tasks/node/attempt.py). A resume queues a
-paused job again at the back of its lane and publishes it; its next attempt starts from its
-newest step checkpoint. A finished job is refused (`PauseRefused`, the API's 409), and so is a
-pause of a running job whose cancel is pending. docs/contract.md §4a is the user's account.
+next step (the job's stop request, which the node reads as it reads a cancel; it replaces a
+pending priority preemption); the node takes a step checkpoint there and moves the job to
+`paused` (tasks/node/attempt.py). A resume queues a paused job again at the back of its lane
+and publishes it; its next attempt starts from its newest step checkpoint. A finished job is
+refused (`PauseRefused`, the API's 409), and so is a pause of a running job whose cancel is
+pending. docs/contract.md §4a is the user's account.
 """
 
 from __future__ import annotations
@@ -66,4 +67,5 @@ class JobPausing:
         return "resumed", after
 
     def _pause_pending(self, job_id: str) -> bool:
-        return self.store.stops_requested([job_id]).get(job_id) == StopReason.PAUSED
+        request = self.store.stop_requested(job_id)
+        return request is not None and request.reason == StopReason.PAUSED

@@ -3,8 +3,9 @@
 The node's components (`node_components`; some only for a `kiln worker` node):
 
 - heartbeat (every `heartbeat_interval_s`): renew held leases, then publish the node's health;
-- cancel watch (every `CANCEL_POLL_S`): tell running jobs with a pending cancel or pause to stop,
-  and those a priority preemption asks for (tasks/node/preempted.py);
+- cancel watch (every `CANCEL_POLL_S`): tell the jobs it holds that were asked to stop (a
+  cancel, a pause, a priority preemption: one stop request per job, storage/leases.py) to stop,
+  reading all of their requests in one command;
 - controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
   drain request (tasks/node/controls.py);
 - surplus (every `heartbeat_interval_s`, for a `kiln worker` node with `KILN_SURPLUS_EXIT`): an
@@ -24,20 +25,19 @@ import logging
 
 from kiln.common.stops import StopReason
 from kiln.storage.errors import StorageError
-from kiln.storage.leases import Renewal
+from kiln.storage.leases import STOPS_READ, Renewal
 from kiln.tasks.control.components import Component, Loops
 from kiln.tasks.control.context import ControlContext
 from kiln.tasks.control.room import cluster_components
 from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls
-from kiln.tasks.node.node import Node
-from kiln.tasks.node.preempted import watch_preemptions
+from kiln.tasks.node.node import Node, TrackedJob
 from kiln.tasks.node.surplus import SurplusWatch
 
 log = logging.getLogger(__name__)
 
 # A heartbeat outlives a few missed intervals, never less than this (docs/operations.md §1).
 HEARTBEAT_TTL_MIN_S = 5.0
-# A cancel must land within a denoising step; one pipelined read per poll is cheap.
+# A cancel must land within a denoising step; one read (MGET) per poll is cheap.
 CANCEL_POLL_S = 0.02
 
 
@@ -67,7 +67,10 @@ def heartbeat_ttl(node: Node) -> float:
 def heartbeat(node: Node) -> None:
     """One heartbeat: leases first (they matter most), then the node's health record."""
     renew_leases(node)
-    node.store.publish_node(node.node_id, node.health(), heartbeat_ttl(node))
+    # `stops_read`: the stop requests its cancel watch reads; a node of an earlier release
+    # lists none and takes a preemption's request for a cancel, so it is asked no preemption
+    health = {**node.health(), "stops_read": [str(reason) for reason in STOPS_READ]}
+    node.store.publish_node(node.node_id, health, heartbeat_ttl(node))
     node.held.write()
     node.report_usage()  # its idle GPU-seconds (tasks/node/usage.py)
 
@@ -86,20 +89,32 @@ def announce(node: Node) -> None:
 
 
 def watch_cancels(node: Node) -> None:
-    """Tell running jobs asked to stop (a cancel, a pause) to stop: one pipelined read for all.
+    """The cancel watch's step: tell the jobs asked to stop to stop, one read for all of them.
 
-    A pause and a cancel take one path: the job's stop request, read here, ends its run at its
-    next step; a pause's stop takes a step checkpoint there (gpu_worker/inflight.py).
+    A cancel, a pause and a priority preemption take one path: the job's stop request, read
+    here, ends its run at its next step; a pause's and a preemption's stop take a step
+    checkpoint there (gpu_worker/inflight.py CHECKPOINTED_STOPS).
     """
-    running = {t.job_id: t for t in node.tracked_jobs() if t.stop_reason is None}
-    for job_id, reason in node.store.stops_requested(list(running)).items():
-        running[job_id].stop_reason = reason
+    held = {t.job_id: t for t in node.tracked_jobs() if t.stop_reason is None}
+    for job_id, request in node.store.stops_requested(list(held)).items():
+        tracked = held[job_id]
+        if request.reason == StopReason.PREEMPTED:
+            if not preemptible(tracked):
+                continue  # left to lapse: its run has no step to keep, or has not started
+            tracked.preempted_for = request.for_job
+            log.info(
+                "job %s: preempted for job %s, stops at its next step", job_id, request.for_job
+            )
+        tracked.stop_reason = request.reason
 
 
-def watch_stops(node: Node) -> None:
-    """The cancel watch's step: cancels and pauses, then preemptions (tasks/node/preempted.py)."""
-    watch_cancels(node)
-    watch_preemptions(node)
+def preemptible(tracked: TrackedJob) -> bool:
+    """Whether a preemption stops this job: its group runs it and a stop checkpoints its step.
+
+    A run that takes no checkpoints would throw its steps away (its node never lists it as
+    one a preemption may suspend: tasks/control/preemption.py).
+    """
+    return tracked.started and tracked.checkpoints
 
 
 def node_context(node: Node) -> ControlContext:
@@ -125,7 +140,7 @@ def node_components(node: Node, controls: NodeControls | None) -> list[Component
             lambda: heartbeat(node),
             start=lambda: announce(node),
         ),
-        Component("cancels", CANCEL_POLL_S, lambda: watch_stops(node)),
+        Component("cancels", CANCEL_POLL_S, lambda: watch_cancels(node)),
     ]
     if controls is not None:
         components.append(Component("controls", CONTROL_POLL_S, controls.poll))

@@ -13,7 +13,6 @@ NAMES = {
     "events": "ns:job:x:events",
     "lease": "ns:job:x:lease",
     "cancel": "ns:job:x:cancel",
-    "preempt": "ns:job:x:preempt",
     "preempt_claim": "ns:job:x:preempt_for",
     "webhooks": "ns:job:x:webhooks",
     "idempotency": "ns:idem:x",

@@ -8,7 +8,8 @@ from kiln.common.states import JobState
 from kiln.common.stops import StopReason
 from kiln.storage.errors import JobNotFound, LeaseHeld, StaleLease
 from kiln.storage.job_store import JobStore, NewJob
-from kiln.storage.leases import Renewal
+from kiln.storage.leases import Renewal, StopRequest, read_stop
+from kiln.storage.preemption import PreemptionOps
 from tests.storage.helpers import WORKER, event_types, job_in_state, lapse_lease
 from tests.waiting import wait_until
 
@@ -130,14 +131,31 @@ def test_stops_requested_reads_many_requests_in_one_call(job_store: JobStore) ->
     assert job_store.stops_requested(ids) == {}
     job_store.cancel("many1")
     job_store.pause("many2")
+    preemption = PreemptionOps(job_store.redis, job_store.settings)
+    assert preemption.request_preemption("many0", "waiting-1", cap=2, min_run_s=0.0, ttl_s=30.0)
     assert job_store.stops_requested(ids) == {
-        "many1": StopReason.CANCELED,
-        "many2": StopReason.PAUSED,
+        "many0": StopRequest(StopReason.PREEMPTED, "waiting-1"),
+        "many1": StopRequest(StopReason.CANCELED),
+        "many2": StopRequest(StopReason.PAUSED),
     }
     assert job_store.cancel_requested("many1")
     assert not job_store.cancel_requested("many2")  # a pause is no cancel
+    assert not job_store.cancel_requested("many0")  # nor is a preemption
+    assert job_store.stop_requested("many2") == StopRequest(StopReason.PAUSED)
     job_store.cancel("many2")  # a cancel replaces a pending pause
-    assert job_store.stops_requested(ids)["many2"] == StopReason.CANCELED
+    assert job_store.stops_requested(ids)["many2"] == StopRequest(StopReason.CANCELED)
     job_store.pause("many1")  # never the reverse
-    assert job_store.stops_requested(ids)["many1"] == StopReason.CANCELED
+    assert job_store.stops_requested(ids)["many1"] == StopRequest(StopReason.CANCELED)
+    job_store.pause("many0")  # a pause replaces a pending preemption
+    assert job_store.stops_requested(ids)["many0"] == StopRequest(StopReason.PAUSED)
+    job_store.cancel("many0")  # and a cancel replaces either
+    assert job_store.stops_requested(ids)["many0"] == StopRequest(StopReason.CANCELED)
     assert job_store.stops_requested([]) == {}
+
+
+def test_a_stop_request_of_the_release_before_reads_as_it_was_written() -> None:
+    # a cancel was '1' and a pause 'pause'; any other value was read as a cancel, and still is
+    assert read_stop("1") == StopRequest(StopReason.CANCELED)
+    assert read_stop("pause") == StopRequest(StopReason.PAUSED)
+    assert read_stop("anything") == StopRequest(StopReason.CANCELED)
+    assert read_stop("preempt:job-1") == StopRequest(StopReason.PREEMPTED, "job-1")

@@ -7,6 +7,8 @@ import json
 from kiln.common.states import JobState
 from kiln.common.stops import StopReason
 from kiln.storage.job_store import JobStore
+from kiln.storage.leases import StopRequest
+from kiln.storage.preemption import PreemptionOps
 from tests.storage.helpers import event_types, job_in_state, lapse_lease, new_job
 
 QUEUE = "kiln.tiny"
@@ -40,7 +42,7 @@ def test_running_job_is_asked_then_paused_by_its_node(job_store: JobStore) -> No
     job_id, token = job_in_state(job_store, JobState.RUNNING)
     asked = job_store.pause(job_id)
     assert asked.state == JobState.RUNNING  # its node stops it at its next step
-    assert job_store.stops_requested([job_id]) == {job_id: StopReason.PAUSED}
+    assert job_store.stops_requested([job_id]) == {job_id: StopRequest(StopReason.PAUSED)}
     record = job_store.pause_stopped(job_id, token)
     assert record.state == JobState.PAUSED
     assert job_store.lease_owner(job_id) is None  # no lease: it holds no GPU
@@ -71,6 +73,20 @@ def test_a_pending_pause_turns_a_retry_or_a_lapsed_lease_into_paused(job_store: 
     lapse_lease(job_store, lapsed)
     assert job_store.reap(lapsed)
     assert job_store.get(lapsed).state == JobState.PAUSED
+
+
+def test_a_pause_replaces_a_pending_preemption_and_resume_leaves_a_preemption_alone(
+    job_store: JobStore,
+) -> None:
+    ops = PreemptionOps(job_store.redis, job_store.settings)
+    job_id, token = job_in_state(job_store, JobState.RUNNING)
+    assert ops.request_preemption(job_id, "waiting-1", cap=2, min_run_s=0.0, ttl_s=30.0)
+    assert job_store.resume(job_id).state == JobState.RUNNING  # nothing to withdraw
+    preempted = StopRequest(StopReason.PREEMPTED, "waiting-1")
+    assert job_store.stops_requested([job_id]) == {job_id: preempted}
+    assert job_store.pause(job_id).state == JobState.RUNNING
+    assert job_store.stops_requested([job_id]) == {job_id: StopRequest(StopReason.PAUSED)}
+    assert job_store.pause_stopped(job_id, token).state == JobState.PAUSED
 
 
 def test_cancel_wins_over_pause_and_cancels_a_paused_job(job_store: JobStore) -> None:

@@ -2,7 +2,9 @@
 
 A preempted job goes back to the head of its lane (its queue index entry and its message before
 every other), its attempt not counted, its preemptions recorded; the request's guard (cap, least
-run, one claim per waiting job, no stop pending) holds in the script.
+run, one claim per waiting job, no stop pending) holds in the script. The request is the job's one
+stop request (storage/leases.py): a cancel or a pause replaces it, and it ends with the run it
+asked to stop, however that run ends.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from typing import Any
 import pytest
 
 from kiln.common.states import JobState
+from kiln.common.stops import StopReason
 from kiln.storage.errors import StaleLease
 from kiln.storage.job_store import JobStore
+from kiln.storage.leases import StopRequest
 from kiln.storage.preemption import PreemptionOps
-from tests.storage.helpers import WORKER, event_types, lease_token, new_job
+from tests.storage.helpers import WORKER, event_types, lapse_lease, lease_token, new_job
 
 BULK = "bulk.tiny"
+PREEMPTED_FOR_1 = StopRequest(StopReason.PREEMPTED, "waiting-1")
 
 
 @pytest.fixture
@@ -92,24 +97,74 @@ def test_the_request_is_guarded(job_store: JobStore, ops: PreemptionOps) -> None
     ask: dict[str, Any] = {"cap": 1, "min_run_s": 0.0, "ttl_s": 30.0}
     # a run shorter than the least run is left alone
     assert not ops.request_preemption(job_id, "waiting-1", cap=1, min_run_s=3600.0, ttl_s=30.0)
-    assert ops.preemptions_requested([job_id]) == {}
+    assert job_store.stops_requested([job_id]) == {}
     assert ops.request_preemption(job_id, "waiting-1", **ask)
-    assert ops.preemptions_requested([job_id]) == {job_id: "waiting-1"}
+    assert job_store.stops_requested([job_id]) == {job_id: PREEMPTED_FOR_1}
     # asked once: by another process for the same waiting job, or of the same job for another
     other, _ = _running_bulk(job_store)
     assert not ops.request_preemption(other, "waiting-1", **ask)
     assert not ops.request_preemption(job_id, "waiting-2", **ask)
     ops.requeue_preempted(job_id, token, "waiting-1")
-    assert ops.preemptions_requested([job_id]) == {}  # the requeue ends the request
+    assert job_store.stops_requested([job_id]) == {}  # the requeue ends the request
     # its cap (1) reached: never again, whatever waits
     token = job_store.acquire_lease(job_id, WORKER)
     job_store.start(job_id, token)
     assert not ops.request_preemption(job_id, "waiting-3", **ask)
-    # a job with a stop pending is not preempted
+    # a job with a stop pending is not preempted, and its stop stays as it was asked
     job_store.cancel(other)
     assert not ops.request_preemption(other, "waiting-4", **ask)
+    assert job_store.stops_requested([other]) == {other: StopRequest(StopReason.CANCELED)}
+    paused, _ = _running_bulk(job_store)
+    job_store.pause(paused)
+    assert not ops.request_preemption(paused, "waiting-6", **ask)
+    assert job_store.stops_requested([paused]) == {paused: StopRequest(StopReason.PAUSED)}
     # a queued job is not preempted
     assert not ops.request_preemption(_queued_bulk(job_store), "waiting-5", **ask)
+
+
+def test_a_cancel_or_a_pause_replaces_a_pending_preemption_and_ends_the_run_so(
+    job_store: JobStore, ops: PreemptionOps
+) -> None:
+    ask: dict[str, Any] = {"cap": 2, "min_run_s": 0.0, "ttl_s": 30.0}
+    canceled, cancel_token = _running_bulk(job_store)
+    paused, pause_token = _running_bulk(job_store)
+    for job_id in (canceled, paused):
+        assert ops.request_preemption(job_id, "waiting-1" if job_id == canceled else "w-2", **ask)
+    job_store.cancel(canceled)
+    job_store.pause(paused)
+    assert job_store.stops_requested([canceled, paused]) == {
+        canceled: StopRequest(StopReason.CANCELED),
+        paused: StopRequest(StopReason.PAUSED),
+    }
+    # a node that stopped either for the preemption already ends it as the later ask says
+    assert ops.requeue_preempted(canceled, cancel_token, "waiting-1").state == JobState.CANCELED
+    assert ops.requeue_preempted(paused, pause_token, "w-2").state == JobState.PAUSED
+    assert ops.preemption_count(canceled)[0] == ops.preemption_count(paused)[0] == 0
+    assert job_store.stops_requested([canceled, paused]) == {}
+
+
+def test_a_pending_preemption_ends_with_the_run_it_asked_to_stop(
+    job_store: JobStore, ops: PreemptionOps
+) -> None:
+    ask: dict[str, Any] = {"cap": 2, "min_run_s": 0.0, "ttl_s": 30.0}
+    # a retry (or a drain's hand-back) before its node stopped it: the next run is not stopped
+    job_id, token = _running_bulk(job_store)
+    assert ops.request_preemption(job_id, "waiting-1", **ask)
+    error = {"type": "Flaky", "message": "x", "retryable": True}
+    assert job_store.requeue(job_id, token, error).state == JobState.QUEUED  # not a cancel
+    assert job_store.stops_requested([job_id]) == {}
+    # a lapsed lease: reaped back to the queue, no request left either
+    reaped, _ = _running_bulk(job_store)
+    assert ops.request_preemption(reaped, "waiting-2", **ask)
+    lapse_lease(job_store, reaped)
+    assert job_store.reap(reaped)
+    assert job_store.get(reaped).state == JobState.QUEUED
+    assert job_store.stops_requested([reaped]) == {}
+    # an end of its own: succeeded, the request gone with the run
+    done, done_token = _running_bulk(job_store)
+    assert ops.request_preemption(done, "waiting-3", **ask)
+    assert job_store.succeed(done, done_token, [{"key": "k"}], {"run_s": 1.0}).state == "succeeded"
+    assert job_store.stops_requested([done]) == {}
 
 
 def test_waiting_and_running_reads(job_store: JobStore, ops: PreemptionOps) -> None:

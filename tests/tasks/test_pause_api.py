@@ -7,6 +7,8 @@ from typing import Any
 import httpx
 
 from kiln.common.stops import StopReason
+from kiln.storage.leases import StopRequest
+from kiln.storage.preemption import PreemptionOps
 from tests.tasks.helpers import Api, drive_to_success
 
 SMALL = {"prompt": "a kiln at dusk", "width": 64, "height": 64, "steps": 2}
@@ -51,13 +53,26 @@ def test_a_running_job_is_asked_to_pause_and_resume_withdraws_it(api: Api) -> No
     asked = _post(api, job_id, "pause").json()
     assert asked["effect"] == "pause_requested"
     assert asked["job"]["status"] == "running"
-    assert api.store.stops_requested([job_id]) == {job_id: StopReason.PAUSED}
+    assert api.store.stops_requested([job_id]) == {job_id: StopRequest(StopReason.PAUSED)}
     assert _post(api, job_id, "resume").json()["effect"] == "pause_withdrawn"
     assert api.store.stops_requested([job_id]) == {}
     httpx.post(f"{api.url}/v1/jobs/{job_id}/cancel", headers=api.auth())
     refused = _post(api, job_id, "pause")  # a pending cancel is not turned into a pause
     assert refused.status_code == 409
     assert "cancel is pending" in refused.json()["detail"]
+
+
+def test_a_pause_of_a_job_a_preemption_stops_is_asked_and_a_resume_withdraws_nothing(
+    api: Api,
+) -> None:
+    job_id = _new_job(api)
+    api.store.start(job_id, api.store.acquire_lease(job_id, "node"))
+    ops = PreemptionOps(api.store.redis, api.store.settings)
+    assert ops.request_preemption(job_id, "waiting-1", cap=2, min_run_s=0.0, ttl_s=30.0)
+    assert _post(api, job_id, "resume").json()["effect"] == "not_paused"  # no pause pending
+    asked = _post(api, job_id, "pause").json()
+    assert asked["effect"] == "pause_requested"  # the pause replaces the preemption
+    assert api.store.stops_requested([job_id]) == {job_id: StopRequest(StopReason.PAUSED)}
 
 
 def test_finished_unknown_and_others_jobs_are_refused(api: Api) -> None:

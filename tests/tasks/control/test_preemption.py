@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from kiln.common.stops import StopReason
 from kiln.storage.job_store import JobStore
-from kiln.storage.preemption import PreemptionOps
 from kiln.tasks.control.preemption import Preemption, preempt_for_late_jobs
 from tests.storage.helpers import new_job
 from tests.tasks.control.conftest import PIPELINE, ControlFactory, ControlHarness
@@ -40,18 +40,28 @@ def _running(store: JobStore, node: str, *, lane: str = "bulk") -> str:
     return record.id
 
 
-def _node(store: JobStore, node: str, checkpointing: list[str], waiting: int = 0) -> None:
+def _node(
+    store: JobStore, node: str, checkpointing: list[str], waiting: int = 0, *, current: bool = True
+) -> None:
+    """A node's heartbeat; `current=False`: one of the release before preemptions were stops."""
     info: dict[str, Any] = {
         "pipelines": [PIPELINE],
         "jobs_waiting": waiting,
         "checkpointing_jobs": checkpointing,
         "draining": False,
     }
+    if current:
+        info["stops_read"] = ["canceled", "paused", "preempted"]  # as tasks/node/maintenance.py
     store.publish_node(node, info, 60.0)
 
 
-def _requested(store: JobStore, *job_ids: str) -> dict[str, str]:
-    return PreemptionOps(store.redis, store.settings).preemptions_requested(list(job_ids))
+def _requested(store: JobStore, *job_ids: str) -> dict[str, str | None]:
+    """The preemptions asked of these jobs (their stop requests), and the job each is for."""
+    return {
+        job_id: request.for_job
+        for job_id, request in store.stops_requested(list(job_ids)).items()
+        if request.reason == StopReason.PREEMPTED
+    }
 
 
 @pytest.fixture
@@ -172,6 +182,19 @@ def test_the_guard_caps_preemptions_per_job_and_keeps_a_least_run(
     assert (
         len(preempt_for_late_jobs(make_control(**FAST, priority_preemption_max=3).ctx, QUEUES)) == 1
     )
+
+
+def test_a_node_of_the_release_before_is_asked_for_no_preemption(
+    control: ControlHarness, job_store: JobStore
+) -> None:
+    # it reads every stop request but a pause as a cancel: a preemption would cancel its job
+    old, current = _running(job_store, "node-old"), _running(job_store, "node-new")
+    _node(job_store, "node-old", [old], current=False)
+    _node(job_store, "node-new", [current], waiting=1)  # the other is the better place
+    late = _late(job_store)
+    assert preempt_for_late_jobs(control.ctx, QUEUES) == [Preemption(current, "node-new", late)]
+    assert _requested(job_store, old, current) == {current: late}
+    assert job_store.stops_requested([old]) == {}
 
 
 def test_the_setting_switches_it_off(make_control: ControlFactory, job_store: JobStore) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kiln.common.stops import StopReason
 from kiln.storage.preemption import PreemptionOps
-from kiln.tasks.node.maintenance import watch_stops
+from kiln.tasks.node.maintenance import watch_cancels
 from kiln.tasks.node.preempted import head_of_lane_message
 from kiln.tasks.queue.kombu_redis import listed_run_job_id, queue_list_keys
 from tests.storage.helpers import new_job
@@ -43,7 +43,7 @@ def test_the_cancel_watch_stops_a_checkpointing_job_a_preemption_asks_for(
         a.started = a.checkpoints = True
         b.started = True  # its run takes no checkpoints: stopping it would lose its steps
         c.checkpoints = True  # not started: its group never ran it
-        watch_stops(node)
+        watch_cancels(node)
         assert (a.stop_reason, a.preempted_for) == (
             StopReason.PREEMPTED,
             f"waiting-{checkpointing}",
