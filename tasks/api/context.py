@@ -18,9 +18,8 @@ from kiln.tasks.api.sse import StreamSlots
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.intake.intake import Intake
 from kiln.tasks.queue.backlog import BacklogCache
-from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.process import ProcessParts
-from kiln.tasks.queue.submit import Submitter, celery_publisher
+from kiln.tasks.queue.submit import Submitter
 from kiln.tasks.webhooks.ssrf import Resolver, UrlPolicy, policy_from, system_resolver
 
 # Sync routes and dependencies run in anyio's default thread pool (40 threads); each may hold a
@@ -91,15 +90,11 @@ def build_context(
     """Connect the stores and the Celery producer the API uses (`kiln api`: the process's own)."""
     parts = ProcessParts(settings, storage_settings)
     store, celery = parts.store, parts.celery_app
-    # a job's message goes with its record in one script where the broker is Kiln's Redis
-    messages = (
-        CeleryMessages(celery) if CeleryMessages.usable_for(settings, storage_settings) else None
-    )
     return ApiContext(
         settings=settings,
         store=store,
         objects=parts.objects,
-        submitter=Submitter(store, settings, publish=celery_publisher(celery), messages=messages),
+        submitter=parts.submitter,  # each job's message in its creation script, where it can
         auth=Authenticator(
             parts.api_keys,
             enabled=settings.auth_enabled,

@@ -25,7 +25,7 @@ WHOLE = 1 << 62  # read to the end: an output recorded without its size
 
 
 class JobsBackend(Protocol):
-    """The three job operations the CLI needs."""
+    """The job operations the CLI needs: on Redis directly, or through the API."""
 
     def submit(
         self,
@@ -82,14 +82,13 @@ class DirectBackend:
         # Deferred: Redis, boto3 and Celery load only when the CLI talks to Redis directly.
         from kiln.tasks.intake.intake import Intake
         from kiln.tasks.queue.process import ProcessParts
-        from kiln.tasks.queue.submit import Submitter, celery_publisher
 
         parts = ProcessParts()  # the command's process: its environment, read once
         start_tracing("kiln-cli")  # its admission spans, where the OTEL_* variables ask
         self.store = parts.store
         self.objects = parts.objects
         self.celery_app = parts.celery_app  # its job events' webhooks (a pause, a resume)
-        self.submitter = Submitter(self.store, parts.settings, celery_publisher(parts.celery_app))
+        self.submitter = parts.submitter  # as the API's: each message in its job's creation
         self.intake = Intake(self.submitter, self.objects)  # the checks of POST /v1/jobs
 
     def submit(

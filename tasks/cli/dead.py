@@ -169,13 +169,12 @@ def _direct_show(job_id: str) -> DeadLetterView:
 
 def _direct_redrive(request: RedriveRequest) -> RedriveResult:
     from kiln.tasks.intake.redrive import chosen_letters, redrive
-    from kiln.tasks.queue.submit import Submitter
 
     parts, letters = _direct_parts()
     store = parts.store
     owner = None if request.filter is None else request.filter.owner
     targets = chosen_letters(letters, request, owner)
-    submitter = Submitter(store, parts.settings, publish=None)
+    submitter = parts.submitter
     return redrive(
         store,
         letters,

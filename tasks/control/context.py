@@ -13,7 +13,7 @@ from kiln.storage.objects import ObjectStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.process import ProcessParts
-from kiln.tasks.queue.submit import Submitter, celery_publisher
+from kiln.tasks.queue.submit import Submitter
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class ControlContext:
             store=store,
             objects=parts.objects,
             celery_app=app,
-            submitter=Submitter(store, parts.settings, celery_publisher(app)),
+            submitter=parts.submitter,
             owner=owner or default_control_id(),
         )
 

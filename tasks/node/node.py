@@ -47,7 +47,7 @@ from kiln.tasks.node.usage import NodeUsageReport
 from kiln.tasks.node.waiting import WaitingInNode
 from kiln.tasks.queue.process import ProcessParts
 from kiln.tasks.queue.quotas import RunningCaps
-from kiln.tasks.queue.submit import Publish, Submitter, celery_publisher
+from kiln.tasks.queue.submit import Publish, Submitter
 from kiln.tasks.webhooks.event_sink import EventSink
 
 log = logging.getLogger(__name__)
@@ -178,8 +178,9 @@ class Node:
         # LoRA adapters: the lora dir's and, with KILN_LORA_PREFIX, the store's (fetched on use)
         self.adapter_sources = AdapterSources.for_node(group.settings, self.objects)
         self.celery_app = parts.celery_app
-        self.submitter = Submitter(
-            self.store, settings, publish or celery_publisher(self.celery_app)
+        # (its publishes are re-publishes: a start given back, a busy lease, a preempted job)
+        self.submitter = (
+            parts.submitter if publish is None else Submitter(self.store, settings, publish)
         )
         self.group_size = group_size or len(group.world())
         self.coordinator: GroupCoordinator = coordinator or node_coordinator(group, group_size)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kiln.storage.apikeys import ApiKeyStore
     from kiln.storage.job_store import JobStore
     from kiln.storage.objects import ObjectStore
+    from kiln.tasks.queue.submit import Submitter
 
 T = TypeVar("T")
 
@@ -91,6 +92,25 @@ class ProcessParts:
         from kiln.tasks.queue.app import make_celery_app
 
         return self._once("celery", lambda: make_celery_app(self.settings, self.storage_settings))
+
+    @property
+    def submitter(self) -> Submitter:
+        """What publishes the jobs this process creates, the same for every way in.
+
+        Where the broker is Kiln's own Redis, a new job's message goes in its creation script
+        (one round trip: no job is ever written without its message); elsewhere Celery
+        publishes it after the record is written, and the sweeper publishes what that missed.
+        """
+        from kiln.tasks.queue.messages import CeleryMessages
+        from kiln.tasks.queue.submit import Submitter, celery_publisher
+
+        def build() -> Submitter:
+            app = self.celery_app
+            usable = CeleryMessages.usable_for(self.settings, self.storage_settings)
+            messages = CeleryMessages(app) if usable else None
+            return Submitter(self.store, self.settings, celery_publisher(app), messages=messages)
+
+        return self._once("submitter", build)
 
 
 _this_process: ProcessParts | None = None

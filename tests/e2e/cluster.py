@@ -16,13 +16,12 @@ from unittest.mock import patch
 
 from kiln.common.states import TERMINAL_STATES
 from kiln.storage.job_store import JobRecord, JobStore
-from kiln.storage.objects import ObjectStore, open_object_store
+from kiln.storage.objects import ObjectStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.intake.intake import Intake
-from kiln.tasks.queue.app import make_celery_app
-from kiln.tasks.queue.submit import Submitter, celery_publisher
+from kiln.tasks.queue.process import ProcessParts
 from tests.tasks.helpers import write_many
 from tests.waiting import wait_for_changes, wait_until
 
@@ -153,10 +152,12 @@ class Cluster:
         with patch.dict(os.environ, self.env, clear=True):
             self.storage_settings = StorageSettings()
             self.settings = KilnSettings()
-        self.store = JobStore.from_settings(self.storage_settings)
-        self.objects: ObjectStore = open_object_store(self.storage_settings)
-        self.celery = make_celery_app(self.settings, self.storage_settings)
-        self.submitter = Submitter(self.store, self.settings, celery_publisher(self.celery))
+        # the process's parts as `kiln submit` without --api builds them
+        parts = ProcessParts(self.settings, self.storage_settings)
+        self.store = parts.store
+        self.objects: ObjectStore = parts.objects
+        self.celery = parts.celery_app
+        self.submitter = parts.submitter
         # the one way in (tasks/intake), as `kiln submit` without --api uses it
         self.intake = Intake(self.submitter, self.objects)
         self.completions = Path(self.env["KILN_TEST_COMPLETIONS"])

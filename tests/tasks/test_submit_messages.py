@@ -250,3 +250,35 @@ def test_a_publish_to_a_lost_broker_is_left_to_the_sweeper(
     assert not job_store.get(record.id).published
     assert job_store.unpublished_jobs(0) == [record.id]  # what the sweeper publishes again
     assert f"publishing job {record.id} failed" in caplog.text
+
+
+def test_every_way_in_sends_a_jobs_message_with_its_record(
+    storage_settings: StorageSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API, `kiln submit` on Redis, the control loops: each one's message in the creation.
+
+    (Before, only the API's did; the others published with Celery after the record was written:
+    two more round trips, and a moment in which the job was written without its message.)
+    """
+    from kiln.tasks.cli.backends import DirectBackend
+    from kiln.tasks.control.context import ControlContext
+    from kiln.tasks.queue.process import ProcessParts
+
+    monkeypatch.setenv("KILN_REDIS_URL", storage_settings.redis_url)
+    monkeypatch.setenv("KILN_REDIS_NAMESPACE", storage_settings.redis_namespace)
+    monkeypatch.setenv("KILN_STORAGE_URL", storage_settings.storage_url)
+    cli = DirectBackend()
+    api = build_context(api_settings(), storage_settings)
+    control = ControlContext.of(ProcessParts(api_settings(), storage_settings))
+    for way_in, submitter in [
+        ("cli", cli.submitter),
+        ("api", api.submitter),
+        ("control", control.submitter),
+    ]:
+        record, _ = Intake(submitter, None).submit(JobRequest(pipeline="tiny", prompt=way_in))
+        assert record.published, way_in
+        built = submitter.message_for(new_job(f"job-{way_in}"))  # the queue's list key with it
+        assert built is not None, way_in
+        queued = api.store.redis.lrange(built[0], 0, -1)
+        assert any(record.id in json.loads(m)["headers"]["argsrepr"] for m in queued), way_in
+    cli.close()
