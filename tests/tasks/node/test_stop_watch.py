@@ -3,7 +3,9 @@
 A cancel, a pause and a priority preemption are one stop request per running job (storage/
 leases.py); the watch's tick (the node's `cancels` component, every 20 ms) reads all of its
 tracked jobs' requests with one command, whatever they ask. What Redis ran is read back with
-MONITOR, filtered to the test's namespace (the test Redis is shared).
+MONITOR, filtered to the test's namespace (the test Redis is shared). The node's heartbeat says
+which stop requests its watch reads, so the control loop asks a preemption only of a node that
+reads it as one (a node of an earlier release read it as a cancel).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import redis
 from kiln.common.stops import StopReason
 from kiln.storage.job_store import JobStore
 from kiln.storage.preemption import PreemptionOps
-from kiln.tasks.node.maintenance import node_components
+from kiln.tasks.control.preemption import Preemption, preempt_for_late_jobs
+from kiln.tasks.node.maintenance import heartbeat, node_components, node_context, watch_cancels
 from tests.storage.helpers import new_job
 from tests.tasks.node.conftest import NodeFactory
 
@@ -89,3 +92,29 @@ def test_one_command_per_tick_reads_cancels_pauses_and_preemptions(
         assert tracked[left].stop_reason is None
         # the jobs told to stop are not read again
         assert commands_during(store, watch.step) == [["MGET", store.keys.cancel(left)]]
+
+
+def test_a_nodes_heartbeat_offers_its_jobs_and_its_watch_carries_the_decision_out(
+    make_node: NodeFactory,
+) -> None:
+    # the whole path on one node: its heartbeat lists what its watch reads and the jobs a
+    # preemption may suspend, its control loop decides, its cancel watch stops the job
+    harness = make_node(target_start_s_interactive=30.0, priority_preemption_min_run_s=0.0)
+    node, store = harness.node, harness.store
+    record, _ = store.create_job(new_job(lane="bulk", queue=QUEUE))
+    token = store.acquire_lease(record.id, f"{node.node_id}/delivery-{record.id}")
+    store.start(record.id, token)
+    late, _ = store.create_job(new_job(lane="interactive", queue="interactive.tiny"))
+    store.redis.hset(store.keys.job(late.id), "created_at", store.redis_now() - 3600)
+    with node.tracking(record.id, token) as tracked:
+        tracked.started = tracked.checkpoints = True
+        heartbeat(node)
+        (info,) = store.live_nodes()
+        assert info["stops_read"] == ["canceled", "paused", "preempted"]
+        assert info["checkpointing_jobs"] == [record.id]
+
+        asked = preempt_for_late_jobs(node_context(node), ["interactive.tiny", QUEUE])
+
+        assert asked == [Preemption(record.id, node.node_id, late.id)]
+        watch_cancels(node)
+        assert (tracked.stop_reason, tracked.preempted_for) == (StopReason.PREEMPTED, late.id)
