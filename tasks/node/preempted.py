@@ -10,10 +10,10 @@ The request is the job's stop request, the one a cancel and a pause write (stora
 checkpoints (such a job's stop, `StopReason.PREEMPTED`, is one of gpu_worker's
 `CHECKPOINTED_STOPS`, so rank 0 checkpoints the very step it stops at); a request for another
 lapses: stopping it would throw its steps away. The attempt then ends with `requeue_preempted`
-(storage/lua/preempted.lua), which also
-pushes the job's message where its queue's next fetch pops first (`head_of_lane_message`: the
-broker is Kiln's Redis; with another broker the job is published as usual, at the back of the
-list, while its place in the queue index is still the head).
+(storage/lua/preempted.lua), which also pushes the job's message where its queue's next fetch
+pops first (`head_of_lane_message`: the broker is Kiln's Redis; with another broker the job is
+published as usual, at the back of the list, while its place in the queue index is still the
+head).
 """
 
 from __future__ import annotations
