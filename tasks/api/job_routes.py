@@ -46,7 +46,7 @@ from kiln.tasks.contract.responses import (
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.views import JobView, QueueEstimate, job_view
 from kiln.tasks.intake.refusal import Caller as IntakeCaller
-from kiln.tasks.intake.refusal import Refusal
+from kiln.tasks.intake.refusal import Refusal, Refused
 from kiln.tasks.queue.positions import estimate_from, placement, queue_estimate
 from kiln.tasks.webhooks.event_sink import EventSink
 
@@ -103,28 +103,13 @@ async def _admit(
     idempotency_key: str | None,
     trace: Carrier,
 ) -> Response:
-    # The intake's steps (tasks/intake), answered on the event loop: a thread hop costs a plain
-    # submission more CPU than its own work. What can block goes to a worker thread: reading the
-    # nodes' heartbeats (every few seconds, here and for the view), an image input's HEAD or a
-    # URL's DNS, a backlog read.
     intake, who = ctx.intake, IntakeCaller(caller.key_id, caller.max_queued)
-    if ctx.submitter.served_is_fresh():
-        declared = intake.declared(body.pipeline)
-    else:
-        declared = await run_in_threadpool(intake.declared, body.pipeline)
-    refusal = intake.static_refusal(body, declared)  # every static check, in one pass
-    if refusal is None and intake.needs_lookups(body, declared):
-        refusal = await run_in_threadpool(intake.lookup_refusal, body, who, declared)
     # Keys are scoped to the API key so two callers never share one.
     scoped_key = f"{caller.key_id or '-'}:{idempotency_key}" if idempotency_key else None
-    if refusal is None and intake.needs_admission(body):
-        if scoped_key is None and ctx.backlogs.is_fresh(body.pipeline):
-            refusal = intake.admission_refusal(body, None)
-        else:
-            refusal = await run_in_threadpool(intake.admission_refusal, body, scoped_key)
-    if refusal is not None:
-        raise _http(refusal)
-    accepted = intake.accept(body, who, idempotency_key=scoped_key, trace=trace)
+    try:  # the intake's checks (tasks/intake), on the event loop where nothing blocks
+        accepted = await intake.admit(body, who, scoped_key=scoped_key, trace=trace)
+    except Refused as refused:
+        raise _http(refused.refusal) from None
     set_span_attributes(
         {JOB_ID_ATTRIBUTE: accepted.new.id, QUEUE_ATTRIBUTE: accepted.new.queue or ""}
     )

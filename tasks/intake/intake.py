@@ -25,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
+
+from anyio import to_thread
 
 from kiln.common.request import DRAWN_SEED_LIMIT
 from kiln.common.tracing import (
@@ -75,6 +77,22 @@ from kiln.tasks.webhooks.ssrf import (
 )
 
 ANONYMOUS = Caller()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """A read one of the intake's steps needs: `call(*args)` may block, unless it is `cached`."""
+
+    call: Callable[..., Any]
+    args: tuple[Any, ...]
+    cached: bool  # answered from memory: an event loop makes it in place
+
+    def __call__(self) -> Any:
+        return self.call(*self.args)
+
+
+# the intake's checks as a generator: it yields its reads, is sent their answers, returns a refusal
+_Checks = Generator[_Read, Any, "Refusal | None"]
 WEBHOOK_LOC: Loc = ("webhook", "url")
 # distinct image inputs and webhook URLs whose verdict one batch file keeps (each costs a HEAD or
 # a DNS lookup; the lines of a file mostly repeat a few)
@@ -337,17 +355,55 @@ class Intake:
         )
         return Accepted(effective, new)
 
+    def _checks(self, request: JobRequest, caller: Caller, scoped_key: str | None) -> _Checks:
+        """Steps 2-5 in their one order; each read they need is yielded to the entrance's driver.
+
+        (`refusal` makes every read in place; `admit`, on an event loop, hands the ones that may
+        block to a worker thread.) Returns the first refusal, or None.
+        """
+        served = self.submitter
+        declared = yield _Read(self.declared, (request.pipeline,), served.served_is_fresh())
+        refusal = self.static_refusal(request, declared)  # no I/O
+        if refusal is None and self.needs_lookups(request, declared):
+            refusal = yield _Read(self.lookup_refusal, (request, caller, declared), False)
+        if refusal is None and self.needs_admission(request):
+            cached = scoped_key is None and self.backlogs.is_fresh(request.pipeline)
+            refusal = yield _Read(self.admission_refusal, (request, scoped_key), cached)
+        return refusal
+
     def refusal(
         self, request: JobRequest, caller: Caller, scoped_key: str | None
     ) -> Refusal | None:
-        """Steps 2-5 in order, blocking where they read (the API runs them on its event loop)."""
-        declared = self.declared(request.pipeline)
-        refusal = self.static_refusal(request, declared)
-        if refusal is None and self.needs_lookups(request, declared):
-            refusal = self.lookup_refusal(request, caller, declared)
-        if refusal is None:
-            refusal = self.admission_refusal(request, scoped_key)
-        return refusal
+        """Steps 2-5, each read made on the calling thread (the direct entrance)."""
+        checks = self._checks(request, caller, scoped_key)
+        try:
+            read = next(checks)
+            while True:
+                read = checks.send(read())
+        except StopIteration as done:
+            return cast(Refusal | None, done.value)
+
+    async def admit(
+        self, request: JobRequest, caller: Caller, *, scoped_key: str | None, trace: Carrier
+    ) -> Accepted:
+        """Steps 2-5 on an event loop (POST /v1/jobs), then the accepted job; Refused if not.
+
+        A read answered from memory runs in place: a thread hop costs a plain submission more
+        CPU than its own work. One that may block goes to a worker thread: the nodes'
+        heartbeats (read every few seconds), an image input's HEAD or a URL's DNS, a backlog or
+        an idempotency key's read.
+        """
+        checks = self._checks(request, caller, scoped_key)
+        try:
+            read = next(checks)
+            while True:
+                answer = read() if read.cached else await to_thread.run_sync(read)
+                read = checks.send(answer)
+        except StopIteration as done:
+            refusal = cast(Refusal | None, done.value)
+        if refusal is not None:
+            raise Refused(refusal)
+        return self.accept(request, caller, idempotency_key=scoped_key, trace=trace)
 
     def submit(
         self,
