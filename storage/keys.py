@@ -31,6 +31,11 @@ def valid_queue(value: str) -> bool:
     return bool(_QUEUE.fullmatch(value))
 
 
+# a job's record key + these are its lease, its stop request and its webhook attempts (the
+# reaper's script completes them for the jobs it finds: storage/lua/reap_lapsed.lua)
+LEASE_SUFFIX, STOP_SUFFIX, WEBHOOKS_SUFFIX = ":lease", ":cancel", ":webhooks"
+
+
 class Keys:
     """Key names of one namespace."""
 
@@ -58,14 +63,14 @@ class Keys:
 
     def lease(self, job_id: str) -> str:
         """String `<token>|<owner>` with the lease TTL."""
-        return self.job(job_id) + ":lease"
+        return self.job(job_id) + LEASE_SUFFIX
 
     def cancel(self, job_id: str) -> str:
         """The running job's stop request while one is pending: a cancel, a pause or a preemption.
 
         (Named when it held cancels only; storage/leases.py `StopRequest` reads its values.)
         """
-        return self.job(job_id) + ":cancel"
+        return self.job(job_id) + STOP_SUFFIX
 
     def preempt_claim(self, job_id: str) -> str:
         """Set while a preemption made room for this waiting job: one per job at a time."""
@@ -73,7 +78,7 @@ class Keys:
 
     def webhooks(self, job_id: str) -> str:
         """List of webhook delivery attempts (JSON)."""
-        return self.job(job_id) + ":webhooks"
+        return self.job(job_id) + WEBHOOKS_SUFFIX
 
     # --- per idempotency key, batch, state, owner ----------------------------------------------
     @property

@@ -6,8 +6,8 @@ Two kinds, one shape (`<token>|<owner>` under a TTL of `lease_ttl_s`, storage/ke
   (storage/lua/hold.lua; acquire.lua takes it too), renewed by the node's
   heartbeat (renew.lua; tasks/node/maintenance.py `renew_leases`: a lost lease stops the job),
   released at the end (release.lua). Once it lapses, the reaper (tasks/control/reaper.py) finds
-  the job (lease_deadlines_passed.lua, `expired_leases`) and moves it back to queued (reap.lua,
-  storage/transitions.py `reap`); every later write of the old attempt is fenced off by its token;
+  the job and moves it back to queued in one script (reap_lapsed.lua, `reap_lapsed`; reap.lua,
+  `reap`, moves one job); every later write of the old attempt is fenced off by its token;
 - a batch's feeder lease (`FeederLeaseOps`): taken and renewed by each feeder pass
   (batch_lease.lua); once it lapses, the next feeder pass anywhere takes the batch over, and the
   old feeder's fenced writes (batch_fed.lua, batch_reported.lua) are refused.
@@ -26,6 +26,7 @@ from kiln.common.job_events import ProgressData
 from kiln.common.stops import StopReason
 from kiln.storage.base import StoreBase
 from kiln.storage.boundary import redis_boundary
+from kiln.storage.keys import LEASE_SUFFIX, STOP_SUFFIX, WEBHOOKS_SUFFIX
 from kiln.storage.settings import StorageSettings
 
 # A running job's stop request (`keys.cancel`: one key, one value naming why) as storage/lua/
@@ -152,18 +153,30 @@ class LeaseOps(StoreBase):
         return held.split("|", 1)[1] if held else None
 
     @redis_boundary
-    def expired_leases(self) -> list[str]:
-        """Ids of running jobs whose lease has expired (by the Redis clock): reap candidates."""
-        overdue: list[str] = self._run(
-            "lease_deadlines_passed", [self.keys.running], [_REAPER_BATCH]
-        )
-        if not overdue:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in overdue:
-            pipe.exists(self.keys.lease(job_id))
-        alive = pipe.execute()
-        return [job_id for job_id, live in zip(overdue, alive, strict=True) if not live]
+    @redis_boundary
+    def reap_lapsed(self) -> list[str]:
+        """The reaper's pass: running jobs whose lease lapsed go back to queued; their ids.
+
+        One script finds them by the Redis clock (at most `_REAPER_BATCH` a call) and moves each
+        as `reap` would (to canceled or paused when one is pending), so it applies once whoever
+        runs it: every process may. The jobs are marked unpublished; the caller publishes them.
+        """
+        k = self.keys
+        suffixes = [k.events_suffix, LEASE_SUFFIX, STOP_SUFFIX, WEBHOOKS_SUFFIX]
+        args = [_REAPER_BATCH, k.job_prefix, *suffixes, *self._machine_settings()]
+        reaped: list[str] = self._run("reap_lapsed", self._namespace_machine_keys(), args)
+        return reaped
+
+    @redis_boundary
+    def reap(self, job_id: str) -> bool:
+        """Running → queued if its lease is gone (→ canceled if a cancel is pending); True if so.
+
+        (A delivery of a job still `running` whose holder is gone: tasks/node/jobs.py.) The job
+        is marked unpublished: the caller publishes it again.
+        """
+        self._require_id(job_id)
+        args = [job_id, *self._machine_settings()]
+        return bool(self._run("reap", self._machine_keys(job_id), args))
 
     def cancel_requested(self, job_id: str) -> bool:
         """True while a cancel of the running job is pending (one GET; cheap)."""

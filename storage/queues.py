@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.storage.base import StoreBase, dumps
+from kiln.storage.base import COMPLETION_WINDOW_S, StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.keys import Keys, valid_queue
-from kiln.storage.transitions import COMPLETION_WINDOW_S
 
 MAX_NODE_ID = 256
 

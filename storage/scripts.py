@@ -57,7 +57,7 @@ ScriptName = Literal[
     "release",
     "mark_published",
     "webhook_attempt",
-    "lease_deadlines_passed",
+    "reap_lapsed",
     "unpublished",
     "publish_node",
     "live_nodes",

@@ -51,9 +51,6 @@ edge_sources((R,), JobState.CANCELED)
 edge_sources((Q, R), P)
 edge_sources((P,), Q)
 edge_sources((P,), JobState.CANCELED)
-# how far back a queue's completion window reaches (s): its runs finished in that time give the
-# queue's recent completion rate (storage.queues reads it)
-COMPLETION_WINDOW_S = 600
 
 
 @dataclass(frozen=True)
@@ -68,41 +65,6 @@ class Start:
 
 class TransitionOps(StoreBase):
     """Fenced, atomic transitions of the state machine (kiln/common/states.py)."""
-
-    def _machine_keys(self, job_id: str) -> list[str]:
-        """KEYS of the scripts that include _machine.lua (transition, cancel, reap), in order."""
-        k = self.keys
-        return [
-            k.job(job_id),
-            k.events(job_id),
-            k.lease(job_id),
-            k.cancel(job_id),
-            k.webhooks(job_id),
-            k.running,
-            k.unpublished,
-            k.queue_depth,
-            k.retired,
-            k.creation_seq,
-            k.owner_queued,
-            k.owner_running,
-            k.finished_counts,
-        ]
-
-    def _machine_settings(self) -> list[str | int]:
-        """The ARGV those scripts take after their own: prefixes, then settings, in order."""
-        k = self.keys
-        return [
-            k.state_index_prefix,
-            k.batch_prefix,
-            k.batch_index_prefix,
-            k.idempotency_prefix,
-            k.queue_index_prefix,
-            k.completions_prefix,
-            self.settings.event_stream_maxlen,
-            self.settings.retention_s,
-            COMPLETION_WINDOW_S,
-            k.usage_prefix,
-        ]
 
     def _transition(
         self,
@@ -472,16 +434,6 @@ class TransitionOps(StoreBase):
         return self._transition(
             job_id, _EXPIRE, JobState.EXPIRED, fence="none", token=None, payload=ExpiredData()
         )
-
-    @redis_boundary
-    def reap(self, job_id: str) -> bool:
-        """Running → queued if its lease is gone (→ canceled if a cancel is pending); True if so.
-
-        The job is marked unpublished: the caller publishes it again and calls mark_published.
-        """
-        self._require_id(job_id)
-        args = [job_id, *self._machine_settings()]
-        return bool(self._run("reap", self._machine_keys(job_id), args))
 
 
 def _with_steps(fields: dict[str, str], steps: AttemptSteps | None) -> dict[str, str]:

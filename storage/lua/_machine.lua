@@ -330,3 +330,22 @@ local function transition(m, job, target, payload, fields, event_type)
   append_event(m.job, m.events, m.maxlen, event_type or target, time, payload)
   return time
 end
+
+-- a running job whose lease is gone goes back to queued (to canceled or paused when a cancel or
+-- a pause is pending); a job no longer running leaves the running set. 1 if it moved, else 0
+-- (reap.lua for one job, reap_lapsed.lua for every lapsed one)
+local function reap_job(m, job_id)
+  if redis.call('HGET', m.job, 'state') ~= S.running then
+    redis.call('ZREM', m.running, job_id)
+    return 0
+  end
+  if redis.call('EXISTS', m.lease) == 1 then return 0 end
+  local job = load_job(m.job, job_id)
+  local requested, payload = requested_end(m)
+  if requested then
+    transition(m, job, requested, payload, {})
+  else
+    transition(m, job, S.queued, cjson.encode({reason = 'lease_expired'}), {})
+  end
+  return 1
+end

@@ -33,16 +33,4 @@ local m = {job = KEYS[1], events = KEYS[2], lease = KEYS[3], cancel = KEYS[4], h
   idem_prefix = ARGV[5], queue_index_prefix = ARGV[6], completions_prefix = ARGV[7],
   maxlen = ARGV[8], retention = ARGV[9], window = ARGV[10], usage_prefix = ARGV[11]}
 
-if redis.call('HGET', m.job, 'state') ~= S.running then
-  redis.call('ZREM', m.running, job_id)
-  return 0
-end
-if redis.call('EXISTS', m.lease) == 1 then return 0 end
-local job = load_job(m.job, job_id)
-local requested, payload = requested_end(m)
-if requested then
-  transition(m, job, requested, payload, {})
-else
-  transition(m, job, S.queued, cjson.encode({reason = 'lease_expired'}), {})
-end
-return 1
+return reap_job(m, job_id)

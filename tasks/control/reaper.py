@@ -12,15 +12,14 @@ log = logging.getLogger(__name__)
 def reap_expired(ctx: ControlContext) -> int:
     """Re-queue and re-publish jobs whose lease expired while running; returns how many.
 
-    `reap` is one script that only one caller wins per job, so every process may run this.
+    The move is one script per pass (storage/leases.py `reap_lapsed`) that applies once per job
+    whoever runs it, so every process may run this.
     """
-    reaped = 0
-    for job_id in ctx.store.expired_leases():
-        if ctx.store.reap(job_id):
-            ctx.submitter.publish(ctx.store.get(job_id))
-            reaped += 1
-            log.info("reaped job %s (its lease expired while running)", job_id)
-    return reaped
+    reaped = ctx.store.reap_lapsed()
+    for job_id in reaped:
+        ctx.submitter.publish(ctx.store.get(job_id))
+        log.info("reaped job %s (its lease expired while running)", job_id)
+    return len(reaped)
 
 
 def prune_indexes(ctx: ControlContext) -> int:

@@ -33,7 +33,7 @@ def test_a_held_job_stays_queued_and_says_where_it_waits(job_store: JobStore) ->
     assert event_types(job_store, job_id) == ["queued", "progress"]
     assert job_store.events(job_id, count=10)[-1].payload == WAITING
     assert job_store.renew_lease(job_id, token) is Renewal.RENEWED
-    assert job_id not in job_store.expired_leases()  # nothing running to reap
+    assert job_id not in job_store.reap_lapsed()  # nothing running to reap
 
 
 def test_the_holder_alone_starts_it_and_the_start_clears_the_wait(job_store: JobStore) -> None:
@@ -59,7 +59,7 @@ def test_a_started_held_job_runs_under_its_lease_and_names_its_node(job_store: J
     assert (payload["node_id"], payload["owner"], payload["attempts"]) == ("node-1", WORKER, 1)
     # the lease is renewable with the token and the running set holds the job (the reaper's view)
     assert job_store.renew_lease(job_id, token) is Renewal.RENEWED
-    assert job_id not in job_store.expired_leases()
+    assert job_id not in job_store.reap_lapsed()
     job_store.succeed(job_id, token, [{"key": "k"}], {"run_s": 0.1})
     assert job_store.get(job_id).state == JobState.SUCCEEDED
 
@@ -95,7 +95,7 @@ def test_a_lapsed_hold_leaves_the_job_queued_for_another_delivery(job_store: Job
     job_id, _ = job_in_state(job_store, JobState.QUEUED)
     dead, _ = short.hold(job_id, "dead-node/1", "dead-node", 0)  # ...and that node died
     wait_until_expired(job_store, job_id)
-    assert job_store.expired_leases() == []  # queued: the reaper has nothing to move
+    assert job_store.reap_lapsed() == []  # queued: the reaper has nothing to move
     token, record = job_store.hold(job_id, WORKER, "node-1", 0)
     assert (record.state, record.attempts) == (JobState.QUEUED, 0)
     with pytest.raises(StaleLease):

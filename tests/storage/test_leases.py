@@ -43,7 +43,6 @@ def test_lease_expires_then_reaped(job_store: JobStore) -> None:
     assert store.reap(job_id) is False  # lease still live
     lapse_lease(store, job_id)
     wait_until(lambda: store.lease_owner(job_id), lambda owner: owner is None, what="lease lapsed")
-    wait_until(store.expired_leases, lambda expired: job_id in expired, what="lease listed expired")
     new = store.acquire_lease(job_id, "worker-b")  # another node may take it over
     assert new > token
     with pytest.raises(StaleLease):
@@ -53,7 +52,7 @@ def test_lease_expires_then_reaped(job_store: JobStore) -> None:
     record = store.get(job_id)
     assert record.state == JobState.QUEUED
     assert not record.published
-    assert job_id not in store.expired_leases()
+    assert job_id not in store.reap_lapsed()  # queued now: nothing for the reaper
     assert job_id in store.unpublished_jobs(0)
     assert event_types(store, job_id) == ["queued", "running", "queued"]
     assert store.events(job_id)[-1].payload["reason"] == "lease_expired"  # and its accounting
@@ -67,7 +66,8 @@ def test_renewal_rearms_the_ttl(job_store: JobStore) -> None:
     job_store.redis.pexpire(lease_key, 50)  # as if most of the TTL had passed
     assert job_store.renew_lease(job_id, token) is Renewal.RENEWED
     assert job_store.redis.pttl(lease_key) > 1000
-    assert job_id not in job_store.expired_leases()
+    assert job_id not in job_store.reap_lapsed()
+    assert job_store.get(job_id).state == JobState.RUNNING
 
 
 def test_renewal_after_expiry_while_still_current(job_store: JobStore) -> None:
@@ -100,8 +100,24 @@ def test_release_of_running_job_makes_it_reapable(job_store: JobStore) -> None:
     job_id, token = job_in_state(job_store, JobState.RUNNING)
     job_store.release_lease(job_id, token)
     assert job_store.lease_owner(job_id) is None
-    assert job_store.expired_leases() == [job_id]
-    assert job_store.reap(job_id) is True
+    assert job_store.reap_lapsed() == [job_id]
+    assert job_store.get(job_id).state == JobState.QUEUED
+    assert job_store.reap(job_id) is False  # moved already
+
+
+def test_one_reaper_pass_moves_every_lapsed_job_and_no_live_one(job_store: JobStore) -> None:
+    lapsed, lapsed_token = job_in_state(job_store, JobState.RUNNING)
+    canceled, canceled_token = job_in_state(job_store, JobState.RUNNING)
+    live, _ = job_in_state(job_store, JobState.RUNNING)
+    job_store.cancel(canceled)  # a cancel pending: its lapse ends it canceled
+    for job_id, token in ((lapsed, lapsed_token), (canceled, canceled_token)):
+        job_store.release_lease(job_id, token)
+    assert sorted(job_store.reap_lapsed()) == sorted([lapsed, canceled])
+    states = [job_store.get(job_id).state for job_id in (lapsed, canceled, live)]
+    assert states == [JobState.QUEUED, JobState.CANCELED, JobState.RUNNING]
+    assert job_store.events(lapsed)[-1].payload["reason"] == "lease_expired"
+    assert job_id_not_published(job_store, lapsed)
+    assert job_store.reap_lapsed() == []  # applied once
 
 
 def test_stale_release_is_a_no_op(job_store: JobStore) -> None:
@@ -159,3 +175,8 @@ def test_a_stop_request_of_the_release_before_reads_as_it_was_written() -> None:
     assert read_stop("pause") == StopRequest(StopReason.PAUSED)
     assert read_stop("anything") == StopRequest(StopReason.CANCELED)
     assert read_stop("preempt:job-1") == StopRequest(StopReason.PREEMPTED, "job-1")
+
+
+def job_id_not_published(store: JobStore, job_id: str) -> bool:
+    """A reaped job waits for the reaper's publish (listed unpublished)."""
+    return not store.get(job_id).published and job_id in store.unpublished_jobs(0)
