@@ -4,11 +4,14 @@ Celery hands a worker a message before the task runs: a countdown's message wait
 until it is due, and every message waits a moment before its task takes the job's lease. If the
 node is killed then, the broker gives the message back only after its visibility timeout (an hour
 by default), and the job would sit `queued` that long. So the node records the ids of the jobs
-whose messages it holds as each arrives and at each heartbeat (storage/nodes.py `record_held`),
+whose messages it holds: within `HELD_LIST_INTERVAL_S` of each arrival, by its own loop (so the
+Celery consumer never waits on Redis for it), and at each heartbeat (storage/nodes.py
+`record_held`),
 and a live node's sweeper publishes again the still-queued jobs of a node whose heartbeat lapsed
 (tasks/control/sweeper.py `sweep_unpublished`). kombu has recorded a delivery a moment before
-the strategy below lists it (tasks/queue/kombu_redis.py, item 4); a node killed in that moment
-is covered by tasks/control/unacked.py.
+the strategy below notes it (tasks/queue/kombu_redis.py, item 4); a node killed before its
+list names a message is covered by tasks/control/unacked.py (its lapse window's slack is seconds,
+the listing's delay at most `HELD_LIST_INTERVAL_S`).
 """
 
 from __future__ import annotations
@@ -25,20 +28,24 @@ from kiln.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 
+# how soon a message that reached the worker is listed (the node's `held` loop)
+HELD_LIST_INTERVAL_S = 0.02
+
 
 class HeldDeliveries:
     """Celery task id -> job id of every `run_job` message received and not yet finished.
 
-    With `publish_with`, the list is written to Redis as each message arrives (and by each
-    heartbeat): a node killed a moment after receiving a message must already have it listed.
-    Writes happen under the lock, so the last one written is the newest list. A finished message
-    is dropped from the next write only: a job listed after it ended is harmless (the sweeper
-    publishes only queued jobs), one missing from the list is not.
+    With `publish_with`, the list is written to Redis by the node's `held` loop once a message
+    arrived (`write_if_changed`) and by each heartbeat (`write`). Writes happen under the lock,
+    so the last one written is the newest list. A finished message is dropped from the next
+    write only: a job listed after it ended is harmless (the sweeper publishes only queued
+    jobs), one missing from the list is not.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: dict[str, str] = {}
+        self._changed = False  # a message arrived since the last write
         self._publish: Callable[[list[str]], None] | None = None
         # this process's token in the node's entry: a node restarted with a fixed --node-id must
         # not overwrite what its previous life held (storage/lua/held_record.lua)
@@ -49,10 +56,19 @@ class HeldDeliveries:
         self._publish = publish
 
     def received(self, task_id: str, job_id: str) -> None:
-        """A message for `job_id` reached this worker."""
+        """A message for `job_id` reached this worker: listed by the next `write_if_changed`.
+
+        (No I/O: the Celery consumer calls it for every message it hands on.)
+        """
         with self._lock:
             self._jobs[task_id] = job_id
-            self._write_locked()
+            self._changed = True
+
+    def write_if_changed(self) -> None:
+        """Write the list if a message arrived since the last write (the node's `held` loop)."""
+        with self._lock:
+            if self._changed:
+                self._write_locked()
 
     def finished(self, task_id: str) -> None:
         """The message's task ended (ran, was revoked or rejected): the broker has its ack."""
@@ -67,6 +83,7 @@ class HeldDeliveries:
     def _write_locked(self) -> None:
         if self._publish is None:
             return
+        self._changed = False  # what arrives from here on is in the next write
         try:
             self._publish(sorted(set(self._jobs.values())))
         except StorageError as exc:  # the next heartbeat writes it again
@@ -74,12 +91,12 @@ class HeldDeliveries:
 
 
 def held_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
-    """Celery's default task strategy, with each message listed as held before it is handled.
+    """Celery's default task strategy, with each message noted as held before it is handled.
 
-    The `run_job` task names this as its `Strategy`: the message is listed the moment the worker
-    has it, before Celery logs and signals its receipt (a node killed in between would otherwise
-    leave the message to the visibility timeout; killed before this runs, it is found in kombu's
-    unacked deliveries: tasks/control/unacked.py). `task.kiln_held` is the node's list.
+    The `run_job` task names this as its `Strategy`: the message is noted the moment the worker
+    has it, before Celery logs and signals its receipt, and listed in Redis by the node's `held`
+    loop within `HELD_LIST_INTERVAL_S` (a node killed before that is found in kombu's unacked
+    deliveries: tasks/control/unacked.py). `task.kiln_held` is the node's list.
     """
     from celery.worker.strategy import default
 

@@ -6,6 +6,8 @@ The node's components (`node_components`; some only for a `kiln worker` node):
 - cancel watch (every `CANCEL_POLL_S`): tell the jobs it holds that were asked to stop (a
   cancel, a pause, a priority preemption: one stop request per job, storage/leases.py) to stop,
   reading all of their requests in one command;
+- held list (every `HELD_LIST_INTERVAL_S`): list in Redis the job messages that reached the
+  worker since the last write (tasks/node/held.py), so the Celery consumer never waits for it;
 - controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
   drain request (tasks/node/controls.py);
 - surplus (every `heartbeat_interval_s`, for a `kiln worker` node with `KILN_SURPLUS_EXIT`): an
@@ -25,11 +27,12 @@ import logging
 
 from kiln.common.stops import StopReason
 from kiln.storage.errors import StorageError
-from kiln.storage.leases import STOPS_READ, Renewal
+from kiln.storage.leases import Renewal
 from kiln.tasks.control.components import Component, Loops
 from kiln.tasks.control.context import ControlContext
 from kiln.tasks.control.room import cluster_components
 from kiln.tasks.node.controls import CONTROL_POLL_S, NodeControls
+from kiln.tasks.node.held import HELD_LIST_INTERVAL_S
 from kiln.tasks.node.node import Node, TrackedJob
 from kiln.tasks.node.surplus import SurplusWatch
 
@@ -67,10 +70,7 @@ def heartbeat_ttl(node: Node) -> float:
 def heartbeat(node: Node) -> None:
     """One heartbeat: leases first (they matter most), then the node's health record."""
     renew_leases(node)
-    # `stops_read`: the stop requests its cancel watch reads; a node of an earlier release
-    # lists none and takes a preemption's request for a cancel, so it is asked no preemption
-    health = {**node.health(), "stops_read": [str(reason) for reason in STOPS_READ]}
-    node.store.publish_node(node.node_id, health, heartbeat_ttl(node))
+    node.store.publish_node(node.node_id, node.health(), heartbeat_ttl(node))
     node.held.write()
     node.report_usage()  # its idle GPU-seconds (tasks/node/usage.py)
 
@@ -141,6 +141,7 @@ def node_components(node: Node, controls: NodeControls | None) -> list[Component
             start=lambda: announce(node),
         ),
         Component("cancels", CANCEL_POLL_S, lambda: watch_cancels(node)),
+        Component("held", HELD_LIST_INTERVAL_S, node.held.write_if_changed),
     ]
     if controls is not None:
         components.append(Component("controls", CONTROL_POLL_S, controls.poll))

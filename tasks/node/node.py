@@ -33,6 +33,7 @@ from kiln.gpu_worker.sleep import node_asleep, node_warming
 from kiln.gpu_worker.tickets import BatchStart, ShouldStop
 from kiln.storage.errors import StorageError
 from kiln.storage.job_store import JobRecord
+from kiln.storage.leases import STOPS_READ
 from kiln.storage.objects import ObjectStore
 from kiln.storage.queues import DrainRequest
 from kiln.storage.transitions import Start
@@ -179,9 +180,11 @@ class Node:
         self.adapter_sources = AdapterSources.for_node(group.settings, self.objects)
         self.celery_app = parts.celery_app
         # (its publishes are re-publishes: a start given back, a busy lease, a preempted job)
-        self.submitter = (
-            parts.submitter if publish is None else Submitter(self.store, settings, publish)
-        )
+        if publish is None:
+            self.submitter = parts.submitter
+        else:  # (a test's, to see what is published) its messages are still built as Celery's
+            messages = parts.submitter.messages
+            self.submitter = Submitter(self.store, settings, publish, messages=messages)
         self.group_size = group_size or len(group.world())
         self.coordinator: GroupCoordinator = coordinator or node_coordinator(group, group_size)
         # every job event this node writes or announces goes through its one sink
@@ -388,6 +391,9 @@ class Node:
             "jobs_waiting": len(self.waiting),  # held, queued until the group starts them
             # running jobs a priority preemption may suspend (tasks/control/preemption.py)
             "checkpointing_jobs": sorted(j.job_id for j in jobs if j.checkpoints),
+            # the stop requests its cancel watch reads: a node of an earlier release lists none
+            # and takes a preemption's request for a cancel, so it is asked no preemption
+            "stops_read": [str(reason) for reason in STOPS_READ],
             "last_progress_at": max((j.last_progress_at for j in jobs), default=None),
             "draining": self.draining.is_set(),
             "quarantined": self.quarantine.health(),  # None, or {reason, since}

@@ -19,9 +19,7 @@ head).
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
-import weakref
 
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
@@ -29,15 +27,9 @@ from redis.exceptions import RedisError
 from kiln.storage.job_store import JobRecord
 from kiln.storage.preemption import PreemptionOps
 from kiln.tasks.node.node import Node
-from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.submit import job_queue
 
 log = logging.getLogger(__name__)
-
-_lock = threading.Lock()
-# the node's message builder, made on its first preemption (what it needs, the node's Celery
-# app and settings, is the node's: tasks/queue/process.py's parts would be its place)
-_messages: weakref.WeakKeyDictionary[Node, CeleryMessages | None] = weakref.WeakKeyDictionary()
 
 
 def preemption_ops(node: Node) -> PreemptionOps:
@@ -51,11 +43,7 @@ def head_of_lane_message(node: Node, record: JobRecord) -> tuple[str, str] | Non
     None when the broker is not Kiln's Redis (or the message cannot be built): it is published
     after, as usual.
     """
-    with _lock:
-        if node not in _messages:
-            usable = CeleryMessages.usable_for(node.settings, node.storage_settings)
-            _messages[node] = CeleryMessages(node.celery_app) if usable else None
-        messages = _messages[node]
+    messages = node.submitter.messages  # the process's (tasks/queue/process.py)
     if messages is None:
         return None
     try:

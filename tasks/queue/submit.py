@@ -105,6 +105,11 @@ class Submitter:
         self._messages = messages
         self._served = ServedCache(store, settings.pipelines)
 
+    @property
+    def messages(self) -> CeleryMessages | None:
+        """Its builder of jobs' broker messages, where they may go with a script's write."""
+        return self._messages
+
     def served_is_fresh(self) -> bool:
         """Whether what nodes serve is known without a Redis read (the cache is current)."""
         return self._served.is_fresh()

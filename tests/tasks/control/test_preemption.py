@@ -51,7 +51,7 @@ def _node(
         "draining": False,
     }
     if current:
-        info["stops_read"] = ["canceled", "paused", "preempted"]  # as tasks/node/maintenance.py
+        info["stops_read"] = ["canceled", "paused", "preempted"]  # as Node.health lists them
     store.publish_node(node, info, 60.0)
 
 
