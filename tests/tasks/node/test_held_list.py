@@ -18,15 +18,21 @@ def lapsed_list(store: JobStore) -> list[str]:
     return sorted(j for holder in store.claim_lapsed_holders().holders for j in holder.job_ids)
 
 
-def test_a_message_is_listed_by_the_held_loop_not_by_the_consumer(job_store: JobStore) -> None:
+def listed_by(store: JobStore, node_id: str) -> tuple[HeldDeliveries, list[list[str]]]:
+    """A node's held list writing to `store` (50 ms entries), and the lists it has sent."""
     held = HeldDeliveries()
     sent: list[list[str]] = []
 
     def record(job_ids: list[str]) -> None:
         sent.append(job_ids)
-        job_store.record_held("node-a", job_ids, 0.05, held.incarnation)
+        store.record_held(node_id, job_ids, 0.05, held.incarnation)
 
     held.publish_with(record)
+    return held, sent
+
+
+def test_a_message_is_listed_by_the_held_loop_not_by_the_consumer(job_store: JobStore) -> None:
+    held, sent = listed_by(job_store, "node-a")
     held.received("task-1", "job-1")
     held.received("task-2", "job-2")
     assert sent == []  # the consumer's calls wrote nothing
@@ -37,14 +43,7 @@ def test_a_message_is_listed_by_the_held_loop_not_by_the_consumer(job_store: Job
 
 
 def test_a_finished_message_leaves_with_the_next_write(job_store: JobStore) -> None:
-    held = HeldDeliveries()
-    sent: list[list[str]] = []
-
-    def record(job_ids: list[str]) -> None:
-        sent.append(job_ids)
-        job_store.record_held("node-b", job_ids, 0.05, held.incarnation)
-
-    held.publish_with(record)
+    held, sent = listed_by(job_store, "node-b")
     held.received("task-1", "job-1")
     held.received("task-2", "job-2")
     held.write_if_changed()
