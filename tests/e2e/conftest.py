@@ -37,10 +37,23 @@ FAST_RECOVERY_ENV = {
     "KILN_METRICS_PORT": "0",  # several nodes per test: none serves metrics unless asked
 }
 
+# One torch thread per rank for the clusters of `make test`'s tests, as the gpu_worker tests'
+# groups run. The default (the cores shared out: 2 for a one-rank node on a 2-core machine) has
+# each rank's intra-op threads spin against the other test processes': the tiny pipeline's 12
+# steps at 320 pixels took 0.49 s of CPU at one thread, 5.3 s at two beside other work, and six
+# tiny-node files under -n 3 went from 718 s (sum) to 280 s. The `slow` tests keep the default:
+# they kill nodes at a step they wait for, at the pace they were written against.
+ONE_THREAD_RANKS = {"KILN_CPU_THREADS_PER_RANK": "1"}
+
 
 @contextlib.contextmanager
-def clusters(redis_url: str, s3_server: str, tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
-    """Makes clusters: each its own Redis namespace and bucket; workers stopped afterwards."""
+def clusters(
+    redis_url: str, s3_server: str, tmp_path: Path, one_thread_ranks: bool = False
+) -> Iterator[Callable[..., Cluster]]:
+    """Makes clusters: each its own Redis namespace and bucket; workers stopped afterwards.
+
+    `one_thread_ranks`: their nodes' ranks run ONE_THREAD_RANKS (else the default thread count).
+    """
     made: list[tuple[Cluster, str, str]] = []
 
     def make(**overrides: str) -> Cluster:
@@ -58,6 +71,7 @@ def clusters(redis_url: str, s3_server: str, tmp_path: Path) -> Iterator[Callabl
         env = {
             **os.environ,
             **FAST_RECOVERY_ENV,
+            **(ONE_THREAD_RANKS if one_thread_ranks else {}),
             "KILN_REDIS_URL": redis_url,
             "KILN_REDIS_NAMESPACE": namespace,
             "KILN_STORAGE_URL": f"s3://{bucket}/outputs",
@@ -85,19 +99,29 @@ def clusters(redis_url: str, s3_server: str, tmp_path: Path) -> Iterator[Callabl
 
 @pytest.fixture
 def cluster_factory(
-    redis_url: str, s3_server: str, tmp_path: Path
+    redis_url: str, s3_server: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Cluster]]:
     """Clusters that live for one test."""
-    with clusters(redis_url, s3_server, tmp_path) as make:
+    slow = request.node.get_closest_marker("slow") is not None
+    with clusters(redis_url, s3_server, tmp_path, one_thread_ranks=not slow) as make:
         yield make
 
 
 @pytest.fixture(scope="module")
 def module_cluster_factory(
-    redis_url: str, s3_server: str, tmp_path_factory: pytest.TempPathFactory
+    redis_url: str,
+    s3_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[Callable[..., Cluster]]:
-    """Clusters shared by the tests of one module."""
-    with clusters(redis_url, s3_server, tmp_path_factory.mktemp("clusters")) as make:
+    """Clusters shared by the tests of one module (as for `slow` ones if any test run of it is)."""
+    slow = any(
+        item.get_closest_marker("slow") is not None
+        for item in request.session.items
+        if item.path == request.path
+    )
+    folder = tmp_path_factory.mktemp("clusters")
+    with clusters(redis_url, s3_server, folder, one_thread_ranks=not slow) as make:
         yield make
 
 

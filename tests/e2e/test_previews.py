@@ -6,6 +6,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,11 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def cluster(module_cluster_factory: Callable[..., Cluster]) -> Cluster:
     made = module_cluster_factory()
-    made.start_worker("tiny", devices="cpu:1")
+    # The ranks' default thread count (the cores), not tests/e2e's one thread: the disconnect test
+    # needs its 40-step job still running when its client first reads the stream, and at one
+    # thread that job can end first (Redis then holds only its last preview).
+    cores = {"KILN_CPU_THREADS_PER_RANK": str(len(os.sched_getaffinity(0)))}
+    made.start_worker("tiny", devices="cpu:1", extra_env=cores)
     return made
 
 
