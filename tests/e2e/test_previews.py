@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 def cluster(module_cluster_factory: Callable[..., Cluster]) -> Cluster:
     made = module_cluster_factory()
     # The ranks' default thread count (the cores), not tests/e2e's one thread: the disconnect test
-    # needs its 40-step job still running when its client first reads the stream, and at one
+    # needs its 120-step job still running when its client first reads the stream, and at one
     # thread that job can end first (Redis then holds only its last preview).
     cores = {"KILN_CPU_THREADS_PER_RANK": str(len(os.sched_getaffinity(0)))}
     made.start_worker("tiny", devices="cpu:1", extra_env=cores)
@@ -73,7 +73,7 @@ def test_previews_arrive_in_order_and_resume_after_a_disconnect(
         prompt="a kiln",
         width=64,
         height=64,
-        steps=40,
+        steps=120,  # long enough that the first read finds an early preview, even under load
         preview={"every_steps": 2},
     )
     # read up to the first preview, then drop the connection
@@ -97,7 +97,7 @@ def test_previews_arrive_in_order_and_resume_after_a_disconnect(
             payload = event["payload"]
             assert (payload["format"], payload["content_type"]) == ("webp", "image/webp")
             assert payload["url"] is None
-            assert payload["total"] == 40
+            assert payload["total"] == 120
             image = Image.open(io.BytesIO(base64.b64decode(payload["image_b64"])))
             assert image.size == (payload["width"], payload["height"]) == (8, 8)
     # Redis holds one preview of the job, the newest
