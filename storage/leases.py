@@ -153,7 +153,6 @@ class LeaseOps(StoreBase):
         return held.split("|", 1)[1] if held else None
 
     @redis_boundary
-    @redis_boundary
     def reap_lapsed(self) -> list[str]:
         """The reaper's pass: running jobs whose lease lapsed go back to queued; their ids.
 

@@ -183,8 +183,7 @@ class Node:
         if publish is None:
             self.submitter = parts.submitter
         else:  # (a test's, to see what is published) its messages are still built as Celery's
-            messages = parts.submitter.messages
-            self.submitter = Submitter(self.store, settings, publish, messages=messages)
+            self.submitter = Submitter(self.store, settings, publish, messages=parts.messages)
         self.group_size = group_size or len(group.world())
         self.coordinator: GroupCoordinator = coordinator or node_coordinator(group, group_size)
         # every job event this node writes or announces goes through its one sink

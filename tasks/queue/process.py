@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kiln.storage.apikeys import ApiKeyStore
     from kiln.storage.job_store import JobStore
     from kiln.storage.objects import ObjectStore
+    from kiln.tasks.queue.messages import CeleryMessages
     from kiln.tasks.queue.submit import Submitter
 
 T = TypeVar("T")
@@ -101,16 +102,28 @@ class ProcessParts:
         (one round trip: no job is ever written without its message); elsewhere Celery
         publishes it after the record is written, and the sweeper publishes what that missed.
         """
-        from kiln.tasks.queue.messages import CeleryMessages
         from kiln.tasks.queue.submit import Submitter, celery_publisher
 
         def build() -> Submitter:
-            app = self.celery_app
-            usable = CeleryMessages.usable_for(self.settings, self.storage_settings)
-            messages = CeleryMessages(app) if usable else None
-            return Submitter(self.store, self.settings, celery_publisher(app), messages=messages)
+            publish = celery_publisher(self.celery_app)
+            return Submitter(self.store, self.settings, publish, messages=self.messages)
 
         return self._once("submitter", build)
+
+    @property
+    def messages(self) -> CeleryMessages | None:
+        """The builder of jobs' broker messages a creation script may push, or None.
+
+        None where the broker is not Kiln's Redis, or task events are on (only Celery's own
+        publish sends a message's `task-sent` event).
+        """
+        from kiln.tasks.queue.messages import CeleryMessages
+
+        def build() -> CeleryMessages | None:
+            usable = CeleryMessages.usable_for(self.settings, self.storage_settings)
+            return CeleryMessages(self.celery_app) if usable else None
+
+        return self._once("messages", build)
 
 
 _this_process: ProcessParts | None = None

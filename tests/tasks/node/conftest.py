@@ -32,6 +32,7 @@ from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.node.jobs import JobRunner
 from kiln.tasks.node.node import Node
 from kiln.tasks.queue.process import ProcessParts
+from tests.storage.helpers import new_job
 from tests.waiting import wait_until
 
 PIPELINE = "tiny"
@@ -139,6 +140,16 @@ class NodeHarness:
         job_id = uuid.uuid4().hex
         self.store.create_job(NewJob(id=job_id, request=request.to_record()))
         return job_id
+
+    def running(self, count: int, queue: str) -> list[tuple[str, int]]:
+        """`count` jobs of `queue` started under leases this node's deliveries hold: (id, token)."""
+        started = []
+        for _ in range(count):
+            record, _ = self.store.create_job(new_job(lane=queue.split(".")[0], queue=queue))
+            token = self.store.acquire_lease(record.id, f"{self.node.node_id}/delivery-{record.id}")
+            self.store.start(record.id, token)
+            started.append((record.id, token))
+        return started
 
     def deliver(self, job_id: str) -> None:
         """One delivery of `run_job(job_id)` on this node."""

@@ -25,15 +25,9 @@ def test_the_cancel_watch_stops_a_checkpointing_job_a_preemption_asks_for(
     harness = make_node()
     node, store = harness.node, harness.store
     ops = PreemptionOps(store.redis, store.settings)
-    ids = []
-    for _ in range(3):
-        record, _ = store.create_job(new_job(lane="bulk", queue=QUEUE))
-        token = store.acquire_lease(record.id, f"{node.node_id}/delivery-{record.id}")
-        store.start(record.id, token)
-        ids.append((record.id, token))
-        assert ops.request_preemption(
-            record.id, f"waiting-{record.id}", cap=2, min_run_s=0.0, ttl_s=30.0
-        )
+    ids = harness.running(3, QUEUE)
+    for job_id, _ in ids:
+        assert ops.request_preemption(job_id, f"waiting-{job_id}", cap=2, min_run_s=0.0, ttl_s=30.0)
     (checkpointing, token_a), (no_checkpoints, token_b), (held, token_c) = ids
     with (
         node.tracking(checkpointing, token_a) as a,

@@ -58,12 +58,7 @@ def test_one_command_per_tick_reads_cancels_pauses_and_preemptions(
     harness = make_node()
     node, store = harness.node, harness.store
     (watch,) = [c for c in node_components(node, None) if c.name == "cancels"]
-    ids = []
-    for _ in range(4):
-        record, _ = store.create_job(new_job(lane="bulk", queue=QUEUE))
-        token = store.acquire_lease(record.id, f"{node.node_id}/delivery-{record.id}")
-        store.start(record.id, token)
-        ids.append((record.id, token))
+    ids = harness.running(4, QUEUE)
     preempted, canceled, paused, left = (job_id for job_id, _ in ids)
     stop_keys = [store.keys.cancel(job_id) for job_id, _ in ids]
     with ExitStack() as held:
