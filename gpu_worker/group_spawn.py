@@ -74,7 +74,7 @@ class RankProcesses:
         # Here, outside any process group: a pipeline built inside one is saved whole only on
         # rank 0 (transformers), and ranks racing to build the same cache is wasted work.
         settings = self.config.settings or GpuWorkerSettings()
-        warm_rank_server(settings.rank_start)  # its imports overlap the preparing below
+        warm_rank_server(settings.rank_start, self.config.pipelines.values())  # overlaps the below
         quiet_known_warnings()  # building a pipeline here prints what each rank would
         for name, spec in self.config.pipelines.items():
             try:
@@ -86,7 +86,8 @@ class RankProcesses:
 
     def spawn(self) -> None:
         """Start one process per device; each is tracked as soon as it runs."""
-        launch = rank_launch((self.config.settings or GpuWorkerSettings()).rank_start)
+        settings = self.config.settings or GpuWorkerSettings()
+        launch = rank_launch(settings.rank_start, self.config.pipelines.values())
         ctx = launch.context
         world = self.config.world()
         timeout = datetime.timedelta(seconds=self.config.ready_timeout_s)

@@ -122,6 +122,30 @@ class PipelineSpec:
     factory: str = ""  # python: the factory's name in the module
 
 
+# What a rank imports to load a spec of each kind (gpu_worker/pipelines/__init__.py). The rank
+# server imports these before it forks (gpu_worker/rank_server.py), so a node's ranks find them
+# done; a node that serves no diffusers pipeline never imports diffusers. A `python:` module is
+# the user's own: each rank imports it, the server never does (a module may initialise CUDA at
+# import, and a forked rank must not inherit that).
+_DIFFUSERS_LOADER = "kiln.gpu_worker.pipelines.diffusers_pipeline"  # diffusers, transformers
+LOADER_MODULES: dict[str, tuple[str, ...]] = {
+    "tiny": (_DIFFUSERS_LOADER, "kiln.gpu_worker.pipelines.tiny"),
+    "diffusers": (_DIFFUSERS_LOADER,),
+    "python": (),
+}
+
+
+def loader_modules(specs: typing.Iterable[str]) -> frozenset[str]:
+    """The modules ranks import to load `specs` (none for a spec that does not parse)."""
+    modules: set[str] = set()
+    for spec in specs:
+        try:
+            modules.update(LOADER_MODULES[parse_spec(spec).kind])
+        except SpecError:  # refused where specs are checked, not here
+            continue
+    return frozenset(modules)
+
+
 def tiny_base(spec: str) -> str:
     """The tiny pipeline whose folder `spec` loads (`spec` itself unless it is a variant)."""
     return TINY_VARIANTS[spec][0] if spec in TINY_VARIANTS else spec

@@ -4,8 +4,11 @@ A spawned rank is a fresh interpreter that pays `import torch`, diffusers and Ki
 before it does anything (seconds on a small machine); a group start and every replacement of a
 dead rank paid it. With `KILN_RANK_START=forkserver` (the default) the ranks come from
 multiprocessing's forkserver instead: one server per node process, started on the first group
-start, that imported `kiln.gpu_worker.rank_server_boot` (torch, the rank entry, the tiny and
-diffusers pipeline code) and forks one child per rank. What holds under either start method:
+start, that imported `kiln.gpu_worker.rank_server_boot` (torch and the rank entry) and the code
+that loads the node's pipelines (`pipeline_specs.loader_modules`: diffusers only for a node that
+serves a diffusers pipeline), and forks one child per rank. A later group whose pipelines need
+more replaces an idle server with one that imports both; beside live ranks, its ranks import
+what is missing themselves. What holds under either start method:
 
 - The server initialises neither CUDA nor torch's thread pools before it forks (importing torch
   does neither); each rank takes its device and sets its own thread count as a spawned one does.
@@ -40,11 +43,14 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing import reduction
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
+
+from kiln.gpu_worker.pipeline_specs import loader_modules
 
 if TYPE_CHECKING:  # torch-free to import: a node may start the server before it imports torch
     from kiln.gpu_worker.ranks.start import RankArgs, RankPipes
@@ -149,6 +155,7 @@ class _Server:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     pid: int | None = None
     env_key: str | None = None
+    preloaded: frozenset[str] = frozenset()  # the loader modules it imported before forking
     children: list[BaseProcess] = dataclasses.field(default_factory=list)
 
 
@@ -182,12 +189,13 @@ class RankLaunch:
                 _server.children.append(process)
 
 
-def rank_launch(method: RankStart) -> RankLaunch:
-    """The launch for a group starting now; starts or replaces the server when needed."""
+def rank_launch(method: RankStart, specs: Iterable[str] = ()) -> RankLaunch:
+    """The launch for a group of `specs` starting now; starts or replaces the server as needed."""
     if method == "spawn":
         return RankLaunch(mp.get_context("spawn"), served=False)
     context = mp.get_context("forkserver")
     env_key = environment_key(dict(os.environ))
+    needed = loader_modules(specs)
     with _server.lock:
         _server.children = [p for p in _server.children if p.is_alive()]
         if _server.pid is not None and _server.env_key != env_key:
@@ -195,18 +203,26 @@ def rank_launch(method: RankStart) -> RankLaunch:
                 logger.info("the environment changed under live ranks: spawning this group")
                 return RankLaunch(mp.get_context("spawn"), served=False)
             _stop_server()
-        context.set_forkserver_preload([BOOT_MODULE])
+        if _server.pid is not None and not needed <= _server.preloaded and not _server.children:
+            needed |= _server.preloaded  # an idle server that lacks some: one that has all
+            _stop_server()
+        elif _server.pid is not None:
+            needed = _server.preloaded  # beside live ranks, the new ranks import the rest
+        context.set_forkserver_preload([BOOT_MODULE, *sorted(needed)])
         mp_forkserver.ensure_running()  # starts it, or a new one if the last one died
         pid = _forkserver_pid()
         if pid != _server.pid:
-            _server.pid, _server.env_key = pid, env_key
+            _server.pid, _server.env_key, _server.preloaded = pid, env_key, needed
     return RankLaunch(context, served=True)
 
 
-def warm_rank_server(method: RankStart) -> None:
-    """Start the rank server now when ranks start from one: its imports overlap the caller's."""
+def warm_rank_server(method: RankStart, specs: Iterable[str] = ()) -> None:
+    """Start the rank server for `specs` now, when ranks start from one.
+
+    Its imports then overlap the caller's.
+    """
     if method == "forkserver":
-        rank_launch(method)
+        rank_launch(method, specs)
 
 
 def server_pid() -> int | None:
@@ -228,3 +244,4 @@ def _stop_server() -> None:
         with contextlib.suppress(ChildProcessError):
             mp_forkserver._forkserver._stop()  # type: ignore[attr-defined]
     _server.pid = _server.env_key = None
+    _server.preloaded = frozenset()

@@ -2,8 +2,9 @@
 
 Nothing else imports this module: importing it is what makes a process the rank server. It
 leaves the node's process group, imports what every rank would import first, so forked ranks
-find it done, and lets go of the node's stdout and stderr. Importing these initialises neither
-CUDA nor torch's thread pools.
+find it done, and lets go of the node's stdout and stderr. The code that loads the node's
+pipelines (diffusers, for a node that serves it) is preloaded after it (`rank_launch`).
+Importing these initialises neither CUDA nor torch's thread pools.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ quiet_known_warnings()  # the imports below print what each rank would otherwise
 
 import torch  # noqa: E402  (the cost this server is for: seconds of a fresh interpreter)
 
-import kiln.gpu_worker.pipelines.diffusers_pipeline  # noqa: E402  (diffusers, transformers)
-import kiln.gpu_worker.pipelines.tiny  # noqa: E402
 import kiln.gpu_worker.rank_server  # noqa: E402  (the served ranks' entry)
 import kiln.gpu_worker.ranks.entry  # noqa: E402, F401  (rank_main and all it imports)
 

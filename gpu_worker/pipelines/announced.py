@@ -15,7 +15,7 @@ from kiln.common.previews import PREVIEWS_KEY
 from kiln.common.request import CHECKPOINTS_KEY, FIELDS_KEY, InputSchema
 from kiln.gpu_worker.inputs import declared_input_schema
 from kiln.gpu_worker.pipelines.base import Pipeline, StepStateHooks
-from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+from kiln.gpu_worker.pipelines.diffusers_resume import ResumedLoop
 from kiln.gpu_worker.previews import can_preview
 
 
@@ -33,6 +33,6 @@ def takes_checkpoints(pipeline: Pipeline) -> bool:
 
     A diffusers pipeline whose loop Kiln resumes, or a pipeline with the save/restore hooks.
     """
-    if isinstance(pipeline, DiffusersPipeline):
+    if isinstance(pipeline, ResumedLoop):
         return pipeline.takes_checkpoints()
     return isinstance(pipeline, StepStateHooks)

@@ -28,10 +28,12 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
+from kiln.gpu_worker.pipelines.base import StepCallback
 from kiln.gpu_worker.pipelines.step_checkpoint import DenoiseState, cpu_state
 from kiln.gpu_worker.protocol import GenerationRequest
 
@@ -64,6 +66,37 @@ class Checkpointing:
     sink: StateSink | None = None
     refusal: str | None = None
     resumed_at: int = 0
+
+
+@runtime_checkable
+class ResumedLoop(Protocol):
+    """A pipeline whose denoising loop Kiln itself pauses and resumes (`DiffusersPipeline`).
+
+    What a rank needs of it, named here so that a rank (and a node announcing its pipelines)
+    need not import diffusers to ask. A pipeline with its own loop declares `StepStateHooks`.
+    """
+
+    def takes_checkpoints(self) -> bool:
+        """Whether its loaded loop is one Kiln resumes (a run of one job takes checkpoints)."""
+        ...
+
+    def checkpoint_refusal(self, requests: Sequence[GenerationRequest]) -> str | None:
+        """Why a run of `requests` cannot take step checkpoints; None when it can."""
+        ...
+
+    def checkpoint_identity(self, request: GenerationRequest) -> dict[str, str]:
+        """What a checkpoint of `request` must have been made by to be resumed here."""
+        ...
+
+    def run(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_step_end: StepCallback,
+        *,
+        checkpointing: Checkpointing | None = None,
+    ) -> list[list[np.ndarray]]:
+        """One forward for a batch of compatible requests, resumed and captured as told."""
+        ...
 
 
 def resumable_refusal(pipe: Any, requests: Sequence[GenerationRequest]) -> str | None:

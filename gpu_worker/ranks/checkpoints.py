@@ -10,7 +10,8 @@ gathers it back, so the loop's latents, scheduler and generators are alike on ev
 - capture: rank 0 alone takes a checkpoint when the cadence says so, encodes it, and sends it
   to the coordinator (`StepCheckpoint`); the node writes it. The other ranks capture nothing.
 
-Two kinds of pipeline take part: a DiffusersPipeline, for the loops it resumes, and one with
+Two kinds of pipeline take part: a `ResumedLoop` (DiffusersPipeline), for the loops it resumes,
+and one with
 the save/restore hooks (`StepStateHooks`: pipelines/hooked_resume.py); for any other the request
 runs from step 0, as before.
 """
@@ -23,8 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kiln.gpu_worker.pipelines.base import Pipeline, StepStateHooks
-from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
-from kiln.gpu_worker.pipelines.diffusers_resume import Checkpointing
+from kiln.gpu_worker.pipelines.diffusers_resume import Checkpointing, ResumedLoop
 from kiln.gpu_worker.pipelines.hooked_resume import hooks_identity, hooks_refusal
 from kiln.gpu_worker.pipelines.step_checkpoint import (
     CheckpointRefused,
@@ -105,7 +105,7 @@ def forward_checkpoints(
     plan = request.checkpoint
     if plan is None:
         return None
-    if isinstance(pipeline, DiffusersPipeline):
+    if isinstance(pipeline, ResumedLoop):
         refusal = pipeline.checkpoint_refusal(batch.requests)
     elif isinstance(pipeline, StepStateHooks):
         refusal = hooks_refusal(batch.requests)
@@ -115,7 +115,7 @@ def forward_checkpoints(
     if refusal is not None:
         logger.info("request %s: no step checkpoints: %s", request.request_id, refusal)
         return None
-    if isinstance(pipeline, DiffusersPipeline):
+    if isinstance(pipeline, ResumedLoop):
         identity = pipeline.checkpoint_identity(request)
     else:
         identity = hooks_identity(pipeline, request)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from kiln.gpu_worker.logs import forward_fields
 from kiln.gpu_worker.memory import PeakMemory
 from kiln.gpu_worker.pipelines.base import Pipeline, StopDenoising
-from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
+from kiln.gpu_worker.pipelines.diffusers_resume import ResumedLoop
 from kiln.gpu_worker.pipelines.hooked_resume import run_with_hooks
 from kiln.gpu_worker.pipelines.lora import adapter_state
 from kiln.gpu_worker.protocol import (
@@ -153,7 +153,7 @@ def run_forward(
     try:
         if checkpoints is None:
             outputs = pipeline.run(batch.requests, sync)
-        elif isinstance(pipeline, DiffusersPipeline):
+        elif isinstance(pipeline, ResumedLoop):
             outputs = pipeline.run(batch.requests, sync, checkpointing=checkpoints.checkpointing)
         else:  # a pipeline with save/restore hooks (forward_checkpoints checked)
             outputs = run_with_hooks(

@@ -161,7 +161,8 @@ def _start_node(
     from kiln.gpu_worker.rank_server import warm_rank_server  # torch-free
 
     gpu_settings = group_settings(options)
-    warm_rank_server(gpu_settings.rank_start)  # it imports torch while this process does too
+    # it imports torch (and diffusers, for such pipelines) while this process does too
+    warm_rank_server(gpu_settings.rank_start, options.pipelines.values())
     # Imported here: a webhooks-only worker never loads torch.
     from kiln.tasks.node.compile_store import fetch_compile_cache, publish_compile_cache
     from kiln.tasks.node.controls import CeleryConsumers, NodeControls

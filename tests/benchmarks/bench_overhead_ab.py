@@ -65,8 +65,13 @@ class Side:
         return rounds
 
 
-def start_side(label: str, tree: Path, endpoint: str, tmp: Path) -> Side:
-    """A namespace and bucket, and a `kiln worker` run from `tree` (returns before it is ready)."""
+def start_side(
+    label: str, tree: Path, endpoint: str, tmp: Path, name: str = "tiny", spec: str = TINY_SPEC
+) -> Side:
+    """A namespace and bucket, and a `kiln worker` from `tree` serving `name=spec`.
+
+    Returns before the worker is ready.
+    """
     namespace = f"kiln-bench-ab-{label}-{secrets.token_hex(4)}"
     boto3.client(
         "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bench",
@@ -84,7 +89,7 @@ def start_side(label: str, tree: Path, endpoint: str, tmp: Path) -> Side:
         "KILN_S3_ADDRESSING_STYLE": "path",
         "KILN_S3_ACCESS_KEY_ID": "bench",
         "KILN_S3_SECRET_ACCESS_KEY": "bench",
-        "KILN_PIPELINES": '["default", "tiny"]',
+        "KILN_PIPELINES": f'["default", "{name}"]',
         "KILN_TEST_COMPLETIONS": str(folder / "completions.log"),
         "KILN_BENCH_FORWARDS": str(folder / "forwards.log"),
         "KILN_BENCH_TORCH_THREADS": "1",
@@ -97,7 +102,7 @@ def start_side(label: str, tree: Path, endpoint: str, tmp: Path) -> Side:
     node_id = f"node-{label}-{secrets.token_hex(4)}"
     args = [sys.executable, "-m", "kiln.tasks.cli", "worker", "--devices", "cpu:1", "--node-id",
             node_id, "--max-batch", "4", "--loglevel", "WARNING", "--pipeline",
-            f"tiny={TINY_SPEC}"]  # fmt: skip
+            f"{name}={spec}"]  # fmt: skip
     log_path = folder / "worker.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tree)

@@ -8,6 +8,8 @@ or declare its return type). What a factory actually returns is checked again wh
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import textwrap
 import uuid
@@ -19,9 +21,11 @@ import torch
 from huggingface_hub import constants as hub_constants
 
 from kiln.gpu_worker.pipeline_specs import (
+    LOADER_MODULES,
     NotAPipeline,
     SpecError,
     check_spec_form,
+    loader_modules,
     make_working_directory_importable,
     parse_spec,
 )
@@ -167,3 +171,41 @@ def test_the_working_directory_goes_last_once(
     make_working_directory_importable()
     make_working_directory_importable()
     assert sys.path == ["/somewhere", str(tmp_path)]
+
+
+# A rank that loads the given spec, in a fresh interpreter: which modules it had imported.
+RANK_LOAD = """
+import json, sys
+import torch
+import kiln.gpu_worker.ranks.entry
+from kiln.gpu_worker.pipelines import load_pipeline
+load_pipeline(sys.argv[1], torch.device("cpu"))
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def rank_imports(spec: str) -> set[str]:
+    """The modules a fresh process has after a rank's own imports and `spec`'s load."""
+    done = subprocess.run(
+        [sys.executable, "-c", RANK_LOAD, spec],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_the_rank_server_preloads_what_loading_a_spec_imports_and_no_more() -> None:
+    # The server imports `loader_modules` before it forks (gpu_worker/rank_server.py): a list
+    # that misses what loading imports makes each rank pay it; diffusers in the rank entry makes
+    # every node pay it.
+    assert loader_modules(["python:tests.gpu_worker.fixtures.noop:make"]) == frozenset()
+    assert loader_modules(["tiny", "diffusers:/models/x", "not a spec"]) == frozenset(
+        LOADER_MODULES["tiny"]
+    )
+    plain = rank_imports("python:tests.gpu_worker.fixtures.noop:make")
+    assert not plain & {"diffusers", "transformers", "peft", *LOADER_MODULES["tiny"]}
+    tiny = rank_imports("tiny")
+    assert set(LOADER_MODULES["tiny"]) <= tiny

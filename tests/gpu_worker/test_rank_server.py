@@ -146,6 +146,30 @@ def test_a_changed_environment_never_reaches_ranks_through_a_stale_server(
     assert process_gone(old_server)
 
 
+def test_a_server_imports_diffusers_only_for_a_node_whose_pipelines_load_it(
+    probe_dir: Path, groups: list[WorkerGroup]
+) -> None:
+    kill_server()
+    plain = start_probe_group(groups)  # a python: pipeline: torch and the rank entry only
+    (plain_rank,) = probes(probe_dir, plain)
+    first = rank_server.server_pid()
+    assert plain_rank["ppid"] == first
+    assert plain_rank["diffusers_imported"] is False
+    # Beside live ranks the server stays: ranks that need more import it themselves.
+    rank_server.rank_launch("forkserver", ["tiny"])
+    assert rank_server.server_pid() == first
+    plain.shutdown()
+    # Idle, it is replaced by one that imports the diffusers loader before it forks.
+    rank_server.rank_launch("forkserver", ["tiny"])
+    grown = rank_server.server_pid()
+    assert grown not in (None, first)
+    # A server that has more serves a node that needs less.
+    again = start_probe_group(groups)
+    (again_rank,) = probes(probe_dir, again)
+    assert again_rank["ppid"] == grown
+    assert again_rank["diffusers_imported"] is True
+
+
 def test_spawn_starts_each_rank_as_a_fresh_interpreter(
     probe_dir: Path, groups: list[WorkerGroup]
 ) -> None:
@@ -219,6 +243,9 @@ for name in ("is_available", "device_count", "init", "_lazy_init", "current_devi
         return _original(*args, **kwargs)
     setattr(torch.cuda, name, watch)
 import kiln.gpu_worker.rank_server_boot  # what the server imports (it sends stdout to /dev/null)
+from kiln.gpu_worker.pipeline_specs import LOADER_MODULES
+for module in sorted(set().union(*LOADER_MODULES.values())):  # and then the pipelines' loaders
+    __import__(module)
 report = {"cuda_calls": calls, "cuda_initialized": torch.cuda.is_initialized(),
           "python_threads": threading.active_count(), "pgid_is_own": os.getpgid(0) == os.getpid()}
 with open(sys.argv[1], "w") as out:

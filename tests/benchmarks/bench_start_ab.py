@@ -1,0 +1,98 @@
+"""A node's cold start in two Kiln trees side by side: a base and a candidate (a script).
+
+    git archive HEAD | tar -x -C /tmp/kiln-base
+    .venv/bin/python tests/benchmarks/bench_start_ab.py /tmp/kiln-base [--repeats 3]
+        [--pipeline sleepy=python:tests.e2e.pipelines:sleepy]
+
+Per sample, one tree's `kiln worker` (1 CPU rank, the pipeline given, its own namespace and bucket
+on the same Redis and moto S3) is started cold, and a job submitted at once: the seconds from the
+worker's start to its first heartbeat listing the pipeline ready (`ready_s`), and from the submit
+to the job's first denoising step (`first_step_s`, Redis TIME). The trees alternate which goes
+first, so a shared, noisy machine slows both alike. Prints each sample, then the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from moto.server import ThreadedMotoServer  # noqa: E402
+
+from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
+from tests.benchmarks.bench_overhead_ab import REDIS_URL, start_side  # noqa: E402
+from tests.conftest import delete_namespace  # noqa: E402
+
+GENEROUS_S = 600.0
+
+
+def cold_start(
+    label: str, tree: Path, endpoint: str, tmp: Path, name: str, spec: str
+) -> dict[str, float]:
+    """One cold `kiln worker` from `tree`, a job submitted at once; its two figures (s)."""
+    started = time.monotonic()
+    side = start_side(label, tree, endpoint, tmp, name=name, spec=spec)
+    try:
+        request = JobRequest(pipeline=name, prompt="cold", width=64, height=64, steps=4, seed=1)
+        submitted_at = time.time()
+        record, _ = side.cluster.intake.submit(request)
+        first_step = None
+        deadline, seq = time.monotonic() + GENEROUS_S, 0
+        while first_step is None and time.monotonic() < deadline:
+            for event in side.cluster.store.events(record.id, after_seq=seq, block_ms=2000):
+                seq = event.seq
+                if event.type == "progress" and event.payload.get("stage") == "denoising":
+                    first_step = event.time - submitted_at
+                    break
+                if event.type in ("failed", "canceled", "expired"):
+                    raise RuntimeError(f"{label}: the job ended {event.type}: {event.payload}")
+        if first_step is None:
+            raise TimeoutError(f"{label}: no first step after {GENEROUS_S:.0f} s")
+        side.worker.wait_ready(timeout_s=GENEROUS_S)  # ready before its first step: at once
+        ready_s = time.monotonic() - started
+        return {"first_step_s": first_step, "ready_s": ready_s}
+    finally:
+        side.worker.stop()
+        delete_namespace(REDIS_URL, side.cluster.storage_settings.redis_namespace)
+
+
+def main() -> None:
+    """Interleaved cold starts of both trees; the samples and the medians."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("base", type=Path, help="the base tree (e.g. `git archive HEAD`)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pipeline", default="sleepy=python:tests.e2e.pipelines:sleepy")
+    args = parser.parse_args()
+    name, _, spec = args.pipeline.partition("=")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    trees = [("base", args.base.resolve()), ("candidate", ROOT)]
+    samples: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
+    try:
+        with tempfile.TemporaryDirectory(prefix="kiln-start-ab-") as folder:
+            for repeat in range(args.repeats):
+                for label, tree in trees if repeat % 2 == 0 else trees[::-1]:
+                    tmp = Path(folder) / f"{label}-{repeat}"
+                    tmp.mkdir()
+                    figures = cold_start(label, tree, f"http://{host}:{port}", tmp, name, spec)
+                    samples[label].append(figures)
+                    print(f"# {repeat + 1}/{args.repeats} {label}: {figures}", flush=True)
+    finally:
+        moto.stop()
+    print(f"{args.pipeline}: medians over {args.repeats} cold starts (s)")
+    for label, found in samples.items():
+        cells = [f"{key} {statistics.median(s[key] for s in found):6.2f}" for key in found[0]]
+        print(f"{label:<10} " + "   ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
