@@ -48,6 +48,7 @@ def test_a_pause_pending_when_an_attempt_fails_retryably_pauses_it(
     harness: NodeHarness,
 ) -> None:
     job_id = harness.submit()
+
     def pause_at_step_1(step: int) -> None:
         if step == 1:
             harness.store.pause(job_id)
