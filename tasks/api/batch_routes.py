@@ -8,19 +8,31 @@ object store in a worker thread (`batches.intake`), so neither the file nor its 
 sits whole in memory or on the event loop. The body limit is `KILN_MAX_BATCH_BYTES` (the app's
 `BodySizeLimit` lets this path through unbuffered) and the body deadline
 `KILN_BATCH_BODY_TIMEOUT_S` (`api.http_guard`).
+
+What applies to the whole batch arrives as query parameters (a JSONL body) or as fields of a JSON
+body naming an upload (`POST /v1/uploads`); `batch_options` checks them the same way either way,
+and a refusal is a 422 naming the parameter where it was given (`["query", <name>]` or
+`["body", <name>]`). The JSON body (`contract.batches.BatchFromUpload`, at most `UPLOAD_BODY_MAX`
+bytes, strict JSON) names the caller's own upload, which must exist, be of a batch content type
+and within `KILN_MAX_BATCH_BYTES` (`storage.uploaded_inputs.checked_upload`); the file is then
+streamed from the store through the same line checks as a streamed body, and answered the same
+way (201 with the view, or the 422 of a refused file).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
-from dataclasses import replace
-from typing import Annotated
+from dataclasses import dataclass, replace
+from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from kiln.common.defaults import BATCH_LANE
 from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
@@ -38,10 +50,9 @@ from kiln.common.tracing import (
     set_span_attributes,
     span,
 )
+from kiln.storage.uploaded_inputs import UploadRefused, checked_upload, resolve_upload
 from kiln.tasks.api.auth import Principal
 from kiln.tasks.api.batch_deps import BATCH_ERRORS, Batches, BatchId, visible_batch
-from kiln.tasks.api.batch_options import BatchParams, batch_options
-from kiln.tasks.api.batch_uploads import UPLOAD_BODY_SCHEMA, is_json_body, submit_upload
 from kiln.tasks.api.body_limit import too_large_detail
 from kiln.tasks.api.deps import (
     Caller,
@@ -53,24 +64,33 @@ from kiln.tasks.api.deps import (
     refuse_over_page_limit,
 )
 from kiln.tasks.api.errors import BATCH_REFUSED_422, safe_json_response
+from kiln.tasks.api.json_guard import body_errors
 from kiln.tasks.api.short_ids import IdPrefix, batches_with_prefix
-from kiln.tasks.batches.intake import BatchIntake, IntakeReport
+from kiln.tasks.batches.intake import BatchIntake, IntakeReport, LineDefaults
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE
-from kiln.tasks.batches.service import BatchService, new_batch_id, refusal_body
+from kiln.tasks.batches.service import BatchOptions, BatchService, new_batch_id, refusal_body
 from kiln.tasks.batches.views import batch_view
 from kiln.tasks.contract.batches import (
     BATCHES_PATH,
     CUSTOM_ID_PATTERN,
     DEFAULT_COMPLETION_WINDOW,
+    BatchFromUpload,
     BatchList,
     BatchView,
+    parse_completion_window,
 )
-from kiln.tasks.contract.schemas import PipelineName
+from kiln.tasks.contract.schemas import JobRequest, PipelineName, WebhookEvent, WebhookSpec
+from kiln.tasks.contract.upload_slots import CONTENT_TYPES
 from kiln.tasks.intake.refusal import Refused
 
 router = api_router()
 # chunks of the body handed to the intake thread at once: few thread hops, bounded memory
 FEED_BYTES = 256 * 1024
+# a JSON body names an upload and options: small, so read whole, and refused past this
+UPLOAD_BODY_MAX = 64 * 1024
+UPLOAD_BODY_SCHEMA = BatchFromUpload.model_json_schema()
+# the options a JSON body carries itself: in the query as well they would be ambiguous
+_OPTIONS = frozenset(BatchFromUpload.model_fields) - {"input_upload"}
 # the body as OpenAPI describes it: JSONL, each line one object (a job request plus custom_id)
 LINES_SCHEMA = {
     "type": "array",
@@ -196,6 +216,169 @@ async def _settled(feeding: asyncio.Task[None] | None) -> None:
     if feeding is not None:
         with anyio.CancelScope(shield=True):  # as `to_thread.run_sync`: the thread runs on
             await feeding
+
+
+# --- the batch's options: query parameters or a JSON body's fields -------------------------
+
+
+@dataclass(frozen=True)
+class BatchParams:
+    """The batch options as given (not checked yet)."""
+
+    pipeline: str | None = None
+    priority: Lane = BATCH_LANE
+    completion_window: str = DEFAULT_COMPLETION_WINDOW
+    skip_invalid: bool = False
+    metadata: str | None = None  # JSON text of an object
+    webhook_url: str | None = None
+    webhook_events: str | None = None  # comma-separated
+
+
+def _metadata(text: str | None, max_depth: int, where: str) -> dict[str, str]:
+    if text is None:
+        return {}
+    strict = body_errors(text.encode("utf-8", "surrogatepass"), max_depth)
+    if strict:
+        msg = f"metadata is not strict JSON: {strict[0]['msg']}"
+        raise field_error((where, "metadata"), msg, strict[0]["type"], None)
+    try:
+        parsed = json.loads(text)
+        checked = JobRequest.model_validate({"prompt": "-", "metadata": parsed}).metadata
+    except (ValueError, ValidationError) as exc:
+        msg = f"metadata must be a JSON object of strings within the job limits: {exc}"
+        raise field_error((where, "metadata"), msg, "metadata", text) from exc
+    return dict(checked)
+
+
+def _webhook(url: str | None, events: str | None, where: str) -> dict[str, Any] | None:
+    if url is None:
+        if events is not None:
+            raise field_error((where, "webhook_events"), "needs webhook_url", "missing", events)
+        return None
+    chosen = [e.strip() for e in events.split(",")] if events else [WebhookEvent.completed]
+    try:
+        spec = WebhookSpec.model_validate({"url": url, "events": chosen})
+    except ValidationError as exc:
+        raise field_error((where, "webhook_url"), str(exc), "webhook", url) from exc
+    return spec.model_dump(mode="json")
+
+
+def _check_webhook(service: BatchService, webhook: dict[str, Any] | None, where: str) -> None:
+    """The batch's webhook against the intake's webhook rule (its lines inherit it)."""
+    if webhook is None:
+        return
+    url = str(webhook["url"])
+    refusal = service.intake.webhook_refusal(url, (where, "webhook_url"))
+    if refusal is not None:
+        raise field_error(refusal.loc, refusal.message, refusal.code, url)
+
+
+def batch_options(
+    service: BatchService, caller: Principal, params: BatchParams, where: str = "query"
+) -> BatchOptions:
+    """The checked options (422 naming the parameter); resolves the webhook's host: a thread."""
+    webhook = _webhook(params.webhook_url, params.webhook_events, where)
+    _check_webhook(service, webhook, where)
+    try:
+        window_s = parse_completion_window(params.completion_window)
+    except ValueError as exc:
+        loc = (where, "completion_window")
+        raise field_error(loc, str(exc), "completion_window", params.completion_window) from exc
+    defaults = LineDefaults(
+        pipeline=params.pipeline,
+        priority=str(params.priority),
+        webhook=webhook,
+        metadata=_metadata(params.metadata, service.settings.max_json_depth, where),
+    )
+    return BatchOptions(defaults, window_s, params.skip_invalid, caller.key_id)
+
+
+# --- a JSON body naming an upload (`POST /v1/uploads`) as the batch's file ------------------
+
+
+def is_json_body(request: Request) -> bool:
+    """Whether the body is JSON (an upload named) rather than the JSONL file itself."""
+    content_type = request.headers.get("content-type", "")
+    return content_type.split(";")[0].strip().lower() == "application/json"
+
+
+async def _read_small(request: Request) -> bytes | None:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > UPLOAD_BODY_MAX:
+            return None
+    return bytes(body)
+
+
+def _parse(raw: bytes, max_depth: int) -> BatchFromUpload:
+    strict = body_errors(raw, max_depth)
+    if strict:
+        raise RequestValidationError(strict)
+    try:
+        return BatchFromUpload.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [
+            {"type": e["type"], "loc": ("body", *e["loc"]), "msg": e["msg"], "input": None}
+            for e in exc.errors()
+        ]
+        raise RequestValidationError(errors) from exc
+
+
+def _params(body: BatchFromUpload) -> BatchParams:
+    events = ",".join(body.webhook_events) if body.webhook_events is not None else None
+    metadata = json.dumps(body.metadata) if body.metadata is not None else None
+    return BatchParams(
+        body.pipeline,
+        body.priority,
+        body.completion_window,
+        body.skip_invalid,
+        metadata,
+        body.webhook_url,
+        events,
+    )
+
+
+def _upload_key(service: BatchService, caller: Principal, ref: str) -> str:
+    """The caller's upload's object key, checked: a 422 at `input_upload` if it cannot be used."""
+    limit = service.settings.max_batch_bytes
+    try:
+        key = resolve_upload(service.objects, caller.key_id, ref)
+        checked_upload(service.objects, key, limit, CONTENT_TYPES["batch"])
+    except UploadRefused as exc:
+        raise field_error(("body", "input_upload"), str(exc), "upload", ref) from exc
+    return key
+
+
+async def submit_upload(
+    request: Request, caller: Principal, service: BatchService, trace: Carrier | None = None
+) -> Response:
+    """Accept a batch whose file is an upload: the JSON body names it and gives the options.
+
+    `trace`: the batch's W3C trace context (its span's), which its line jobs link to.
+    """
+    ambiguous = sorted(_OPTIONS & set(request.query_params))
+    if ambiguous:
+        msg = "with a JSON body the options go in the body, not the query"
+        raise field_error(("query", ambiguous[0]), msg, "ambiguous_option", None)
+    raw = await _read_small(request)
+    if raw is None:
+        return JSONResponse({"detail": too_large_detail(UPLOAD_BODY_MAX)}, status_code=413)
+    body = _parse(raw, service.settings.max_json_depth)
+    options = await anyio.to_thread.run_sync(batch_options, service, caller, _params(body), "body")
+    options = replace(options, trace=dict(trace or {}))
+    key = await anyio.to_thread.run_sync(_upload_key, service, caller, body.input_upload)
+    try:
+        batch, report = await anyio.to_thread.run_sync(service.submit_stored, key, options)
+    except Refused as exc:  # no line's fault: a lookup the intake needs failed (object store)
+        return JSONResponse({"detail": exc.refusal.message}, status_code=exc.refusal.status)
+    if batch is None:
+        return safe_json_response(refusal_body(report), 422, BATCH_REFUSED_422)
+    view: dict[str, Any] = batch_view(batch).model_dump(mode="json")
+    return JSONResponse(view, status_code=201)
+
+
+# --- reading batches -----------------------------------------------------------------------
 
 
 @router.get(
