@@ -61,7 +61,7 @@ from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.object_streams import read_range
 from kiln.storage.objects import ObjectStore, StoresByUrl
 from kiln.tasks.batches.fairness import Pace, capacities, plan_pass, window_size
-from kiln.tasks.batches.lines import Item, batch_job_id, parse_item
+from kiln.tasks.batches.intake import Item, batch_job_id, parse_item
 from kiln.tasks.batches.notify import BatchNotifier
 from kiln.tasks.batches.reporting import FeederLostLease, Lease, ResultWriter
 from kiln.tasks.batches.results import summary_line, unfed_line

@@ -11,6 +11,14 @@ and webhooks included, each distinct one looked up once per file. Lines without
 `pipeline` or `priority` take the batch's defaults. Blank lines are skipped (they still count for
 line numbers).
 
+The input is stored normalized: each valid line becomes an item line `{"n": line, "c": custom_id,
+"r": spec}` (`item_line`), its job's spec (contract/job_spec.py: the request's defaults filled in,
+its seed drawn, its version) encoded as a job record stores it, so the feeder runs no intake check
+again and a line fed twice makes the same job. A job's id is derived from the batch and the line's
+custom_id, `<batch id>-<custom_id>` (`batch_job_id`): creating it again is a no-op, and its outputs
+lie under keys named by batch and custom_id. The feeder and a retry read the items back
+(`parse_item`).
+
 Most lines skip the strict-JSON walk (`plain_text` proves from the bytes that it would pass), and
 custom_ids are checked for repeats at the end (`unique_ids`, spilled to temporary files), so the
 API's memory stays flat however long the file: a repeat is known only once the file is read.
@@ -29,7 +37,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,7 +47,6 @@ from kiln.common.defaults import BATCH_LANE
 from kiln.common.tracing import TRACEPARENT, TRACESTATE, Carrier, given_carrier
 from kiln.storage.object_base import ObjectStore, StoredObject
 from kiln.storage.object_streams import ObjectWriter, iter_lines, open_writer
-from kiln.tasks.batches.lines import item_line, item_number
 from kiln.tasks.batches.results import Error, invalid_line
 from kiln.tasks.batches.unique_ids import CustomIds, Repeat
 from kiln.tasks.contract.batches import (
@@ -511,3 +518,67 @@ def drop_repeats(objects: ObjectStore, stored: StoredObject, lines: set[int]) ->
     except BaseException:
         writer.abort()
         raise
+
+
+# --- the stored form of a line: item lines and the jobs' ids ------------------------------
+
+
+@dataclass(frozen=True)
+class Item:
+    """One valid line of a batch, as stored: its job's spec, decoded."""
+
+    line: int
+    custom_id: str
+    spec: JobSpec
+    trace: dict[str, str] = field(default_factory=dict)  # the line's own W3C trace context
+
+
+def item_line(
+    line: int, custom_id: str, spec: JobSpec, trace: Mapping[str, str] | None = None
+) -> bytes:
+    """The stored line of one valid input line (newline included), its spec's JSON as is.
+
+    The custom_id goes in as it is: a valid one (`contract.batches.valid_custom_id`) holds only
+    letters, digits, `_` and `-`, nothing JSON would escape. `trace`: the line's own W3C trace
+    context (its `traceparent` field), stored as `t` where it has one.
+    """
+    if trace:
+        own = json.dumps(dict(trace), separators=(",", ":")).encode()
+        return b'{"n":%d,"c":"%s","t":%s,"r":%s}\n' % (
+            line,
+            custom_id.encode(),
+            own,
+            spec.encode_json(),
+        )
+    return b'{"n":%d,"c":"%s","r":%s}\n' % (line, custom_id.encode(), spec.encode_json())
+
+
+def item_number(raw: bytes) -> int:
+    """The input line number of a stored item line, read from its start (`{"n":<line>,`)."""
+    if raw.startswith(b'{"n":'):
+        end = raw.find(b",", 5)
+        if end > 5 and raw[5:end].isdigit():
+            return int(raw[5:end])
+    return parse_item(raw).line  # written by some other writer: parse it whole
+
+
+def parse_item(raw: bytes) -> Item:
+    """An item from its stored line; JobSpecRefused when its spec is a newer release's."""
+    data = json.loads(raw)
+    trace = data.get("t")
+    return Item(
+        line=int(data["n"]),
+        custom_id=str(data["c"]),
+        spec=JobSpec.decode(data["r"]),
+        trace=dict(trace) if isinstance(trace, dict) else {},
+    )
+
+
+def batch_job_id(batch_id: str, custom_id: str) -> str:
+    """The id of the job of one line: `<batch id>-<custom_id>` (a valid job id)."""
+    return f"{batch_id}-{custom_id}"
+
+
+def custom_id_of(batch_id: str, job_id: str) -> str:
+    """The custom_id a batch job's id carries."""
+    return job_id[len(batch_id) + 1 :]

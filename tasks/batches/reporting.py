@@ -19,7 +19,7 @@ from kiln.storage.errors import StorageError
 from kiln.storage.object_streams import batch_object_key
 from kiln.storage.objects import StoresByUrl
 from kiln.storage.queries import QueryOps
-from kiln.tasks.batches.lines import custom_id_of
+from kiln.tasks.batches.intake import custom_id_of
 from kiln.tasks.batches.results import RESULTS_CONTENT_TYPE, job_line
 from kiln.tasks.contract.settings import KilnSettings
 

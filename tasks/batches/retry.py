@@ -28,7 +28,7 @@ from kiln.storage.batch_records import (
 from kiln.storage.batch_store import BatchStore
 from kiln.storage.object_streams import batch_object_key, iter_lines, open_writer
 from kiln.storage.objects import ObjectStore, StoresByUrl
-from kiln.tasks.batches.lines import item_line, parse_item
+from kiln.tasks.batches.intake import item_line, parse_item
 
 
 class NothingToRetry(ValueError):

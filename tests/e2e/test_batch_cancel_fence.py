@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kiln.common.states import JobState
 from kiln.storage.batch_store import BatchStore
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from tests.e2e.cluster import Cluster
 from tests.e2e.test_batches import SLEEPY_PIPELINE, watch, write_batch
 from tests.waiting import wait_until

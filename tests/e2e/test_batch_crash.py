@@ -23,7 +23,7 @@ import redis
 from kiln.common.states import JobState
 from kiln.storage.batch_store import BatchStore, FedBatch
 from kiln.storage.errors import StorageError
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from tests.e2e.cluster import SLEEPY, Cluster, WorkerProcess
 from tests.e2e.services import PrivateRedis
 from tests.waiting import wait_until

@@ -17,7 +17,7 @@ import pytest
 
 from kiln.common.states import JobState
 from kiln.storage.batch_store import BatchStore
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from tests.e2e.cluster import SLEEPY, Cluster
 from tests.waiting import wait_until
 

@@ -23,7 +23,7 @@ from PIL import Image
 from kiln.common.previews import PREVIEW_INLINE_MAX
 from kiln.storage.records import JobEvent
 from kiln.tasks.api.app import create_app
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.client.client import KilnClient
 from kiln.tasks.contract.views import PreviewEvent
 from tests.e2e.cluster import Cluster

@@ -32,7 +32,7 @@ import pytest
 from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.batch_store import BatchStore, FedBatch
 from kiln.storage.errors import StorageError
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from tests.e2e.cluster import SLEEPY, Cluster
 from tests.e2e.conftest import clusters
 from tests.e2e.sentinel_rig import (

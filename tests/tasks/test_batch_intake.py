@@ -19,8 +19,7 @@ from kiln.storage.object_streams import batch_object_key, iter_lines, open_write
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.json_guard import body_errors
-from kiln.tasks.batches.intake import drop_repeats, plain_text
-from kiln.tasks.batches.lines import item_line, parse_item
+from kiln.tasks.batches.intake import drop_repeats, item_line, parse_item, plain_text
 from kiln.tasks.batches.unique_ids import CustomIds, Repeat
 from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.contract.schemas import JobRequest

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.contract.job_spec import JobSpec
 from tests.tasks.helpers import Api
 from tests.tasks.test_batches import feeder, get_batch, jsonl, lines_of, post_batch

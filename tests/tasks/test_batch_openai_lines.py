@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.contract.batches import OPENAI_LINE_SHAPE
 from tests.tasks.helpers import Api
 from tests.tasks.test_batches import (

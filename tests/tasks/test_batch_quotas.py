@@ -12,7 +12,7 @@ import pytest
 
 from kiln.common.states import JobState
 from kiln.storage.errors import QuotaExceeded
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success
 from tests.tasks.test_batches import feeder, get_batch, jsonl, lines_of, post_batch, results
 

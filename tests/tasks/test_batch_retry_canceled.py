@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kiln.storage.settings import StorageSettings
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.cli.main import main
 from kiln.tasks.client import KilnClient
 from tests.tasks.helpers import Api, drive_to_success

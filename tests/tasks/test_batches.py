@@ -18,7 +18,7 @@ from kiln.common.states import JobState
 from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_store import BatchStore
 from kiln.tasks.batches.feeder import BatchFeeder
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.cli.main import main
 from kiln.tasks.client import KilnClient, ValidationFailed
 from kiln.tasks.contract.batches import BatchResult, BatchSummary

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kiln.common.states import JobState
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from tests.tasks.helpers import Api, drive_to_success, start_job
 from tests.tasks.test_batches import (
     feeder,

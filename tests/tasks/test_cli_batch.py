@@ -21,7 +21,7 @@ from kiln.storage.object_base import output_key
 from kiln.storage.objects import open_object_store
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.batches.feeder import BatchFeeder
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.cli.batch_display import BatchProgress
 from kiln.tasks.cli.main import main
 from kiln.tasks.client import KilnClient

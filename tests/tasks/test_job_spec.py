@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from kiln.common.states import JobState
 from kiln.storage.job_store import JobRecord, NewJob
-from kiln.tasks.batches.lines import item_line, parse_item
+from kiln.tasks.batches.intake import item_line, parse_item
 from kiln.tasks.contract.job_spec import JOB_SPEC_ERROR, JOB_SPEC_VERSION, JobSpec, JobSpecRefused
 from kiln.tasks.contract.loras import LoraSpec
 from kiln.tasks.contract.schemas import CheckpointRequest, JobRequest, PreviewRequest, WebhookSpec

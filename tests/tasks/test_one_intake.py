@@ -31,7 +31,7 @@ from kiln.common.request import DRAWN_SEED_LIMIT
 from kiln.storage.object_streams import iter_lines
 from kiln.storage.settings import StorageSettings
 from kiln.storage.uploaded_inputs import new_upload_id, upload_key
-from kiln.tasks.batches.lines import batch_job_id, parse_item
+from kiln.tasks.batches.intake import batch_job_id, parse_item
 from kiln.tasks.client.client import KilnClient
 from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.intake.intake import Intake

@@ -33,7 +33,7 @@ from kiln.common.tracing import (
 from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.app import create_app
-from kiln.tasks.batches.lines import item_line, parse_item
+from kiln.tasks.batches.intake import item_line, parse_item
 from kiln.tasks.client.client import KilnClient
 from kiln.tasks.contract.job_spec import JobSpec
 from kiln.tasks.contract.schemas import JobRequest

@@ -25,7 +25,7 @@ from kiln.storage.job_store import JobStore
 from kiln.storage.object_base import output_key
 from kiln.storage.objects import open_object_store
 from kiln.storage.settings import StorageSettings
-from kiln.tasks.batches.lines import batch_job_id
+from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.cli.demo import results_table
 from kiln.tasks.cli.main import build_parser
 from kiln.tasks.client import KilnClient
