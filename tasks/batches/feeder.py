@@ -48,9 +48,8 @@ from celery import Celery
 
 from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.apikeys import ApiKeyStore
-from kiln.storage.batch_feeding import BatchFeeding, FedWrite
 from kiln.storage.batch_records import BatchConflict, FedBatch
-from kiln.storage.batch_store import BatchStore
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedWrite
 from kiln.storage.errors import (
     IllegalTransition,
     ObjectStoreError,

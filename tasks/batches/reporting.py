@@ -13,8 +13,8 @@ import time
 import uuid
 
 from kiln.common.states import TERMINAL_STATES
-from kiln.storage.batch_feeding import BatchFeeding
 from kiln.storage.batch_records import FedBatch
+from kiln.storage.batch_store import BatchFeeding
 from kiln.storage.errors import StorageError
 from kiln.storage.object_streams import batch_object_key
 from kiln.storage.objects import StoresByUrl

@@ -9,8 +9,7 @@ from typing import Any
 
 from kiln.common.media import BATCH_INPUT_CONTENT_TYPE
 from kiln.common.states import JobState
-from kiln.storage.batch_feeding import BatchFeeding
-from kiln.storage.batch_store import BatchStore, FedBatch, NewFedBatch
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedBatch, NewFedBatch
 from kiln.storage.job_store import JobRecord, JobStore
 from kiln.storage.object_streams import batch_object_key, iter_chunks, open_writer
 from kiln.storage.objects import ObjectStore, StoresByUrl

@@ -52,8 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from kiln.common.states import JobState  # noqa: E402
 from kiln.storage.apikeys import ApiKeyStore  # noqa: E402
-from kiln.storage.batch_feeding import BatchFeeding  # noqa: E402
-from kiln.storage.batch_store import BatchStore  # noqa: E402
+from kiln.storage.batch_store import BatchFeeding, BatchStore  # noqa: E402
 from kiln.storage.job_store import JobStore  # noqa: E402
 from kiln.storage.settings import StorageSettings  # noqa: E402
 from kiln.tasks.api.auth import hash_api_key, new_api_key  # noqa: E402

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from kiln.common.states import JobState
-from kiln.storage.batch_feeding import BatchFeeding
-from kiln.storage.batch_store import BatchStore, FedBatch
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedBatch
 from kiln.tasks.batches.intake import batch_job_id
 from tests.e2e.cluster import REPO_ROOT, SLEEPY, Cluster
 from tests.storage.helpers import feeder_of

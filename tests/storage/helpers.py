@@ -6,7 +6,7 @@ import secrets
 from typing import Any
 
 from kiln.common.states import JobState
-from kiln.storage.batch_feeding import BatchFeeding
+from kiln.storage.batch_store import BatchFeeding
 from kiln.storage.job_store import JobRecord, JobStore, NewJob
 
 WORKER = "worker-a"

@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from kiln.storage.batch_feeding import BatchFeeding, FedWrite
 from kiln.storage.batch_records import BatchConflict
-from kiln.storage.batch_store import BatchStore, NewFedBatch
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedWrite, NewFedBatch
 from kiln.storage.errors import InvalidObjectKey
 from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import (

@@ -8,8 +8,7 @@ they were fed (canceled, expired, failed) and the batch's creation for lines ref
 
 from __future__ import annotations
 
-from kiln.storage.batch_feeding import BatchFeeding, FedWrite
-from kiln.storage.batch_store import BatchStore, NewFedBatch
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedWrite, NewFedBatch
 from kiln.storage.counters import INVALID_LINES, LINE_STATUSES, finished_counts
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.tasks.contract.batches import INVALID

@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from kiln.common.states import JobState
-from kiln.storage.batch_feeding import BatchFeeding
-from kiln.storage.batch_store import BatchStore
+from kiln.storage.batch_store import BatchFeeding, BatchStore
 from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.cli.main import main

@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Any
 
 from kiln.common.states import JobState
-from kiln.storage.batch_feeding import BatchFeeding
+from kiln.storage.batch_store import BatchFeeding
 from kiln.tasks.batches.fairness import capacities, window_size
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success
 from tests.tasks.test_batches import feeder, finish_queued, get_batch, jsonl, lines_of, post_batch

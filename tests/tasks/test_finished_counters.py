@@ -11,8 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.storage.batch_feeding import BatchFeeding, FedWrite
-from kiln.storage.batch_store import BatchStore, NewFedBatch
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedWrite, NewFedBatch
 from kiln.storage.errors import StorageError
 from kiln.storage.job_store import JobStore
 from kiln.storage.records import NewJob
