@@ -1,14 +1,28 @@
-"""The event stream route: a job's events as server-sent events (docs/contract.md §6)."""
+"""The event stream route: a job's events as server-sent events (docs/contract.md §6).
+
+`EventStream` reads the job's Redis stream after a seq (a blocking read in a worker thread, under
+the API's limiter) and sends each event as one frame (`format_event`): resumable by seq, it ends
+after the terminal event. Its slot and what ends it early are `sse`'s (`StreamGuard`).
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
+import anyio
+import anyio.to_thread
 from fastapi import Header, HTTPException, Query
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from kiln.common.states import is_terminal
+from kiln.storage.job_store import JobEvent, JobStore
 from kiln.tasks.api.deps import (
     Authorization,
     Caller,
@@ -18,8 +32,10 @@ from kiln.tasks.api.deps import (
     json_error_docs,
     visible_job,
 )
-from kiln.tasks.api.sse import EventStream, StreamGuard
+from kiln.tasks.api.sse import StreamGuard, closing_frame
+from kiln.tasks.contract.events import event_json, parse_event
 
+log = logging.getLogger(__name__)
 router = api_router()
 # Event ids are Redis stream ids `<seq>-0`, and Redis takes at most 64 bits: above that the stream
 # read fails after the 200 has gone out.
@@ -59,6 +75,84 @@ def event_stream_response(frames: AsyncIterator[str], guard: StreamGuard) -> Eve
     )
     response.on_close = guard.stream.release
     return response
+
+
+def format_event(event: JobEvent) -> str:
+    """One SSE frame: `id` is the event's seq, so `Last-Event-ID` resumes right after it.
+
+    The data is the event parsed with the contract's union (tasks/contract/events.py) and given
+    back as written. An entry the union refuses still goes out as stored, with a warning: a
+    client's seqs never skip one.
+    """
+    try:
+        wire = event_json(parse_event(event))
+    except ValidationError as exc:
+        log.warning("event %d of job stream is no known event, sent as stored: %s", event.seq, exc)
+        wire = {"seq": event.seq, "type": event.type, "time": event.time, "payload": event.payload}
+    data = json.dumps(wire, separators=(",", ":"))
+    return f"id: {event.seq}\nevent: {event.type}\ndata: {data}\n\n"
+
+
+class EventStream:
+    """Async iterator of SSE frames for one job; store reads run in threads under a limiter."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        job_id: str,
+        after_seq: int,
+        *,
+        block_ms: int,
+        keepalive_s: float,
+        limiter: anyio.CapacityLimiter,
+        guard: StreamGuard,
+    ) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.after_seq = after_seq
+        self.block_ms = block_ms
+        self.keepalive_s = keepalive_s
+        self.limiter = limiter
+        self.guard = guard
+
+    async def _read(self, block_ms: int | None) -> list[JobEvent]:
+        call = functools.partial(
+            self.store.events, self.job_id, after_seq=self.after_seq, block_ms=block_ms
+        )
+        return await anyio.to_thread.run_sync(call, limiter=self.limiter)
+
+    async def _finished(self) -> bool:
+        record = await anyio.to_thread.run_sync(self.store.get, self.job_id, limiter=self.limiter)
+        return is_terminal(record.state)
+
+    async def frames(self) -> AsyncIterator[str]:
+        """Frames until the terminal event (or at once if the job ended before `after_seq`).
+
+        A stream the guard ends stops after the last whole event it sent: the client resumes
+        with `Last-Event-ID` and loses nothing.
+        """
+        last_sent = time.monotonic()
+        while True:
+            reason = await self.guard.ended()
+            if reason is not None:
+                yield closing_frame(reason)
+                return
+            events = await self._read(self.guard.block_ms(self.block_ms))
+            if not events and await self._finished():
+                # The terminal event is written with the state: read once more, then stop.
+                events = await self._read(None)
+                if not events:
+                    return
+            for event in events:
+                self.after_seq = event.seq
+                yield format_event(event)
+                if is_terminal(event.type):
+                    return
+            if events:
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent >= self.keepalive_s:
+                last_sent = time.monotonic()
+                yield ": keep-alive\n\n"
 
 
 EVENTS_DOC: dict[int | str, dict[str, Any]] = {

@@ -1,45 +1,24 @@
-"""Server-sent events from a job's event stream: resumable by seq, ends after the terminal event.
+"""What every event stream (SSE) of the API shares: its slot, and what ends it early.
 
 Streams hold slots (`StreamSlots`: per key, in total, shared fairly) and end early when their
 lifetime is over, their slot is given to a key under its fair share, or their key is revoked
-(`StreamGuard`); the client then resumes where it was.
+(`StreamGuard`); the client then resumes where it was. The streams themselves are their routes':
+a job's in `event_routes`, a batch's in `batch_event_routes`.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
-from pydantic import ValidationError
 
-from kiln.common.states import is_terminal
-from kiln.storage.job_store import JobEvent, JobStore
 from kiln.tasks.api.auth import Authenticator, AuthError
-from kiln.tasks.contract.events import event_json, parse_event
 
 log = logging.getLogger(__name__)
-
-
-def format_event(event: JobEvent) -> str:
-    """One SSE frame: `id` is the event's seq, so `Last-Event-ID` resumes right after it.
-
-    The data is the event parsed with the contract's union (tasks/contract/events.py) and given
-    back as written. An entry the union refuses still goes out as stored, with a warning: a
-    client's seqs never skip one.
-    """
-    try:
-        wire = event_json(parse_event(event))
-    except ValidationError as exc:
-        log.warning("event %d of job stream is no known event, sent as stored: %s", event.seq, exc)
-        wire = {"seq": event.seq, "type": event.type, "time": event.time, "payload": event.payload}
-    data = json.dumps(wire, separators=(",", ":"))
-    return f"id: {event.seq}\nevent: {event.type}\ndata: {data}\n\n"
 
 
 class OpenStream:
@@ -196,65 +175,3 @@ class StreamGuard:
 def closing_frame(reason: str) -> str:
     """The last frame of a stream ended early: a comment (clients ignore it), then the end."""
     return f": stream closed ({reason}); reconnect to resume\n\n"
-
-
-class EventStream:
-    """Async iterator of SSE frames for one job; store reads run in threads under a limiter."""
-
-    def __init__(
-        self,
-        store: JobStore,
-        job_id: str,
-        after_seq: int,
-        *,
-        block_ms: int,
-        keepalive_s: float,
-        limiter: anyio.CapacityLimiter,
-        guard: StreamGuard,
-    ) -> None:
-        self.store = store
-        self.job_id = job_id
-        self.after_seq = after_seq
-        self.block_ms = block_ms
-        self.keepalive_s = keepalive_s
-        self.limiter = limiter
-        self.guard = guard
-
-    async def _read(self, block_ms: int | None) -> list[JobEvent]:
-        call = functools.partial(
-            self.store.events, self.job_id, after_seq=self.after_seq, block_ms=block_ms
-        )
-        return await anyio.to_thread.run_sync(call, limiter=self.limiter)
-
-    async def _finished(self) -> bool:
-        record = await anyio.to_thread.run_sync(self.store.get, self.job_id, limiter=self.limiter)
-        return is_terminal(record.state)
-
-    async def frames(self) -> AsyncIterator[str]:
-        """Frames until the terminal event (or at once if the job ended before `after_seq`).
-
-        A stream the guard ends stops after the last whole event it sent: the client resumes
-        with `Last-Event-ID` and loses nothing.
-        """
-        last_sent = time.monotonic()
-        while True:
-            reason = await self.guard.ended()
-            if reason is not None:
-                yield closing_frame(reason)
-                return
-            events = await self._read(self.guard.block_ms(self.block_ms))
-            if not events and await self._finished():
-                # The terminal event is written with the state: read once more, then stop.
-                events = await self._read(None)
-                if not events:
-                    return
-            for event in events:
-                self.after_seq = event.seq
-                yield format_event(event)
-                if is_terminal(event.type):
-                    return
-            if events:
-                last_sent = time.monotonic()
-            elif time.monotonic() - last_sent >= self.keepalive_s:
-                last_sent = time.monotonic()
-                yield ": keep-alive\n\n"
