@@ -6,7 +6,6 @@ import base64
 import hashlib
 import io
 import json
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,23 @@ from tests.tasks.helpers import ThreadServer, api_settings
 
 pytestmark = pytest.mark.timeout(600)
 
+PAINTED = "python:tests.e2e.painted_pipelines:painted"
+STEP_S = 0.05  # the painted pipeline's sleep per step
+PAINTED_STEPS = 50  # its most: 2.5 s of run
+
 
 @pytest.fixture(scope="module")
 def cluster(module_cluster_factory: Callable[..., Cluster]) -> Cluster:
     made = module_cluster_factory()
-    # The ranks' default thread count (the cores), not tests/e2e's one thread: the disconnect test
-    # needs its 120-step job still running when its client first reads the stream, and at one
-    # thread that job can end first (Redis then holds only its last preview).
-    cores = {"KILN_CPU_THREADS_PER_RANK": str(len(os.sched_getaffinity(0)))}
-    made.start_worker("tiny", devices="cpu:1", extra_env=cores)
+    # `painted` sleeps STEP_S a step: the disconnect test's job runs for as long as it says on
+    # any machine, so its client's first read finds it running (Redis keeps only the newest
+    # preview of a job that ended), however loaded the machine is. Tiny runs at its own pace.
+    made.start_worker(
+        "tiny",
+        f"painted={PAINTED}",
+        devices="cpu:1",
+        extra_env={"KILN_TEST_STEP_SECONDS": str(STEP_S)},
+    )
     return made
 
 
@@ -69,12 +76,12 @@ def test_previews_arrive_in_order_and_resume_after_a_disconnect(
     cluster: Cluster, api_url: str
 ) -> None:
     job_id = cluster.submit(
-        pipeline="tiny",
+        pipeline="painted",
         prompt="a kiln",
         width=64,
         height=64,
-        steps=120,  # long enough that the first read finds an early preview, even under load
-        preview={"every_steps": 2},
+        steps=PAINTED_STEPS,  # PAINTED_STEPS * STEP_S of run: the first read finds it running
+        preview={"every_steps": 2, "max_side": 64},
     )
     # read up to the first preview, then drop the connection
     first = sse_events(api_url, job_id, 0, stop_after=4)
@@ -97,9 +104,9 @@ def test_previews_arrive_in_order_and_resume_after_a_disconnect(
             payload = event["payload"]
             assert (payload["format"], payload["content_type"]) == ("webp", "image/webp")
             assert payload["url"] is None
-            assert payload["total"] == 120
+            assert payload["total"] == PAINTED_STEPS
             image = Image.open(io.BytesIO(base64.b64decode(payload["image_b64"])))
-            assert image.size == (payload["width"], payload["height"]) == (8, 8)
+            assert image.size == (payload["width"], payload["height"]) == (64, 64)
     # Redis holds one preview of the job, the newest
     raw = cluster.store.redis.xrange(cluster.store.keys.events(job_id))
     kept = [fields for _, fields in raw if fields["type"] == "preview"]
