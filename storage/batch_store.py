@@ -13,6 +13,7 @@ changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 
 from kiln.common.states import JobState, is_final_batch
@@ -272,6 +273,7 @@ class BatchFeeding(FeederLeaseOps):
         cursor: tuple[int, int],
         opened: list[tuple[str, int]],
         ended: tuple[int, str, str] = (0, "", ""),
+        messages: Sequence[tuple[str, tuple[str, str]]] = (),
     ) -> FedWrite:
         """Move the cursor from `read_at` (as the feeder read it) to `cursor` (fenced).
 
@@ -280,7 +282,9 @@ class BatchFeeding(FeederLeaseOps):
         the object key of their result part): a write with lines ended is the wind-down's, any
         other one feeds new jobs and is refused (`stopping`) once the batch was asked to stop.
         Lines ended are counted as finished under their reason (`storage.counters`), as lines
-        whose job ended are. Nothing is written unless `applied`.
+        whose job ended are. `messages` = (job id, (Celery queue, message)) of fed jobs: each one
+        still queued and unpublished is published in the same step (its message pushed, the job
+        marked published). Nothing is written unless `applied`.
         """
         token, owner = lease
         new_cursor, offset = cursor
@@ -290,11 +294,15 @@ class BatchFeeding(FeederLeaseOps):
             *self._feeder_keys(batch_id),
             self.keys.batch_parts(batch_id),
             self.keys.finished_counts,
+            self.keys.unpublished,
+            *(queue for _, (queue, _) in messages),
         ]
         flat: list[str | int] = []
         for job_id, line in opened:
             flat += [line, job_id]
-        args = [token, owner, read_at, new_cursor, offset, count, reason, part, mode, *flat]
+        sent = dumps([[job_id, message] for job_id, (_, message) in messages])
+        fixed = [token, owner, read_at, new_cursor, offset, count, reason, part, mode]
+        args = [*fixed, self.keys.job_prefix, sent, *flat]
         return _FED_REPLIES[int(self._run("batch_fed", keys, args))]
 
     @redis_boundary
