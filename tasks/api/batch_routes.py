@@ -142,7 +142,7 @@ async def submit_batch(
     """Accept a JSONL batch: validated line by line as it streams to the object store.
 
     With `Content-Type: application/json` the body instead names an upload and carries the
-    options (`batch_uploads`); the query then takes none.
+    options (`submit_upload`); the query then takes none.
     """
     params = BatchParams(
         pipeline, priority, completion_window, skip_invalid, metadata, webhook_url, webhook_events
