@@ -13,8 +13,9 @@ changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
+from typing import NamedTuple
 
 from kiln.common.states import JobState, is_final_batch
 from kiln.storage.base import StoreBase, dumps
@@ -41,6 +42,7 @@ __all__ = [
     "BatchFeeding",
     "BatchStore",
     "FedBatch",
+    "FedMessage",
     "FedWrite",
     "NewFedBatch",
     "RetryKeyBound",
@@ -246,9 +248,21 @@ class FedWrite(StrEnum):
     applied = "applied"
     stale = "stale"
     stopping = "stopping"  # the batch was canceled or expired since the feeder read it
+    # applied, but some fed job's message was not pushed: its record holds another trace (a job
+    # made by an earlier feeder); the feeder publishes it from its record
+    unsent = "unsent"
 
 
-_FED_REPLIES = {1: FedWrite.applied, 0: FedWrite.stale, 2: FedWrite.stopping}
+_FED_REPLIES = {1: FedWrite.applied, 0: FedWrite.stale, 2: FedWrite.stopping, 3: FedWrite.unsent}
+
+
+class FedMessage(NamedTuple):
+    """A fed job's broker message, which the cursor move pushes (storage/lua/batch_fed.lua)."""
+
+    job_id: str
+    queue: str  # the Celery queue (list) it goes to
+    message: str  # as kombu's Redis transport pushes it
+    trace: Mapping[str, str]  # the trace it carries: pushed only to a job whose record holds it
 
 
 class BatchFeeding(FeederLeaseOps):
@@ -273,7 +287,7 @@ class BatchFeeding(FeederLeaseOps):
         cursor: tuple[int, int],
         opened: list[tuple[str, int]],
         ended: tuple[int, str, str] = (0, "", ""),
-        messages: Sequence[tuple[str, tuple[str, str]]] = (),
+        messages: Sequence[FedMessage] = (),
     ) -> FedWrite:
         """Move the cursor from `read_at` (as the feeder read it) to `cursor` (fenced).
 
@@ -282,9 +296,10 @@ class BatchFeeding(FeederLeaseOps):
         the object key of their result part): a write with lines ended is the wind-down's, any
         other one feeds new jobs and is refused (`stopping`) once the batch was asked to stop.
         Lines ended are counted as finished under their reason (`storage.counters`), as lines
-        whose job ended are. `messages` = (job id, (Celery queue, message)) of fed jobs: each one
-        still queued and unpublished is published in the same step (its message pushed, the job
-        marked published). Nothing is written unless `applied`.
+        whose job ended are. `messages`: of fed jobs, each one still queued and unpublished is
+        published in the same step (its message pushed, the job marked published), unless its
+        record holds another trace than its message (`unsent`: the move is applied, that job is
+        left to publish). Nothing is written unless `applied` or `unsent`.
         """
         token, owner = lease
         new_cursor, offset = cursor
@@ -295,12 +310,12 @@ class BatchFeeding(FeederLeaseOps):
             self.keys.batch_parts(batch_id),
             self.keys.finished_counts,
             self.keys.unpublished,
-            *(queue for _, (queue, _) in messages),
+            *(sent.queue for sent in messages),
         ]
         flat: list[str | int] = []
         for job_id, line in opened:
             flat += [line, job_id]
-        sent = dumps([[job_id, message] for job_id, (_, message) in messages])
+        sent = dumps([[m.job_id, m.message, dumps(dict(m.trace))] for m in messages])
         fixed = [token, owner, read_at, new_cursor, offset, count, reason, part, mode]
         args = [*fixed, self.keys.job_prefix, sent, *flat]
         return _FED_REPLIES[int(self._run("batch_fed", keys, args))]

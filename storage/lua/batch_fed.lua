@@ -10,9 +10,12 @@
 -- move, as create.lua publishes a job with its record: each one still queued and not published
 -- yet gets its message pushed onto its Celery queue and is marked published (as mark_published
 -- does). A write that is not applied publishes nothing, so a job is published only once the
--- cursor has passed its line. Jobs fed without a message are published by the feeder after.
--- Returns 1 if applied, 0 if the lease or the cursor moved on, 2 if feeding was refused because
--- the batch is stopping (nothing written either way).
+-- cursor has passed its line. A job whose record holds another trace than its message (made by
+-- an earlier feeder, before a crash) is left unpublished, as are jobs fed without a message: the
+-- feeder publishes them after, from their records.
+-- Returns 1 if applied, 3 if applied with a job left unpublished for another trace, 0 if the
+-- lease or the cursor moved on, 2 if feeding was refused because the batch is stopping (nothing
+-- written either way).
 -- KEYS[1] = batch record (hash)
 -- KEYS[2] = feeder lease (string `<token>|<owner>`)
 -- KEYS[3] = open items (zset: job id -> line)
@@ -31,7 +34,7 @@
 -- ARGV[9] = mode: feed (new jobs) or end (lines ended by a stop)
 -- ARGV[10] = job record prefix (+ job id): the messages' jobs are named in a list decoded here
 -- ARGV[11] = the fed jobs' messages: JSON list of [job id, message as kombu's Redis transport
---   pushes it] ('[]' for none)
+--   pushes it, the trace it carries as the record stores it] ('[]' for none)
 -- ARGV[12..] = open items: line, job id, line, job id, ...
 local batch_key, lease_key, open_key, parts_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local finished_key, unpublished_key = KEYS[5], KEYS[6]
@@ -60,18 +63,25 @@ if part ~= '' then
   redis.call('RPUSH', parts_key, part)
   redis.call('HINCRBY', batch_key, 'reported', ended)
 end
+local unsent = false
 for i, sent in ipairs(messages) do
   local job_id = sent[1]
   local record = job_prefix .. job_id
-  local state, published = unpack(redis.call('HMGET', record, 'state', 'published'))
+  local state, published, trace = unpack(redis.call('HMGET', record, 'state', 'published',
+    'trace'))
   if state == S.queued and published ~= '1' then
-    redis.call('LPUSH', queues[i], sent[2])
-    redis.call('HSET', record, 'published', '1')
-    redis.call('ZREM', unpublished_key, job_id)
+    if (trace or '{}') == sent[3] then
+      redis.call('LPUSH', queues[i], sent[2])
+      redis.call('HSET', record, 'published', '1')
+      redis.call('ZREM', unpublished_key, job_id)
+    else
+      unsent = true
+    end
   end
 end
 local items = tonumber(redis.call('HGET', batch_key, 'items') or '0')
 if tonumber(new_cursor) >= items and redis.call('HGET', batch_key, 'status') == B.running then
   redis.call('HSET', batch_key, 'status', B.finalizing)
 end
+if unsent then return 3 end
 return 1

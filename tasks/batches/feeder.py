@@ -52,7 +52,7 @@ from celery import Celery
 from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.batch_records import BatchConflict, FedBatch
-from kiln.storage.batch_store import BatchFeeding, BatchStore, FedWrite
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedMessage, FedWrite
 from kiln.storage.errors import (
     IllegalTransition,
     ObjectStoreError,
@@ -225,7 +225,7 @@ class BatchFeeder:
         if written is FedWrite.stopping:
             log.info("batch %s: stopped while feeding; its new jobs end unpublished", batch.id)
             return
-        sent = {job_id for job_id, _ in messages}
+        sent = {m.job_id for m in messages} if written is FedWrite.applied else set()
         self._publish_unconfirmed([new.id for new in news if new.id not in sent])
 
     def _create_within(self, news: list[NewJob], cap: int) -> list[NewJob]:
@@ -249,19 +249,20 @@ class BatchFeeder:
         trace = line_trace(job_id, batch.id, item.trace, batch.trace)
         return line_job(item.spec, job_id, batch.id, batch.owner, batch.priority, trace)
 
-    def _messages(self, news: list[NewJob]) -> list[tuple[str, tuple[str, str]]]:
+    def _messages(self, news: list[NewJob]) -> list[FedMessage]:
         """The jobs' broker messages, which the cursor move publishes (none: published after).
 
         Where the submitter builds messages (the broker is Kiln's Redis), the fed jobs go out in
         the step that moves the cursor past their lines, as a job submitted alone goes out with
         its creation: one round trip for the chunk instead of a read and a publish and a mark
-        per job. A job whose message cannot be built is published after, as before.
+        per job. A job whose message cannot be built, or whose record an earlier feeder wrote
+        with another trace (`FedWrite.unsent`), is published after from its record, as before.
         """
-        messages: list[tuple[str, tuple[str, str]]] = []
+        messages: list[FedMessage] = []
         for new in news:
-            message = self.submitter.message_for(new)
-            if message is not None:
-                messages.append((new.id, message))
+            built = self.submitter.message_for(new)
+            if built is not None:
+                messages.append(FedMessage(new.id, built[0], built[1], new.trace))
         return messages
 
     def _publish_unconfirmed(self, job_ids: list[str]) -> None:

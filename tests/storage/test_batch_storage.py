@@ -9,7 +9,7 @@ import pytest
 
 from kiln.common.states import JobState
 from kiln.storage.batch_records import BatchConflict
-from kiln.storage.batch_store import BatchFeeding, BatchStore, FedWrite, NewFedBatch
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedMessage, FedWrite, NewFedBatch
 from kiln.storage.errors import InvalidObjectKey
 from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import (
@@ -170,20 +170,22 @@ def test_the_cursor_move_publishes_its_fed_jobs_still_waiting_for_their_message(
     """Given their messages, the fed jobs go out in the move's own step, and only if it applies.
 
     Each one still queued and unpublished: its message pushed, marked published (as
-    mark_published.lua marks one). A published or running job is not sent again.
+    mark_published.lua marks one). A published or running job is not sent again; one whose record
+    holds another trace (an earlier feeder's job) is left to publish from its record (`unsent`).
     """
     batches = BatchStore(job_store.redis, job_store.settings)
     feeding = BatchFeeding(job_store.redis, job_store.settings)
-    batches.submit_fed_batch(new_batch())
+    batches.submit_fed_batch(new_batch(items=4))
     lease = (feeding.take_feeder("batch1", "node-a"), "node-a")
-    waiting, _ = job_in_state(job_store, JobState.QUEUED)
+    trace = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    waiting, _ = job_in_state(job_store, JobState.QUEUED, trace=trace)
     sent, _ = job_in_state(job_store, JobState.QUEUED)
     job_store.mark_published(sent)
     running, _ = job_in_state(job_store, JobState.RUNNING)
     ids = [waiting, sent, running]
     opened = [(job_id, line) for line, job_id in enumerate(ids, 1)]
     queue = f"{job_store.keys.ns}:celery-q"  # the test's own namespace: nothing left behind
-    messages = [(job_id, (queue, f"message of {job_id}")) for job_id in ids]
+    messages = [FedMessage(job_id, queue, f"message of {job_id}", trace) for job_id in ids]
     stale = feeding.record_fed(
         "batch1", (lease[0], "node-b"), 0, (3, 30), opened, messages=messages
     )
@@ -196,6 +198,19 @@ def test_the_cursor_move_publishes_its_fed_jobs_still_waiting_for_their_message(
     assert job_store.get(waiting).published
     assert waiting not in job_store.unpublished_jobs(0)
     assert feeding.open_items("batch1") == opened
+    earlier, _ = job_in_state(job_store, JobState.QUEUED, trace=trace)  # another feeder's trace
+    other = {"traceparent": "00-" + "3" * 32 + "-" + "4" * 16 + "-01"}
+    moved = feeding.record_fed(
+        "batch1",
+        lease,
+        3,
+        (4, 40),
+        [(earlier, 4)],
+        messages=[FedMessage(earlier, queue, "m", other)],
+    )
+    assert moved is FedWrite.unsent
+    assert (batches.get_fed("batch1").fed, job_store.redis.llen(queue)) == (4, 1)
+    assert not job_store.get(earlier).published
 
 
 def test_a_list_cursor_is_ascii_digits_only(job_store: JobStore) -> None:
