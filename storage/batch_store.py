@@ -13,9 +13,7 @@ changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from enum import StrEnum
-from typing import NamedTuple
 
 from kiln.common.states import JobState, is_final_batch
 from kiln.storage.base import StoreBase, dumps
@@ -42,7 +40,6 @@ __all__ = [
     "BatchFeeding",
     "BatchStore",
     "FedBatch",
-    "FedMessage",
     "FedWrite",
     "NewFedBatch",
     "RetryKeyBound",
@@ -248,21 +245,9 @@ class FedWrite(StrEnum):
     applied = "applied"
     stale = "stale"
     stopping = "stopping"  # the batch was canceled or expired since the feeder read it
-    # applied, but some fed job's message was not pushed: its record holds another trace (a job
-    # made by an earlier feeder); the feeder publishes it from its record
-    unsent = "unsent"
 
 
-_FED_REPLIES = {1: FedWrite.applied, 0: FedWrite.stale, 2: FedWrite.stopping, 3: FedWrite.unsent}
-
-
-class FedMessage(NamedTuple):
-    """A fed job's broker message, which the cursor move pushes (storage/lua/batch_fed.lua)."""
-
-    job_id: str
-    queue: str  # the Celery queue (list) it goes to
-    message: str  # as kombu's Redis transport pushes it
-    trace: Mapping[str, str]  # the trace it carries: pushed only to a job whose record holds it
+_FED_REPLIES = {1: FedWrite.applied, 0: FedWrite.stale, 2: FedWrite.stopping}
 
 
 class BatchFeeding(FeederLeaseOps):
@@ -287,7 +272,6 @@ class BatchFeeding(FeederLeaseOps):
         cursor: tuple[int, int],
         opened: list[tuple[str, int]],
         ended: tuple[int, str, str] = (0, "", ""),
-        messages: Sequence[FedMessage] = (),
     ) -> FedWrite:
         """Move the cursor from `read_at` (as the feeder read it) to `cursor` (fenced).
 
@@ -296,10 +280,7 @@ class BatchFeeding(FeederLeaseOps):
         the object key of their result part): a write with lines ended is the wind-down's, any
         other one feeds new jobs and is refused (`stopping`) once the batch was asked to stop.
         Lines ended are counted as finished under their reason (`storage.counters`), as lines
-        whose job ended are. `messages`: of fed jobs, each one still queued and unpublished is
-        published in the same step (its message pushed, the job marked published), unless its
-        record holds another trace than its message (`unsent`: the move is applied, that job is
-        left to publish). Nothing is written unless `applied` or `unsent`.
+        whose job ended are. Nothing is written unless `applied`.
         """
         token, owner = lease
         new_cursor, offset = cursor
@@ -309,15 +290,11 @@ class BatchFeeding(FeederLeaseOps):
             *self._feeder_keys(batch_id),
             self.keys.batch_parts(batch_id),
             self.keys.finished_counts,
-            self.keys.unpublished,
-            *(sent.queue for sent in messages),
         ]
         flat: list[str | int] = []
         for job_id, line in opened:
             flat += [line, job_id]
-        sent = dumps([[m.job_id, m.message, dumps(dict(m.trace))] for m in messages])
-        fixed = [token, owner, read_at, new_cursor, offset, count, reason, part, mode]
-        args = [*fixed, self.keys.job_prefix, sent, *flat]
+        args = [token, owner, read_at, new_cursor, offset, count, reason, part, mode, *flat]
         return _FED_REPLIES[int(self._run("batch_fed", keys, args))]
 
     @redis_boundary

@@ -6,23 +6,13 @@
 -- Feeding (mode `feed`) is also refused once the batch has been asked to stop (canceled or
 -- expired) since the feeder read it: the jobs it made are then never published, and the wind-down
 -- finds and ends them as lines fed before a crash (mode `end` is the wind-down's own write).
--- Given their broker messages, the jobs it fed are published in the same step as the cursor
--- move, as create.lua publishes a job with its record: each one still queued and not published
--- yet gets its message pushed onto its Celery queue and is marked published (as mark_published
--- does). A write that is not applied publishes nothing, so a job is published only once the
--- cursor has passed its line. A job whose record holds another trace than its message (made by
--- an earlier feeder, before a crash) is left unpublished, as are jobs fed without a message: the
--- feeder publishes them after, from their records.
--- Returns 1 if applied, 3 if applied with a job left unpublished for another trace, 0 if the
--- lease or the cursor moved on, 2 if feeding was refused because the batch is stopping (nothing
--- written either way).
+-- Returns 1 if applied, 0 if the lease or the cursor moved on, 2 if feeding was refused because
+-- the batch is stopping (nothing written either way).
 -- KEYS[1] = batch record (hash)
 -- KEYS[2] = feeder lease (string `<token>|<owner>`)
 -- KEYS[3] = open items (zset: job id -> line)
 -- KEYS[4] = result parts (list of object keys)
 -- KEYS[5] = finished counts (hash: monotonic counters of terminal transitions)
--- KEYS[6] = unpublished jobs (zset)
--- KEYS[7..] = the Celery queue (list) of each message of ARGV[11], in its order
 -- ARGV[1] = lease token
 -- ARGV[2] = owner
 -- ARGV[3] = cursor as read (items handled before)
@@ -32,17 +22,12 @@
 -- ARGV[7] = the reason they ended (canceled or expired; '' when none)
 -- ARGV[8] = result part of those lines ('' when none)
 -- ARGV[9] = mode: feed (new jobs) or end (lines ended by a stop)
--- ARGV[10] = job record prefix (+ job id): the messages' jobs are named in a list decoded here
--- ARGV[11] = the fed jobs' messages: JSON list of [job id, message as kombu's Redis transport
---   pushes it, the trace it carries as the record stores it] ('[]' for none)
--- ARGV[12..] = open items: line, job id, line, job id, ...
+-- ARGV[10..] = open items: line, job id, line, job id, ...
 local batch_key, lease_key, open_key, parts_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local finished_key, unpublished_key = KEYS[5], KEYS[6]
-local queues = {unpack(KEYS, 7)}
+local finished_key = KEYS[5]
 local token, owner, cursor, new_cursor, offset = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local ended, reason, part, mode = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-local job_prefix, messages = ARGV[10], cjson.decode(ARGV[11])
-local open = {unpack(ARGV, 12)}
+local open = {unpack(ARGV, 10)}
 
 if redis.call('GET', lease_key) ~= token .. '|' .. owner then return 0 end
 if redis.call('HGET', batch_key, 'fed') ~= cursor then return 0 end
@@ -63,25 +48,8 @@ if part ~= '' then
   redis.call('RPUSH', parts_key, part)
   redis.call('HINCRBY', batch_key, 'reported', ended)
 end
-local unsent = false
-for i, sent in ipairs(messages) do
-  local job_id = sent[1]
-  local record = job_prefix .. job_id
-  local state, published, trace = unpack(redis.call('HMGET', record, 'state', 'published',
-    'trace'))
-  if state == S.queued and published ~= '1' then
-    if (trace or '{}') == sent[3] then
-      redis.call('LPUSH', queues[i], sent[2])
-      redis.call('HSET', record, 'published', '1')
-      redis.call('ZREM', unpublished_key, job_id)
-    else
-      unsent = true
-    end
-  end
-end
 local items = tonumber(redis.call('HGET', batch_key, 'items') or '0')
 if tonumber(new_cursor) >= items and redis.call('HGET', batch_key, 'status') == B.running then
   redis.call('HSET', batch_key, 'status', B.finalizing)
 end
-if unsent then return 3 end
 return 1

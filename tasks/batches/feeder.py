@@ -11,10 +11,8 @@ finish between two passes, `fairness.Pace`) and, for each batch whose lease it h
    `batch_results_flush_s`), then drops them from the open set (`reporting`);
 2. if the batch is running: reads the next lines from the stored input at the cursor and creates
    its jobs within its budget (at most `batch_feed_chunk` lines per visit, and no more than its
-   owner's queued cap leaves room for: the lines wait, none is refused), then moves the cursor
-   and publishes them, never before the move: where the broker is Kiln's Redis their messages
-   go in the cursor's own step (storage/lua/batch_fed.lua), else the feeder publishes them
-   after it; a paused batch feeds nothing;
+   owner's queued cap leaves room for: the lines wait, none is refused), moves the cursor, and
+   only then publishes them; a paused batch feeds nothing;
 3. if it was canceled, its completion window ran out or its input could not be read: winds it
    down (below);
 4. once every line has its result: writes the summary and ends the batch; batch webhooks go out
@@ -32,10 +30,9 @@ written and the batch ends.
 Exactly once per line: a line's job id is derived from the batch and its custom_id, and the cursor
 moves (fenced by the lease token, and only from where it was read) after the jobs exist. A feeder
 that dies between creating and moving the cursor leaves jobs that the next feeder creates again as
-a no-op (and publishes); one that dies after moving it without their messages leaves unpublished
-jobs that the sweeper publishes. A cancel that lands while a chunk is being fed refuses the cursor
-move, so those jobs are never published: the wind-down finds and ends them. One that lost its
-lease moves nothing.
+a no-op (and publishes); one that dies after moving it leaves unpublished jobs that the sweeper
+publishes. A cancel that lands while a chunk is being fed refuses the cursor move, so those jobs
+are never published: the wind-down finds and ends them. One that lost its lease moves nothing.
 The lease lapses `KILN_LEASE_TTL_S` after its holder stops renewing it (each visit renews it), so
 another node takes over within that.
 """
@@ -52,7 +49,7 @@ from celery import Celery
 from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.storage.apikeys import ApiKeyStore
 from kiln.storage.batch_records import BatchConflict, FedBatch
-from kiln.storage.batch_store import BatchFeeding, BatchStore, FedMessage, FedWrite
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedWrite
 from kiln.storage.errors import (
     IllegalTransition,
     ObjectStoreError,
@@ -216,17 +213,13 @@ class BatchFeeder:
             return
         opened = [(new.id, item.line) for new, item in zip(news, items, strict=True)]
         cursor = (batch.fed + len(items), ends[len(items) - 1])
-        messages = self._messages(news)
-        written = self.feeding.record_fed(
-            batch.id, lease, batch.fed, cursor, opened, messages=messages
-        )
+        written = self.feeding.record_fed(batch.id, lease, batch.fed, cursor, opened)
         if written is FedWrite.stale:
             raise FeederLostLease(batch.id)
         if written is FedWrite.stopping:
             log.info("batch %s: stopped while feeding; its new jobs end unpublished", batch.id)
             return
-        sent = {m.job_id for m in messages} if written is FedWrite.applied else set()
-        self._publish_unconfirmed([new.id for new in news if new.id not in sent])
+        self._publish_unconfirmed([new.id for new in news])
 
     def _create_within(self, news: list[NewJob], cap: int) -> list[NewJob]:
         """Create jobs in order while their owner is under `cap` queued jobs; those created.
@@ -249,25 +242,7 @@ class BatchFeeder:
         trace = line_trace(job_id, batch.id, item.trace, batch.trace)
         return line_job(item.spec, job_id, batch.id, batch.owner, batch.priority, trace)
 
-    def _messages(self, news: list[NewJob]) -> list[FedMessage]:
-        """The jobs' broker messages, which the cursor move publishes (none: published after).
-
-        Where the submitter builds messages (the broker is Kiln's Redis), the fed jobs go out in
-        the step that moves the cursor past their lines, as a job submitted alone goes out with
-        its creation: one round trip for the chunk instead of a read and a publish and a mark
-        per job. A job whose message cannot be built, or whose record an earlier feeder wrote
-        with another trace (`FedWrite.unsent`), is published after from its record, as before.
-        """
-        messages: list[FedMessage] = []
-        for new in news:
-            built = self.submitter.message_for(new)
-            if built is not None:
-                messages.append(FedMessage(new.id, built[0], built[1], new.trace))
-        return messages
-
     def _publish_unconfirmed(self, job_ids: list[str]) -> None:
-        if not job_ids:
-            return
         for record in self.store.get_many(job_ids):
             if record is not None and record.state == JobState.QUEUED and not record.published:
                 self.submitter.publish(record)

@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from kiln.common.states import JobState
 from kiln.storage.batch_records import BatchConflict
-from kiln.storage.batch_store import BatchFeeding, BatchStore, FedMessage, FedWrite, NewFedBatch
+from kiln.storage.batch_store import BatchFeeding, BatchStore, FedWrite, NewFedBatch
 from kiln.storage.errors import InvalidObjectKey
 from kiln.storage.job_store import JobStore
 from kiln.storage.object_streams import (
@@ -21,7 +20,7 @@ from kiln.storage.object_streams import (
 )
 from kiln.storage.objects import ObjectStore, open_object_store
 from kiln.storage.settings import StorageSettings
-from tests.storage.helpers import feeder_of, job_in_state
+from tests.storage.helpers import feeder_of
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -162,55 +161,6 @@ def test_feeding_is_refused_once_the_batch_is_asked_to_stop(job_store: JobStore)
     ended = feeding.record_fed("batch1", lease, 0, (1, 10), [("batch1-x", 1)], (0, "canceled", ""))
     assert ended is FedWrite.applied  # the wind-down's own write
     assert feeding.open_items("batch1") == [("batch1-x", 1)]
-
-
-def test_the_cursor_move_publishes_its_fed_jobs_still_waiting_for_their_message(
-    job_store: JobStore,
-) -> None:
-    """Given their messages, the fed jobs go out in the move's own step, and only if it applies.
-
-    Each one still queued and unpublished: its message pushed, marked published (as
-    mark_published.lua marks one). A published or running job is not sent again; one whose record
-    holds another trace (an earlier feeder's job) is left to publish from its record (`unsent`).
-    """
-    batches = BatchStore(job_store.redis, job_store.settings)
-    feeding = BatchFeeding(job_store.redis, job_store.settings)
-    batches.submit_fed_batch(new_batch(items=4))
-    lease = (feeding.take_feeder("batch1", "node-a"), "node-a")
-    trace = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
-    waiting, _ = job_in_state(job_store, JobState.QUEUED, trace=trace)
-    sent, _ = job_in_state(job_store, JobState.QUEUED)
-    job_store.mark_published(sent)
-    running, _ = job_in_state(job_store, JobState.RUNNING)
-    ids = [waiting, sent, running]
-    opened = [(job_id, line) for line, job_id in enumerate(ids, 1)]
-    queue = f"{job_store.keys.ns}:celery-q"  # the test's own namespace: nothing left behind
-    messages = [FedMessage(job_id, queue, f"message of {job_id}", trace) for job_id in ids]
-    stale = feeding.record_fed(
-        "batch1", (lease[0], "node-b"), 0, (3, 30), opened, messages=messages
-    )
-    assert stale is FedWrite.stale
-    assert job_store.redis.lrange(queue, 0, -1) == []
-    assert not job_store.get(waiting).published
-    applied = feeding.record_fed("batch1", lease, 0, (3, 30), opened, messages=messages)
-    assert applied is FedWrite.applied
-    assert job_store.redis.lrange(queue, 0, -1) == [f"message of {waiting}"]
-    assert job_store.get(waiting).published
-    assert waiting not in job_store.unpublished_jobs(0)
-    assert feeding.open_items("batch1") == opened
-    earlier, _ = job_in_state(job_store, JobState.QUEUED, trace=trace)  # another feeder's trace
-    other = {"traceparent": "00-" + "3" * 32 + "-" + "4" * 16 + "-01"}
-    moved = feeding.record_fed(
-        "batch1",
-        lease,
-        3,
-        (4, 40),
-        [(earlier, 4)],
-        messages=[FedMessage(earlier, queue, "m", other)],
-    )
-    assert moved is FedWrite.unsent
-    assert (batches.get_fed("batch1").fed, job_store.redis.llen(queue)) == (4, 1)
-    assert not job_store.get(earlier).published
 
 
 def test_a_list_cursor_is_ascii_digits_only(job_store: JobStore) -> None:

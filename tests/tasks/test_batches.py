@@ -16,14 +16,11 @@ import pytest
 
 from kiln.common.states import JobState
 from kiln.storage.batch_store import BatchFeeding, BatchStore
-from kiln.storage.job_store import NewJob
 from kiln.tasks.batches.feeder import BatchFeeder
 from kiln.tasks.batches.intake import batch_job_id
 from kiln.tasks.cli.main import main
 from kiln.tasks.client import KilnClient, ValidationFailed
 from kiln.tasks.contract.batches import BatchResult, BatchSummary
-from kiln.tasks.queue.app import make_celery_app
-from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.submit import Submitter
 from tests.storage.helpers import feeder_of
 from tests.tasks.helpers import Api, ApiFactory, drive_to_success, finish_with_success, start_job
@@ -136,66 +133,6 @@ def test_a_batch_is_fed_and_every_line_gets_one_result(api: Api) -> None:
     assert all(line["outputs"][0]["url"] and line["outputs"][0]["sha256"] for line in lines[:-1])
     assert sorted(line["line"] for line in lines[:-1]) == [1, 2, 3, 4, 5]
     assert lines[-1]["batch"]["status"] == "completed"
-
-
-def test_where_messages_are_built_a_fed_chunk_goes_out_with_its_cursor_move(api: Api) -> None:
-    """The broker is Kiln's Redis: the fed jobs' messages go in the cursor's step, no publish.
-
-    One message per job on its queue, each job marked published: none left to the sweeper.
-    """
-    created = post_batch(api, jsonl(lines_of(5)), pipeline="tiny")
-    assert created.status_code == 201, created.text
-    batch_id = created.json()["id"]
-    app = make_celery_app(api.settings, api.storage_settings)
-    messages = CeleryMessages(app)
-    try:
-        published = Published()
-        tuned = api.settings.model_copy(update={"batch_results_flush_s": 0.0})
-        submitter = Submitter(api.store, tuned, publish=published, messages=messages)
-        assert api.ctx.objects is not None
-        BatchFeeder(api.store, api.ctx.objects, submitter, tuned, "node-a").tick()
-        queue_key = messages.run_job("probe", "bulk.tiny")[0]
-    finally:
-        messages.close()
-        app.close()
-    assert published.calls == []  # every one went with the cursor move
-    job_ids = {batch_job_id(batch_id, f"item-{n:04d}") for n in range(5)}
-    pushed = [
-        json.loads(m)["headers"]["argsrepr"] for m in api.store.redis.lrange(queue_key, 0, -1)
-    ]
-    assert len(pushed) == 5
-    assert all(any(job_id in args for args in pushed) for job_id in job_ids)
-    assert all(api.store.get(job_id).published for job_id in job_ids)
-    assert api.store.unpublished_jobs(0) == []
-    assert get_batch(api, batch_id)["counts"]["queued"] == 5
-
-
-def test_a_line_fed_again_after_a_crash_goes_out_from_its_record(api: Api) -> None:
-    """A job an earlier feeder made (its own trace) is published with its record's, not pushed."""
-    created = post_batch(api, jsonl(lines_of(3)), pipeline="tiny")
-    assert created.status_code == 201, created.text
-    batch_id = created.json()["id"]
-    earlier = batch_job_id(batch_id, "item-0000")
-    trace = {"traceparent": "00-" + "5" * 32 + "-" + "6" * 16 + "-01"}
-    request = {"pipeline": "tiny", "prompt": "x"}
-    api.store.create_job(
-        NewJob(id=earlier, request=request, batch_id=batch_id, queue="bulk.tiny", trace=trace)
-    )
-    app = make_celery_app(api.settings, api.storage_settings)
-    messages = CeleryMessages(app)
-    try:
-        published = Published()
-        tuned = api.settings.model_copy(update={"batch_results_flush_s": 0.0})
-        submitter = Submitter(api.store, tuned, publish=published, messages=messages)
-        assert api.ctx.objects is not None
-        BatchFeeder(api.store, api.ctx.objects, submitter, tuned, "node-a").tick()
-        queue_key = messages.run_job("probe", "bulk.tiny")[0]
-    finally:
-        messages.close()
-        app.close()
-    assert published.calls == [(earlier, "bulk.tiny")]
-    assert api.store.redis.llen(queue_key) == 2  # the other two lines, with the cursor move
-    assert api.store.unpublished_jobs(0) == []
 
 
 def test_duplicate_custom_ids_are_refused_with_their_lines(api: Api) -> None:
