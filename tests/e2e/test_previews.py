@@ -23,8 +23,8 @@ from tests.tasks.helpers import ThreadServer, api_settings
 pytestmark = pytest.mark.timeout(600)
 
 PAINTED = "python:tests.e2e.painted_pipelines:painted"
-STEP_S = 0.05  # the painted pipeline's sleep per step
-PAINTED_STEPS = 50  # its most: 2.5 s of run
+STEP_S = 0.1  # the painted pipeline's sleep per step
+PAINTED_STEPS = 50  # its most: 5 s of run
 
 
 @pytest.fixture(scope="module")
