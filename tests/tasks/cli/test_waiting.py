@@ -33,10 +33,22 @@ from tests.waiting import wait_until
 READS_IN_THE_WAIT = 3  # the wait loop reads the record every poll; start-up reads it at most twice
 
 
+# A shell starts a foreground command with SIGINT at its default disposition and unblocked,
+# whatever the shell's own state. A child inherits an ignored or blocked SIGINT from its parent, and
+# a test process's may be either by then (library code run in it earlier): a `kiln` that never
+# sees the Ctrl-C hangs the test. So the command starts as a shell would start it, then execs
+# `kiln` in place (same pid: the test's SIGINT reaches the command itself).
+AS_A_SHELL_STARTS_IT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'kiln.tasks.cli', *sys.argv[1:]])"
+)
+
+
 def start_kiln(api: Api, *args: str, remote: str | None = None) -> subprocess.Popen[str]:
     """`kiln ARGS` started without a terminal, as `kiln` in test_cli_habits runs it."""
     return subprocess.Popen(
-        [sys.executable, "-m", "kiln.tasks.cli", *args],
+        [sys.executable, "-c", AS_A_SHELL_STARTS_IT, *args],
         env={**_cli_env(api), **_remote_env(api, remote)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
