@@ -203,16 +203,17 @@ def rank_launch(method: RankStart, specs: Iterable[str] = ()) -> RankLaunch:
                 logger.info("the environment changed under live ranks: spawning this group")
                 return RankLaunch(mp.get_context("spawn"), served=False)
             _stop_server()
-        if _server.pid is not None and not needed <= _server.preloaded and not _server.children:
-            needed |= _server.preloaded  # an idle server that lacks some: one that has all
-            _stop_server()
-        elif _server.pid is not None:
-            needed = _server.preloaded  # beside live ranks, the new ranks import the rest
-        context.set_forkserver_preload([BOOT_MODULE, *sorted(needed)])
+        preload = needed | _server.preloaded  # a server never drops what it has
+        if _server.pid is not None and not needed <= _server.preloaded:
+            if _server.children:
+                preload = _server.preloaded  # beside live ranks: the new ones import the rest
+            else:
+                _stop_server()  # idle: replaced by one that has both
+        context.set_forkserver_preload([BOOT_MODULE, *sorted(preload)])
         mp_forkserver.ensure_running()  # starts it, or a new one if the last one died
         pid = _forkserver_pid()
         if pid != _server.pid:
-            _server.pid, _server.env_key, _server.preloaded = pid, env_key, needed
+            _server.pid, _server.env_key, _server.preloaded = pid, env_key, preload
     return RankLaunch(context, served=True)
 
 

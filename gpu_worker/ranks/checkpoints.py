@@ -11,9 +11,8 @@ gathers it back, so the loop's latents, scheduler and generators are alike on ev
   to the coordinator (`StepCheckpoint`); the node writes it. The other ranks capture nothing.
 
 Two kinds of pipeline take part: a `ResumedLoop` (DiffusersPipeline), for the loops it resumes,
-and one with
-the save/restore hooks (`StepStateHooks`: pipelines/hooked_resume.py); for any other the request
-runs from step 0, as before.
+and one with the save/restore hooks (`StepStateHooks`: pipelines/hooked_resume.py); for any other
+the request runs from step 0, as before.
 """
 
 from __future__ import annotations

@@ -6,6 +6,5 @@ lines in their stored form (item lines, read back by `parse_item`; job ids by `b
 creates and publishes the jobs of each batch within its share of the window (`fairness`), writes
 their results in parts (`reporting`), winds a stopped batch down and ends it, and sends batch
 webhooks (`notify`); `retry` makes a batch of another's failed or expired lines; `service` is what
-the API and the CLI call. Above `webhooks` and `queue`, below `api`, `node`
-and `cli`.
+the API and the CLI call. Above `webhooks` and `queue`, below `api`, `node` and `cli`.
 """

@@ -30,6 +30,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.e2e.cluster import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("spawn", "forkserver")
@@ -88,28 +92,33 @@ def run_group(method: str) -> dict[str, float]:
     return figures
 
 
+def seconds_to_first_step(cluster: Cluster, pipeline: str) -> float:
+    """Submit a small job of `pipeline` now: seconds to its first denoising step (Redis TIME)."""
+    from kiln.tasks.contract.schemas import JobRequest
+
+    request = JobRequest(pipeline=pipeline, prompt="cold", width=64, height=64, steps=4, seed=1)
+    submitted_at = time.time()
+    record, _ = cluster.intake.submit(request)
+    deadline, seq = time.monotonic() + GENEROUS_S, 0
+    while time.monotonic() < deadline:
+        for event in cluster.store.events(record.id, after_seq=seq, block_ms=2000):
+            seq = event.seq
+            if event.type == "progress" and event.payload.get("stage") == "denoising":
+                return event.time - submitted_at
+            if event.type in ("failed", "canceled", "expired"):
+                raise RuntimeError(f"cold-start job ended {event.type}: {event.payload}")
+    raise TimeoutError(f"no first step after {GENEROUS_S:.0f} s")
+
+
 def run_node(method: str, tmp: Path, endpoint: str, redis_url: str) -> float:
     """A cold `kiln worker` with a tiny job submitted at once: seconds to its first step."""
-    from kiln.tasks.contract.schemas import JobRequest
     from tests.benchmarks.bench_node import Services
 
     os.environ["KILN_RANK_START"] = method  # the node's environment (Services copies it)
     found = Services(tmp, redis_url, endpoint, sleep_s=0.0, threads=1)
     try:
         found.start_node(max_batch=1)
-        cluster = found.nodes[1].cluster
-        request = JobRequest(pipeline="tiny", prompt="cold", width=64, height=64, steps=4, seed=1)
-        submitted_at = time.time()
-        record, _ = cluster.intake.submit(request)
-        deadline, seq = time.monotonic() + GENEROUS_S, 0
-        while time.monotonic() < deadline:
-            for event in cluster.store.events(record.id, after_seq=seq, block_ms=2000):
-                seq = event.seq
-                if event.type == "progress" and event.payload.get("stage") == "denoising":
-                    return event.time - submitted_at
-                if event.type in ("failed", "canceled", "expired"):
-                    raise RuntimeError(f"cold-start job ended {event.type}: {event.payload}")
-        raise TimeoutError(f"no first step after {GENEROUS_S:.0f} s")
+        return seconds_to_first_step(found.nodes[1].cluster, "tiny")
     finally:
         found.stop()
         os.environ.pop("KILN_RANK_START", None)

@@ -26,11 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 from moto.server import ThreadedMotoServer  # noqa: E402
 
-from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
 from tests.benchmarks.bench_overhead_ab import REDIS_URL, start_side  # noqa: E402
+from tests.benchmarks.bench_process_start import GENEROUS_S, seconds_to_first_step  # noqa: E402
 from tests.conftest import delete_namespace  # noqa: E402
-
-GENEROUS_S = 600.0
 
 
 def cold_start(
@@ -40,21 +38,7 @@ def cold_start(
     started = time.monotonic()
     side = start_side(label, tree, endpoint, tmp, name=name, spec=spec)
     try:
-        request = JobRequest(pipeline=name, prompt="cold", width=64, height=64, steps=4, seed=1)
-        submitted_at = time.time()
-        record, _ = side.cluster.intake.submit(request)
-        first_step = None
-        deadline, seq = time.monotonic() + GENEROUS_S, 0
-        while first_step is None and time.monotonic() < deadline:
-            for event in side.cluster.store.events(record.id, after_seq=seq, block_ms=2000):
-                seq = event.seq
-                if event.type == "progress" and event.payload.get("stage") == "denoising":
-                    first_step = event.time - submitted_at
-                    break
-                if event.type in ("failed", "canceled", "expired"):
-                    raise RuntimeError(f"{label}: the job ended {event.type}: {event.payload}")
-        if first_step is None:
-            raise TimeoutError(f"{label}: no first step after {GENEROUS_S:.0f} s")
+        first_step = seconds_to_first_step(side.cluster, name)
         side.worker.wait_ready(timeout_s=GENEROUS_S)  # ready before its first step: at once
         ready_s = time.monotonic() - started
         return {"first_step_s": first_step, "ready_s": ready_s}
