@@ -16,6 +16,12 @@ from pydantic import SecretStr
 from kiln.storage.job_store import JobStore
 from kiln.storage.settings import StorageSettings
 
+# OpenMP threads that wait for work sleep instead of spinning. Test processes share the cores
+# (xdist workers, several nodes and ranks per test), and a spinning thread burns the core another
+# process needs: three 2-thread torch loops on 2 cores took 7.5 s each spinning, 0.3 s passive.
+# Set before anything here imports torch; nodes and ranks the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Read before any test runs: `make test` hands the run a model cache that must not exist yet.
 MODEL_CACHE_EXISTED_AT_START = (
     Path(os.environ.get("KILN_MODEL_CACHE", "~/.cache/kiln/models")).expanduser().exists()

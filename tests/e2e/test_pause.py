@@ -1,6 +1,6 @@
 """A running video job paused mid-run holds no GPU, resumes from its checkpoint, same output.
 
-A real `kiln worker` node serves the tiny video pipeline on CPU. A 40-step job is paused with
+A real `kiln worker` node serves the tiny video pipeline on CPU. An 80-step job is paused with
 `kiln pause` at step 10: the node stops it at its next step with a checkpoint of that step and
 the job is `paused`, its lease gone; the node then runs another job to its end while the first
 stays paused. `kiln resume` queues it again, and the node resumes it from its checkpoint: the
@@ -15,12 +15,16 @@ import pytest
 
 from kiln.storage.checkpoints import recorded_checkpoints
 from tests.e2e.cluster import Cluster
-from tests.e2e.test_checkpoint_crash import REQUEST, STEPS, VIDEO
+from tests.e2e.test_checkpoint_crash import REQUEST as CRASH_REQUEST
+from tests.e2e.test_checkpoint_crash import VIDEO
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 PAUSE_AT_STEP = 10
+# 80 steps: the job still runs after the step it is paused at plus a `kiln pause` process start
+STEPS = 80
+REQUEST = CRASH_REQUEST | {"steps": STEPS}
 
 
 def test_a_paused_job_frees_its_node_and_resumes_from_its_checkpoint(

@@ -2,8 +2,8 @@
 
 One real `kiln worker` node serving the tiny video pipeline on CPU (its own control loops decide:
 tasks/control/preemption.py, ticking every 0.2 s here). A long bulk video job (80 steps of
-64x64x17, step checkpoints planned at a 3600 s cadence: the run takes none on its own)
-holds the node; a 4-step interactive video job is submitted at step 3. With
+176x176x49, step checkpoints planned at a 3600 s cadence: the run takes none on its own) holds
+the node; a 4-step 64x64x17 interactive video job is submitted at step 3. With
 `KILN_PRIORITY_PREEMPTION=false` (before) the interactive job waits for the whole bulk run; with
 it on (the default) and the interactive lane's target start at 0.5 s, the bulk job is suspended
 at a step boundary once the interactive job is late: checkpointed, queued again at the head of
@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 SMALL = {"width": 64, "height": 64, "num_frames": 17}
 STEPS = 80
-BULK = REQUEST | SMALL | {"priority": "bulk", "steps": STEPS}
+# the bulk job at REQUEST's size, whose steps last long enough for the suspension to land mid-run
+BULK = REQUEST | {"priority": "bulk", "steps": STEPS}
 INTERACTIVE = REQUEST | SMALL | {"steps": 4, "seed": 5}
 SUBMIT_AT_STEP = 3
 TARGET_START_S = 0.5
