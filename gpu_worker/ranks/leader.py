@@ -75,6 +75,7 @@ class LeaderLink:
         self._queued: deque[RunBatch | ShutdownGroup | SleepGroup] = deque()
         self._batch_id: int | None = None
         self._answered_step = 0
+        self._reported_step = 0  # the newest step this batch reported (StepDone); 0: none yet
         self._stop_ids: set[str] = set()
         self._checkpoint_ids: set[str] = set()
         self._decided: tuple[int, frozenset[str]] | None = None  # (step, its stops), taken early
@@ -88,17 +89,24 @@ class LeaderLink:
     def begin(self, batch_id: int) -> None:
         """Verdicts from now on are about this batch; earlier ones are stale."""
         self._batch_id, self._answered_step, self._stop_ids = batch_id, 0, set()
-        self._checkpoint_ids, self._decided = set(), None
+        self._reported_step, self._checkpoint_ids, self._decided = 0, set(), None
 
     def send(self, message: LeaderMessage) -> None:
         """Send one message to the coordinator."""
         self._results.send(message)
 
     def decide_stops(self, step: int, total: int) -> frozenset[str]:
-        """End of `step` of the begun batch: report it, return the requests to stop now."""
+        """End of `step` of the begun batch: report it, return the requests to stop now.
+
+        At the last step, a request that would stop to resume elsewhere (`checkpoint_ids`: a
+        drain, a pause, a preemption) goes on to its end instead: the last step's state is the
+        output itself, of which no checkpoint is taken, so stopping there would lose every step.
+        """
         assert self._batch_id is not None, "begin() the batch first"
         self.send(StepDone(self._batch_id, step, total))
-        return self.stop_ids(step)
+        stops = self.stop_ids(step)
+        self._reported_step = step
+        return stops - self._checkpoint_ids if step >= total else stops
 
     def checkpoint_first(self, step: int) -> frozenset[str]:
         """Requests that stop at the end of `step` and take a step checkpoint of it first.
@@ -112,14 +120,19 @@ class LeaderLink:
         return stops & self._checkpoint_ids
 
     def stop_ids(self, step: int) -> frozenset[str]:
-        """Requests to stop at the end of `step`, once the verdict on `step - 1` is in."""
+        """Requests to stop at the end of `step`, once the verdict on the step before is in.
+
+        The step before is the one this batch reported last: none at its first step, which for
+        a run resumed from a checkpoint after step k is k + 1 (no verdict comes for the steps it
+        skipped, so waiting for one would stall its first step `verdict_wait_s`).
+        """
         if self._decided is not None and self._decided[0] == step:
             return self._decided[1]
         deadline = time.monotonic() + self._verdict_wait_s
         while True:
             while self._commands.poll(0):
                 self._take(self._commands.recv())
-            if self._answered_step >= step - 1:
+            if self._answered_step >= self._reported_step:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._commands.poll(remaining):

@@ -38,6 +38,7 @@ from kiln.common.tracing import (
     record_span,
 )
 from kiln.gpu_worker.errors import GpuWorkerError, JobStopped, OutOfMemory
+from kiln.gpu_worker.inflight import CHECKPOINTED_STOPS
 from kiln.gpu_worker.protocol import GenerationRequest, GenerationResult, StepProgress
 from kiln.storage.base import AcknowledgementLost, ReplicasBehind
 from kiln.storage.checkpoints import Checkpoints
@@ -148,10 +149,12 @@ class LeasedAttempt:
         if started_at is not None:
             waited = {JOB_ID_ATTRIBUTE: self.job_id, ATTEMPT_ATTRIBUTE: self.record.attempts}
             record_span(QUEUE_WAIT_SPAN, record.trace, record.created_at, started_at, waited)
-        if tracked.stop_reason not in (None, StopReason.PAUSED):
+        if tracked.stop_reason not in (None, *CHECKPOINTED_STOPS):
             raise JobStopped(tracked.stop_reason)
-        # a pause asked once every step ran comes too late to free the GPU: the job ends as it
-        # would have (its end drops the pause request), rather than pausing with its work lost
+        # a stop that would resume the job elsewhere (a pause, a drain's hand-back, a preemption)
+        # asked once every step ran comes too late to free the GPU: the job ends as it would have
+        # (its end drops the stop request), rather than going back with its work lost (no
+        # checkpoint is taken of the last step; the ranks run such a stop there to its end too)
         report = encode_and_upload(
             self.node.objects,
             self.job_id,

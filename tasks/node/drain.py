@@ -8,7 +8,9 @@ or a plain `kill` sends SIGTERM; the node then takes nothing new and:
   tasks/node/checkpoints.py). Its group stops it at its next step boundary after checkpointing
   that very step (the coordinator's verdict names it in `checkpoint_ids`), the checkpoint is
   written under the attempt's lease, and the job is queued again: its next attempt, on any node,
-  resumes from that step, so the drain loses no step and costs at most one step of waiting;
+  resumes from that step, so the drain loses no step and costs at most one step of waiting. One
+  whose every step ran (the drain read at its last step, or after) ends here as it would have:
+  its last step's state is its output, of which no checkpoint is taken;
 - lets a running job that takes no checkpoints (an image job, a pipeline whose loop cannot
   resume) go on for up to `KILN_DRAIN_GRACE_S`, since stopping it would throw its progress away;
   one still running then is handed back (and restarts from step 0 elsewhere).

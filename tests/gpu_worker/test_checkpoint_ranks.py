@@ -30,7 +30,11 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module", params=["cpu:1", "cpu:2"])
 def group(request: pytest.FixtureRequest) -> Iterator[Coordinator]:
-    coordinator = start_coordinator(request.param, PIPELINES, node_name=f"ckpt-{request.param}")
+    # rank 0 always waits for the verdict on the step before: a stop lands at the step it is meant
+    # for however late the coordinator's thread is on a loaded machine
+    coordinator = start_coordinator(
+        request.param, PIPELINES, node_name=f"ckpt-{request.param}", verdict_wait_s=GENEROUS_S
+    )
     yield coordinator
     coordinator.shutdown()
 
@@ -102,6 +106,24 @@ def test_a_request_with_checkpoints_runs_alone() -> None:
     assert window_remaining(plan_batch(queued[1:], 8), 8, window_s=5.0, now=0.0) == 0.0
 
 
+VIDEO: dict[str, object] = {"pipeline": "video", "size": 32, "num_frames": 5}
+
+
+class Stopping:
+    """A video request with a plan but no cadence, asked to stop once step `after` is reported."""
+
+    def __init__(self, group: Coordinator, reason: StopReason, after: int) -> None:
+        self.steps: list[int] = []  # the denoising steps reported
+        self.taken: list[StepCheckpoint] = []
+        job = request(f"r{next(_ids)}", steps=STEPS, checkpoint=CheckpointPlan(), **VIDEO)  # type: ignore[arg-type]
+        self.future = group.submit(
+            job,
+            on_progress=lambda p: self.steps.append(p.step) if p.stage == "denoising" else None,
+            should_stop=lambda: reason if self.steps and self.steps[-1] >= after else None,
+            on_checkpoint=self.taken.append,
+        )
+
+
 @pytest.mark.parametrize(
     ("reason", "checkpoints"), [(StopReason.HANDED_BACK, 1), (StopReason.CANCELED, 0)]
 )
@@ -109,30 +131,42 @@ def test_a_handed_back_request_checkpoints_the_step_it_stops_at_whatever_the_cad
     group: Coordinator, reason: StopReason, checkpoints: int
 ) -> None:
     """A drain: the stop's own step is captured (the plan has no cadence); a cancel takes none."""
-    case: dict[str, object] = {"pipeline": "video", "size": 32, "num_frames": 5}
-    uninterrupted, _ = run(group, case, None)
-    steps: list[int] = []
-    taken: list[StepCheckpoint] = []
-    job = request(f"r{next(_ids)}", steps=STEPS, checkpoint=CheckpointPlan(), **case)  # type: ignore[arg-type]
-    future = group.submit(
-        job,
-        on_progress=lambda p: steps.append(p.step) if p.stage == "denoising" else None,
-        should_stop=lambda: reason if steps and steps[-1] >= 3 else None,
-        on_checkpoint=taken.append,
-    )
+    uninterrupted, _ = run(group, VIDEO, None)
+    stopping = Stopping(group, reason, after=3)
     with pytest.raises(JobStopped):
-        future.result(timeout=GENEROUS_S)
+        stopping.future.result(timeout=GENEROUS_S)
+    taken = stopping.taken
     assert len(taken) == checkpoints
     if not taken:
         return
-    stopped_at = steps[-1]  # rank 0 reports the step it stops after, then stops
+    stopped_at = stopping.steps[-1]  # rank 0 reports the step it stops after, then stops
     assert 3 < stopped_at < STEPS
     assert taken[0].steps_done == stopped_at  # nothing it computed is lost
-    resumed, _ = run(group, case, CheckpointPlan(resume=(taken[0].data,)))
+    resumed, _ = run(group, VIDEO, CheckpointPlan(resume=(taken[0].data,)))
     assert resumed.metrics is not None
     assert resumed.metrics.resumed_at_step == stopped_at
     assert resumed.metrics.steps_run == STEPS - stopped_at
     assert resumed.outputs[0].tobytes() == uninterrupted.outputs[0].tobytes()
+
+
+def test_a_hand_back_that_comes_at_the_last_step_lets_the_request_end(group: Coordinator) -> None:
+    """The last step's state is the output: a drain there keeps it, not a checkpoint of it.
+
+    The stop is asked as step STEPS - 1 is reported, so rank 0 reads it at the end of the last
+    step. Stopped there, every step would be lost (no checkpoint is taken of the last step); the
+    request goes on to its end instead, byte-identical to a run never stopped. A cancel there
+    still stops it.
+    """
+    uninterrupted, _ = run(group, VIDEO, None)
+    handed_back = Stopping(group, StopReason.HANDED_BACK, after=STEPS - 1)
+    result = handed_back.future.result(timeout=GENEROUS_S)
+    assert handed_back.steps[-1] == STEPS
+    assert handed_back.taken == []  # no cadence, and the last step is never checkpointed
+    assert result.outputs[0].tobytes() == uninterrupted.outputs[0].tobytes()
+
+    canceled = Stopping(group, StopReason.CANCELED, after=STEPS - 1)
+    with pytest.raises(JobStopped):
+        canceled.future.result(timeout=GENEROUS_S)
 
 
 def test_only_a_pipeline_that_resumes_announces_checkpoints_and_the_others_still_batch(
