@@ -27,6 +27,7 @@ from kiln.storage.base import StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
 from kiln.storage.errors import ObjectNotFound, ObjectStoreError, StaleLease
 from kiln.storage.object_base import ObjectStore, attempt_folder
+from kiln.storage.records import CHECKPOINTS_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def record_checkpoint(
 def recorded_checkpoints(store: StoreBase, job_id: str) -> list[CheckpointRef]:
     """The job's recorded checkpoints, newest first (entries that do not parse left out)."""
     store._require_id(job_id)
-    raw = store.redis.hget(store.keys.job(job_id), "checkpoints")
+    raw = store.redis.hget(store.keys.job(job_id), CHECKPOINTS_FIELD)
     try:
         entries = json.loads(raw) if raw else []
     except ValueError:

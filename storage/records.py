@@ -12,6 +12,9 @@ from kiln.common.request import Lane
 from kiln.common.states import JobState
 from kiln.storage.keys import valid_id, valid_queue
 
+# the record's field naming its step checkpoints (storage/checkpoints.py, lua/checkpoint.lua)
+CHECKPOINTS_FIELD = "checkpoints"
+
 
 @dataclass(frozen=True)
 class NewJob:
@@ -67,6 +70,9 @@ class JobRecord:
     accounting: StepAccounting = field(default_factory=StepAccounting)
     # seconds per phase, GPU-seconds and energy over its attempts (kiln/common/ledger.py)
     ledger: JobLedger = field(default_factory=JobLedger)
+    # whether it names step checkpoints an attempt recorded (storage/checkpoints.py): a job that
+    # names none has none to read, so its next attempt needs no read to learn it
+    checkpoints_recorded: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,7 @@ def job_from_hash(data: dict[str, str]) -> JobRecord:
         trace=json.loads(data.get("trace", "{}")),
         accounting=StepAccounting.from_field(data.get(ACCOUNTING_FIELD)),
         ledger=JobLedger.from_field(data.get(LEDGER_FIELD)),
+        checkpoints_recorded=bool(data.get(CHECKPOINTS_FIELD)),
     )
 
 

@@ -180,7 +180,8 @@ class LeasedAttempt:
         outputs = with_storage_url(report.outputs, self.node.storage_settings.storage_url)
         if not self._commit(outputs, metrics):
             return
-        Checkpoints(self.store, self.node.objects).discard(self.job_id)  # none is needed now
+        if self.record.checkpoints_recorded or tracked.checkpoints:  # none is needed now
+            Checkpoints(self.store, self.node.objects).discard(self.job_id)
         self.outcome = DeliveryOutcome(Delivery.SUCCEEDED)
         # the timings as fields of a JSON line (queue_s, run_s, ...), not a dict in its text
         log.info("job %s succeeded", self.job_id, extra=metrics)
@@ -271,8 +272,13 @@ class LeasedAttempt:
     ) -> tuple[GenerationRequest, CheckpointWriter | None]:
         """The request with its step checkpoints' plan, and their writer (node/checkpoints.py)."""
         checkpoints = Checkpoints(self.store, self.node.objects)
-        readable, _ = checkpoints.readable(self.job_id)  # the others are logged
-        offered = tuple(data for _, data in readable)
+        offered: tuple[bytes, ...] = ()
+        # The record as the hold read it names every checkpoint an earlier attempt recorded (none
+        # can be recorded since: they are fenced by this attempt's lease token). A job that names
+        # none, as most do, costs no read here, on the way to its group.
+        if self.record.checkpoints_recorded:
+            readable, _ = checkpoints.readable(self.job_id)  # the others are logged
+            offered = tuple(data for _, data in readable)
         spec = self.job.spec
         resumable = pipeline_takes_checkpoints(self.node.pipeline_inputs(), spec.pipeline)
         plan = checkpoint_plan(spec, offered, self.settings.checkpoint_every_s, resumable=resumable)
@@ -336,8 +342,21 @@ class LeasedAttempt:
         )
         if record.started_at is not None:
             self.node.metrics.observe_stage("queue", record.started_at - record.created_at)
-        self.node.progress.call_soon(self.job_id, lambda: self.events.changed(JobState.RUNNING))
+        self._announce_running()
         return True
+
+    def _announce_running(self) -> None:
+        """Tell the `running` event (the dispatcher thread, as the batch leaves for the ranks).
+
+        The job's webhooks' enqueue writes to Redis, so it goes to the ordered thread (after it,
+        the job's stages). Without webhooks the sink only tells the listeners (memory only):
+        that is done here, since handing it to another thread would wake that thread just as the
+        batch is sent to the ranks, and the two would share the interpreter then.
+        """
+        if self.events.webhooks:
+            self.node.progress.call_soon(self.job_id, lambda: self.events.changed(JobState.RUNNING))
+        else:
+            self.events.changed(JobState.RUNNING)
 
     def _not_started(self, error: dict[str, Any] | None = None) -> None:
         """End a delivery whose job never started here, as its record now says.

@@ -71,6 +71,17 @@ def test_a_checkpoint_is_written_in_its_attempts_folder_and_recorded_with_its_to
     assert (found, resumed.ref, resumed.refusals) == (data, ref, [])
 
 
+def test_a_record_says_whether_it_names_checkpoints(
+    job_store: JobStore, checkpoints: Checkpoints
+) -> None:
+    job_id, token, attempt = running(job_store)
+    assert not job_store.get(job_id).checkpoints_recorded  # a node reads none for it
+    checkpoints.write(job_id, token, attempt, 3, os.urandom(64))
+    assert job_store.get(job_id).checkpoints_recorded
+    next_attempt(job_store, job_id, token)  # the record its next attempt starts from, too
+    assert job_store.get(job_id).checkpoints_recorded
+
+
 def test_the_record_keeps_the_newest_few_and_deletes_the_rest(
     job_store: JobStore, checkpoints: Checkpoints
 ) -> None:

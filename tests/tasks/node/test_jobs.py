@@ -7,6 +7,7 @@ record (state, attempts, error), its events, what the group ran and what was pub
 from __future__ import annotations
 
 import re
+import threading
 import time
 from typing import Any
 
@@ -53,6 +54,23 @@ def test_a_queued_job_runs_and_succeeds_with_verified_outputs(harness: NodeHarne
     (ran,) = harness.coordinator.requests  # the recorded request, read without node defaults
     assert (ran.guidance_scale, ran.seed, ran.steps) == (3.5, 7, STEPS)
     assert harness.store.lease_owner(job_id) is None  # released
+
+
+def test_a_job_without_webhooks_is_told_running_by_the_thread_that_starts_it(
+    harness: NodeHarness,
+) -> None:
+    heard: list[tuple[str, str]] = []  # the node's listeners: (event, the thread telling it)
+    harness.node.events.add_listener(
+        lambda note: heard.append((note.type, threading.current_thread().name))
+    )
+    job_id = harness.submit()
+    harness.deliver(job_id)  # the fake group starts its batch on this thread
+    here = threading.current_thread().name
+    assert ("running", here) in heard  # no handoff to another thread as its batch leaves
+    assert [event for event, _ in heard if event in ("running", "succeeded")] == [
+        "running",
+        "succeeded",
+    ]
 
 
 @pytest.mark.parametrize("end", ["canceled", "succeeded"])

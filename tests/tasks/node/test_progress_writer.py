@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from concurrent.futures import wait
+from typing import Any
+
+import pytest
 
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.tasks.contract.events import ProgressData
+from kiln.tasks.node import progress_writer
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
 from kiln.tasks.webhooks.event_sink import EventNote, EventSink, JobEvents
 
@@ -82,3 +88,40 @@ def test_a_stage_handed_over_after_stop_is_written_on_the_callers_thread(
     writer.stop()  # the node is going down while a job still uploads
     writer.write_soon("s3", progress(events, "uploading", 1))
     assert stages(job_store, "s3") == ["uploading"]
+
+
+def test_settle_runs_the_calls_not_yet_begun_itself_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    writer = ProgressWriter(interval_s=60.0)
+    writer.start()
+    began, gate = threading.Event(), threading.Event()
+    ran: list[tuple[str, str]] = []
+
+    def call(name: str) -> Callable[[], None]:
+        def run() -> None:
+            if name == "first":
+                began.set()
+                gate.wait(30)
+            ran.append((name, threading.current_thread().name))
+
+        return run
+
+    def opening_the_gate(futures: Any) -> Any:  # settle waits for what the thread began
+        gate.set()
+        return wait(futures)
+
+    monkeypatch.setattr(progress_writer, "wait", opening_the_gate)
+    try:
+        writer.call_soon("j", call("first"))
+        assert began.wait(30)  # the ordered thread is inside the first call
+        writer.call_soon("j", call("second"))
+        writer.call_soon("j", call("third"))
+        writer.settle("j")
+        here = threading.current_thread().name
+        assert [name for name, _ in ran] == ["first", "second", "third"]
+        assert ran[0][1].startswith("kiln-progress-stage")
+        assert [thread for _, thread in ran[1:]] == [here, here]  # taken back, not waited for
+    finally:
+        gate.set()
+        writer.stop()
