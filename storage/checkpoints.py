@@ -5,7 +5,9 @@ A checkpoint is written like an output: into its attempt's own folder
 overwrites another's, and the store's sha256 of the bytes is checked against the writer's. Then
 `checkpoint.lua` records it on the job (the `checkpoints` field: newest first, a few kept),
 fenced by the lease token: a writer that lost its lease records nothing, and its object, which
-no record names, is deleted.
+no record names, is deleted. A write may be tried again after a transient error (the node's
+writer does): the put then finds its own earlier one (the same bytes) and takes it, and the
+record names a checkpoint once however often it is recorded.
 
 Reading (`latest`) walks the recorded checkpoints newest first and hands each one's bytes to the
 caller's `accept` (the node parses and checks the identity there); a checkpoint that is missing,
@@ -25,7 +27,7 @@ from typing import TypeVar
 
 from kiln.storage.base import StoreBase, dumps
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.errors import ObjectNotFound, ObjectStoreError, StaleLease
+from kiln.storage.errors import ObjectExists, ObjectNotFound, ObjectStoreError, StaleLease
 from kiln.storage.object_base import ObjectStore, attempt_folder
 from kiln.storage.records import CHECKPOINTS_FIELD
 
@@ -135,13 +137,20 @@ class Checkpoints:
         """Put `data` in the attempt's folder and record it (see the module docstring).
 
         StaleLease when the lease was lost meanwhile: nothing is recorded and the object is
-        deleted. ObjectStoreError when the store did not keep the bytes sent.
+        deleted. ObjectStoreError when the store did not keep the bytes sent; ObjectExists when
+        the key holds other bytes. Safe to call again with the same arguments after an error.
         """
         if attempt_token(attempt) != lease_token:
             raise ValueError(f"attempt {attempt!r} is not a folder of lease token {lease_token}")
         key = checkpoint_key(self.objects.prefix, job_id, attempt, steps_done)
         sha256 = hashlib.sha256(data).hexdigest()
-        stored = self.objects.put(key, data, CONTENT_TYPE, create_only=True)
+        try:
+            stored = self.objects.put(key, data, CONTENT_TYPE, create_only=True)
+        except ObjectExists:  # an earlier try of this write stored it, and its answer was lost?
+            earlier = self.objects.head(key)
+            if earlier is None or earlier.sha256 != sha256:
+                raise
+            stored = earlier
         if stored.sha256 != sha256 or stored.size != len(data):
             raise ObjectStoreError(f"checkpoint {key}: the store kept other bytes than sent")
         entry: dict[str, object] = {

@@ -2,7 +2,8 @@
 -- The record's `checkpoints` field is a JSON list, newest first, of at most ARGV[4] entries; the
 -- new entry goes first and the oldest beyond that fall off. A stale token records nothing.
 -- The entry gets `written_at`, the Redis clock ('<s>.<us>', as records keep time). Returns JSON
--- {written_at, dropped}: that time and the object keys of the entries that fell off.
+-- {written_at, dropped}: that time and the object keys of the entries that fell off. An entry
+-- whose key the record names already is not added again: its time, nothing dropped.
 -- Errors: NOTFOUND, STALE (fence), ILLEGAL (not running).
 -- KEYS[1] = job record (hash)
 -- ARGV[1] = job id
@@ -17,6 +18,10 @@ check_fence(job, 'token', token)
 if job.state ~= S.running then raise('ILLEGAL', job.id .. ' ' .. job.state .. ' checkpoint') end
 local entries = cjson.decode(redis.call('HGET', job_key, 'checkpoints') or '[]')
 local new = cjson.decode(entry)
+for _, old in ipairs(entries) do
+  -- recorded already (a retried write whose answer was lost): named once, nothing dropped
+  if old.key == new.key then return cjson.encode({written_at = old.written_at, dropped = {}}) end
+end
 new.written_at = (clock())
 table.insert(entries, 1, new)
 local dropped = {}

@@ -10,8 +10,13 @@ attempt wrote is offered them, whatever the setting: its group resumes from the 
 The group hands each checkpoint to `CheckpointWriter.hand` on its monitor thread, between steps:
 the writer keeps only the newest one waiting and writes it on its own thread, into this
 attempt's folder, recorded under this attempt's lease token (storage/checkpoints.py). A write
-that fails is logged and the next one tried; a lost lease ends the writing (the attempt is over).
-A checkpoint never fails the job. Each one written is told to `on_written` with its write's
+that fails transiently (the store or Redis unreachable: a retryable StorageError) is tried again
+after a doubling pause, until a newer checkpoint waits (that one is written instead) or until it
+could not end before `close`'s limit: the checkpoint a drain, pause or preemption takes of the
+step it stops at is written just before the close, and a lost one makes the next attempt resume
+from an older one. Any other failure is logged and the next one tried; a lost lease ends the
+writing (the attempt is over, and a fenced write is never tried again). A checkpoint never fails
+the job. Each one written is told to `on_written` with its write's
 seconds (the node's `kiln_checkpoints_written_total` and write histograms).
 """
 
@@ -25,9 +30,14 @@ from collections.abc import Callable
 from kiln.gpu_worker.protocol import CheckpointPlan, StepCheckpoint
 from kiln.storage.checkpoints import CheckpointRef, Checkpoints
 from kiln.storage.errors import StaleLease, StorageError
+from kiln.tasks.contract.backoff import doubling_delay
 from kiln.tasks.contract.job_spec import JobSpec
 
 log = logging.getLogger(__name__)
+
+RETRY_PAUSE_S = 0.5  # before a write's second try; doubled for each later one
+MAX_RETRY_PAUSE_S = 8.0
+LAST_TRY_S = 5.0  # a try begins at least this long before close's limit: its own time to end
 
 
 def takes_checkpoints(spec: JobSpec, every_s: float) -> bool:
@@ -73,6 +83,7 @@ class CheckpointWriter:
         self._cond = threading.Condition()
         self._waiting: StepCheckpoint | None = None
         self._closed = False
+        self._retry_until: float | None = None  # set by close: no try begins after it
         self.written: list[CheckpointRef] = []
         self._thread = threading.Thread(target=self._run, name=f"checkpoints-{job_id}", daemon=True)
         self._thread.start()
@@ -83,12 +94,17 @@ class CheckpointWriter:
             self._waiting = checkpoint
             self._cond.notify()
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Write what still waits, then stop (at most `timeout_s`)."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Write what still waits, then stop (at most `timeout_s`); whether the writer ended.
+
+        A failing write is tried again only while a try can end by then (`LAST_TRY_S`).
+        """
         with self._cond:
             self._closed = True
+            self._retry_until = time.monotonic() + timeout_s - LAST_TRY_S
             self._cond.notify()
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
@@ -102,28 +118,63 @@ class CheckpointWriter:
                 return
 
     def _write(self, checkpoint: StepCheckpoint) -> bool:
-        """Write one; False when this attempt may write no more."""
+        """Write one, trying a transient failure again; False: this attempt may write no more."""
         began = time.monotonic()
-        try:
-            ref = self._checkpoints.write(
-                self._job_id,
-                self._lease_token,
-                self._attempt,
-                checkpoint.steps_done,
-                checkpoint.data,
-            )
-        except StaleLease:
-            log.warning("job %s: lease lost; its checkpoints are no longer written", self._job_id)
-            return False
-        except (StorageError, ValueError) as exc:
-            log.warning(
-                "job %s: checkpoint after step %d not written: %s",
-                self._job_id,
-                checkpoint.steps_done,
-                exc,
-            )
-            return True
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                ref = self._checkpoints.write(
+                    self._job_id,
+                    self._lease_token,
+                    self._attempt,
+                    checkpoint.steps_done,
+                    checkpoint.data,
+                )
+                break
+            except StaleLease:
+                log.warning(
+                    "job %s: lease lost; its checkpoints are no longer written", self._job_id
+                )
+                return False
+            except (StorageError, ValueError) as exc:
+                pause_s = doubling_delay(tries, RETRY_PAUSE_S, MAX_RETRY_PAUSE_S)
+                if isinstance(exc, StorageError) and exc.retryable and self._pause(pause_s):
+                    log.info(
+                        "job %s: checkpoint after step %d, try %d failed (%s); trying again",
+                        self._job_id,
+                        checkpoint.steps_done,
+                        tries,
+                        exc,
+                    )
+                    continue
+                log.warning(
+                    "job %s: checkpoint after step %d not written (%d tries): %s",
+                    self._job_id,
+                    checkpoint.steps_done,
+                    tries,
+                    exc,
+                )
+                return True
         self.written.append(ref)
         if self._on_written is not None:
             self._on_written(ref, time.monotonic() - began)
         return True
+
+    def _pause(self, pause_s: float) -> bool:
+        """Wait `pause_s` before trying a write again; False: give it up.
+
+        Given up when a newer checkpoint waits (it replaces this one) or when, the writer
+        closing, the next try would begin after close's limit.
+        """
+        resume_at = time.monotonic() + pause_s
+        with self._cond:
+            while True:
+                if self._waiting is not None:
+                    return False
+                if self._retry_until is not None and resume_at > self._retry_until:
+                    return False
+                left_s = resume_at - time.monotonic()
+                if left_s <= 0:
+                    return True
+                self._cond.wait(left_s)

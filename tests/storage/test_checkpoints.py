@@ -19,7 +19,7 @@ from kiln.storage.checkpoints import (
     checkpoint_key,
     recorded_checkpoints,
 )
-from kiln.storage.errors import IllegalTransition, ObjectNotFound, StaleLease
+from kiln.storage.errors import IllegalTransition, ObjectExists, ObjectNotFound, StaleLease
 from kiln.storage.job_store import JobStore
 from kiln.storage.objects import new_attempt_name, open_object_store
 from kiln.storage.settings import StorageSettings
@@ -92,6 +92,22 @@ def test_the_record_keeps_the_newest_few_and_deletes_the_rest(
     for ref in refs[: len(refs) - KEPT]:
         with pytest.raises(ObjectNotFound):
             checkpoints.objects.get(ref.key)
+
+
+def test_a_write_tried_again_takes_its_own_object_and_is_recorded_once(
+    job_store: JobStore, checkpoints: Checkpoints
+) -> None:
+    job_id, token, attempt = running(job_store)
+    older = checkpoints.write(job_id, token, attempt, 4, b"step 4")
+    first = checkpoints.write(job_id, token, attempt, 7, b"step 7")
+    # its answer was lost: the node's writer tries the same write again
+    again = checkpoints.write(job_id, token, attempt, 7, b"step 7")
+    assert again == first
+    assert recorded_checkpoints(job_store, job_id) == [first, older]
+    assert checkpoints.objects.get(older.key) == b"step 4"  # nothing fell off for a duplicate
+    with pytest.raises(ObjectExists):  # the key holds other bytes: not this write's
+        checkpoints.write(job_id, token, attempt, 7, b"other bytes")
+    assert recorded_checkpoints(job_store, job_id) == [first, older]
 
 
 def test_a_stale_token_records_nothing_and_leaves_no_object(
