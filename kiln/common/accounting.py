@@ -12,7 +12,9 @@ Per attempt, with `restored` the step its checkpoint gave it (0: it started from
 - computed = reached - restored;
 - recomputed = max(0, min(reached, frontier) - restored), `frontier` being the furthest step
   any earlier attempt reached: steps an earlier attempt had computed but left no checkpoint of;
-- seconds_lost = recomputed × the attempt's mean step seconds (`AttemptSteps.step_s`).
+- seconds_lost = recomputed × the attempt's seconds per step (`AttemptSteps.step_s`: the pace
+  of its denoising steps, from the first step's report to the last, so not the text encoding or
+  the restore that come before them).
 
 A job's figures are the sums over its attempts (docs/contract.md §5b).
 """
@@ -62,7 +64,8 @@ class AttemptSteps:
     """What a node's attempt ran, as the node reports it with the attempt's end.
 
     `restored`: the step it resumed from (0: none); `reached`: the furthest denoising step it
-    ran; `step_s`: its mean seconds per computed step (0: unknown).
+    ran; `step_s`: its seconds per denoising step, first step's report to last (the forward's
+    mean per step when it reported one step only; 0: unknown).
     """
 
     restored: int

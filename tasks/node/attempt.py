@@ -410,7 +410,11 @@ class LeasedAttempt:
         run_s = min(result.metrics.run_s, total_s)
         decode_s = min(time.monotonic() - decoding_at[0], run_s) if decoding_at else 0.0
         ran, restored = result.metrics.steps_run, result.metrics.resumed_at_step
-        step_s = (run_s - decode_s) / ran if ran else 0.0
+        # the steps' own pace, first step's report to last: the forward also holds the text
+        # encoding and a resume's restore, which would inflate a short run's few steps (and the
+        # seconds_lost they price); one step reported has no pace, and gets the forward's mean
+        paced_s = self.denoised.steps().step_s
+        step_s = paced_s if paced_s > 0 else ((run_s - decode_s) / ran if ran else 0.0)
         self.result_steps = AttemptSteps(restored, restored + ran, step_s)
         self.usage = replace(self.usage, loading_s=total_s - run_s, computing_s=run_s)
         self.node.metrics.observe_stage("load", total_s - run_s)
