@@ -7,7 +7,9 @@ steps wait for the throttle interval. Only the newest progress of a job matters,
 arrive before a flush simply replace each other.
 
 A job's previews take the same path (`preview`): the newest of each job is kept, and the writer
-thread encodes it (tasks/node/previews.py) and appends its `preview` event.
+thread encodes it (tasks/node/previews.py) and appends its `preview` event. Unlike step progress,
+the newest preview is not dropped at the job's end: `settle` writes it (and waits for one being
+written), so the last preview a client sees is the last one the job made, before its end.
 
 The stages a job's own task thread announces (encoding, uploading) and its `output` events
 (`event_soon`) are each written, in order, by a second thread (`write_soon`): the round trip
@@ -58,6 +60,7 @@ class ProgressWriter:
         self.interval_s = interval_s
         self._pending: dict[str, PendingProgress] = {}
         self._previews: dict[str, PendingPreview] = {}  # the newest per job: the rest are moot
+        self._previews_writing: set[str] = set()  # jobs whose preview a flush is writing now
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # keeps one job's writes in order across threads
         self._wake = threading.Event()
@@ -144,7 +147,9 @@ class ProgressWriter:
             self._handed_over.setdefault(job_id, []).append((future, call))
 
     def settle(self, job_id: str) -> None:
-        """Before a job's terminal transition: its handed-over calls done, the rest dropped.
+        """Before a job's terminal transition: its handed-over calls and newest preview written.
+
+        Its step progress not yet written is dropped (the terminal state supersedes it).
 
         The calls the ordered thread has not begun are taken back (cancelled there, from the last
         one, so that thread cannot begin a later one first) and run here, in order, once the ones
@@ -164,7 +169,23 @@ class ProgressWriter:
                 call()
             except Exception:  # as on the ordered thread: a failing call never fails the job
                 log.exception("a handed-over call of %s failed", job_id)
+        self._write_last_preview(job_id)
         self.discard(job_id)
+
+    def _write_last_preview(self, job_id: str) -> None:
+        """Write the job's unwritten preview here, after any of its previews being written.
+
+        Only a job with a preview pending or being written waits (for the flush that holds the
+        write lock): a job without previews passes through without touching it.
+        """
+        with self._lock:
+            if job_id not in self._previews and job_id not in self._previews_writing:
+                return
+        with self._write_lock:  # a flush writing this job's older preview ends first
+            with self._lock:
+                pending = self._previews.pop(job_id, None)
+            if pending is not None:
+                self._write_preview(job_id, pending)
 
     def flush(self) -> None:
         """Write everything pending now (one Lua call per job)."""
@@ -172,10 +193,15 @@ class ProgressWriter:
             with self._lock:
                 pending, self._pending = self._pending, {}
                 previews, self._previews = self._previews, {}
-            for job_id, item in pending.items():
-                self._write(job_id, item)
-            for job_id, preview in previews.items():
-                self._write_preview(job_id, preview)
+                self._previews_writing = set(previews)
+            try:
+                for job_id, item in pending.items():
+                    self._write(job_id, item)
+                for job_id, preview in previews.items():
+                    self._write_preview(job_id, preview)
+            finally:
+                with self._lock:
+                    self._previews_writing = set()
 
     def _write_preview(self, job_id: str, item: PendingPreview) -> None:
         try:

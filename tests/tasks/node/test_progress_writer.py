@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from kiln.storage.job_store import JobStore, NewJob
-from kiln.tasks.contract.events import ProgressData
+from kiln.tasks.contract.events import PreviewPayload, ProgressData
 from kiln.tasks.node import progress_writer
-from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter
+from kiln.tasks.node.progress_writer import PendingPreview, PendingProgress, ProgressWriter
 from kiln.tasks.webhooks.event_sink import EventNote, EventSink, JobEvents
 
 
@@ -122,6 +122,44 @@ def test_settle_runs_the_calls_not_yet_begun_itself_in_order(
         assert [name for name, _ in ran] == ["first", "second", "third"]
         assert ran[0][1].startswith("kiln-progress-stage")
         assert [thread for _, thread in ran[1:]] == [here, here]  # taken back, not waited for
+    finally:
+        gate.set()
+        writer.stop()
+
+
+def test_settle_writes_the_newest_preview_after_the_one_being_written(
+    job_store: JobStore,
+) -> None:
+    events = running_job(job_store, "p1")
+    writer = ProgressWriter(interval_s=60.0)
+    writer.start()
+    began, gate = threading.Event(), threading.Event()
+
+    def preview(step: int) -> PendingPreview:
+        def payload() -> PreviewPayload:
+            if step == 1:  # the writer thread is inside this preview's encoding
+                began.set()
+                gate.wait(30)
+            return PreviewPayload(
+                step=step, total=2, width=8, height=8, format="webp",
+                content_type="image/webp", image_b64="UklGRg==", url=None,
+            )  # fmt: skip
+
+        return PendingPreview(events, payload)
+
+    try:
+        writer.preview("p1", preview(1))
+        assert began.wait(30)
+        writer.preview("p1", preview(2))  # the last step's, while the writer is busy
+        settling = threading.Thread(target=writer.settle, args=("p1",))
+        settling.start()
+        settling.join(2.0)  # settle waits for the preview being written (it may not drop it)
+        gate.set()
+        settling.join(30)
+        assert not settling.is_alive()
+        # before the terminal transition: the last step's preview is the newest one written
+        steps = [e.payload["step"] for e in job_store.events("p1") if e.type == "preview"]
+        assert steps[-1:] == [2], steps
     finally:
         gate.set()
         writer.stop()
