@@ -17,7 +17,9 @@ what is missing themselves. What holds under either start method:
   node's current stdout/stderr (`NodeSide`). A server is tied to the environment it was started
   in, because libraries read some settings at import (huggingface_hub reads HF_HUB_OFFLINE): when
   the node's environment has changed, the next group start replaces an idle server, or spawns
-  its ranks while the old server still has live ranks.
+  its ranks while the old server still has live ranks. A variable an import sets to its default
+  in both processes (torch's inductor cache folder, `INDUCTOR_CACHE_ENV`) is no such change: a
+  second server boot is seconds of CPU at every node start.
 - Owner death: the node holds the only write end of each group's death pipe, so its EOF means
   "the node died" whatever the rank's OS parent is. A served rank's OS parent is the server, and
   the rank's parent checks (PR_SET_PDEATHSIG, `getppid`) watch the server: the server outlives
@@ -65,13 +67,30 @@ BOOT_MODULE = "kiln.gpu_worker.rank_server_boot"
 VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "KILN_TEST_STEP_LOG", "KILN_TEST_COUNT_LOG"})
 
 
+# Set by an import, not by the node: importing torch._dynamo (diffusers does) sets it to torch's
+# default when it is unset, in the node as in the server, whose boot imports it from the same
+# environment. A node that imports it after its server started must not replace that server.
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
 def environment_key(environ: dict[str, str]) -> str:
-    """A digest of the environment a server is tied to (all of it but `VOLATILE_ENV`)."""
+    """A digest of the environment a server is tied to.
+
+    All of it but `VOLATILE_ENV`, and but `INDUCTOR_CACHE_ENV` when it holds the default an
+    import sets.
+    """
     digest = hashlib.sha256()
     for name, value in sorted(environ.items()):
-        if name not in VOLATILE_ENV:
-            digest.update(f"{name}\0{value}\0".encode("utf-8", "surrogateescape"))
+        if name in VOLATILE_ENV or (name == INDUCTOR_CACHE_ENV and _is_inductor_default(value)):
+            continue
+        digest.update(f"{name}\0{value}\0".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
+
+
+def _is_inductor_default(value: str) -> bool:
+    # Only once this process imported torch's cache folder rules: before, no import set it.
+    rules = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    return rules is not None and value == os.path.abspath(rules.default_cache_dir())
 
 
 class NodeSide:

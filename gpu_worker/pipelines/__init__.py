@@ -33,6 +33,7 @@ from kiln.gpu_worker.pipelines.base import (
     missing_members,
     report_latents,
 )
+from kiln.gpu_worker.pipelines.cache_folder import cache_folder_is_complete
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 __all__ = [
@@ -80,10 +81,13 @@ def prepare_pipeline(spec: str, settings: GpuWorkerSettings) -> None:
     load from where they already are. Ranks then find a complete folder and never build.
     """
     if spec in TINY_SPECS:
-        from kiln.gpu_worker.pipelines.tiny import ensure_tiny
+        from kiln.gpu_worker.pipelines.tiny import ensure_tiny, tiny_folder
 
-        _quiet_progress_bars()
-        ensure_tiny(tiny_base(spec), settings.model_cache)
+        kind = tiny_base(spec)
+        # Built already (every start but the first): no diffusers import in the node for it.
+        if not cache_folder_is_complete(tiny_folder(kind, settings.model_cache)):
+            _quiet_progress_bars()
+            ensure_tiny(kind, settings.model_cache)
 
 
 def _quiet_progress_bars() -> None:

@@ -17,30 +17,9 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLWan,
-    EulerDiscreteScheduler,
-    FlowMatchEulerDiscreteScheduler,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    StableDiffusionPipeline,
-    UNet2DConditionModel,
-    WanPipeline,
-    WanTransformer3DModel,
-)
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTokenizer,
-    T5Config,
-    T5EncoderModel,
-    UMT5Config,
-    UMT5EncoderModel,
-)
 
 from kiln.gpu_worker.pipelines.cache_folder import cache_folder_is_complete, seal_cache_folder
 from kiln.gpu_worker.pipelines.tiny_tokenizer import (
@@ -50,6 +29,10 @@ from kiln.gpu_worker.pipelines.tiny_tokenizer import (
     write_tiny_vocab,
 )
 
+if TYPE_CHECKING:  # imported by the builders below, so that finding a pipeline built imports none
+    from diffusers import FluxPipeline, StableDiffusionPipeline, WanPipeline
+    from transformers import CLIPTextConfig, CLIPTokenizer, UMT5Config
+
 # Bump when a config below changes, so caches built from the old one are not reused.
 TINY_VERSION = 1
 WEIGHTS_SEED = 0
@@ -57,6 +40,8 @@ TEXT_DIM = 32
 
 
 def _tiny_tokenizer(workdir: Path) -> CLIPTokenizer:
+    from transformers import CLIPTokenizer
+
     vocab_path, merges_path = write_tiny_vocab(workdir / "vocab-source")
     return CLIPTokenizer(
         vocab=str(vocab_path), merges=str(merges_path), model_max_length=MAX_LENGTH
@@ -65,6 +50,14 @@ def _tiny_tokenizer(workdir: Path) -> CLIPTokenizer:
 
 def build_tiny_image(workdir: Path) -> StableDiffusionPipeline:
     """An SD-style pipeline: 64x64 pixels -> 8x8 latents, a two-level UNet, 2-layer CLIP."""
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextModel
+
     tokenizer = _tiny_tokenizer(workdir)
     vocab = tokenizer.get_vocab()
     torch.manual_seed(WEIGHTS_SEED)
@@ -104,6 +97,8 @@ def build_tiny_image(workdir: Path) -> StableDiffusionPipeline:
 
 
 def _clip_config(vocab: dict[str, int]) -> CLIPTextConfig:
+    from transformers import CLIPTextConfig
+
     return CLIPTextConfig(
         vocab_size=len(vocab),
         hidden_size=TEXT_DIM,
@@ -119,6 +114,14 @@ def _clip_config(vocab: dict[str, int]) -> CLIPTextConfig:
 
 def build_tiny_video(workdir: Path) -> WanPipeline:
     """A Wan 2.1-style pipeline: 4x temporal / 8x spatial VAE, 2-block transformer, 1-layer UMT5."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5EncoderModel
+
     tokenizer = _tiny_tokenizer(workdir)
     vocab = tokenizer.get_vocab()
     torch.manual_seed(WEIGHTS_SEED)
@@ -169,6 +172,8 @@ def _t5_shape(vocab: dict[str, int]) -> dict[str, Any]:
 
 
 def _umt5_config(vocab: dict[str, int]) -> UMT5Config:
+    from transformers import UMT5Config
+
     return UMT5Config(**_t5_shape(vocab))
 
 
@@ -181,6 +186,14 @@ DIT_TIMESTEP_SCALE = 0.1
 
 def build_tiny_dit(workdir: Path) -> FluxPipeline:
     """A Flux-style DiT: 64x64 pixels -> 4x4 packed latents, 2 double + 4 single blocks."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+
     tokenizer = _tiny_tokenizer(workdir)
     vocab = tokenizer.get_vocab()
     torch.manual_seed(WEIGHTS_SEED)

@@ -244,8 +244,10 @@ class LeasedAttempt:
                 )
                 result = future.result()
         finally:
-            if writer is not None:
-                writer.close()
+            if writer is not None and not writer.close():
+                log.warning(  # its last checkpoint may be lost: the next attempt resumes older
+                    "job %s: its checkpoint writer did not finish in time", self.job_id
+                )
             self._charge(request.request_id, time.monotonic() - submitted)
         self._observe_compute(result, time.monotonic() - submitted, decoding_at)
         return result

@@ -131,35 +131,40 @@ class CheckpointWriter:
                     checkpoint.steps_done,
                     checkpoint.data,
                 )
-                break
             except StaleLease:
                 log.warning(
                     "job %s: lease lost; its checkpoints are no longer written", self._job_id
                 )
                 return False
             except (StorageError, ValueError) as exc:
-                pause_s = doubling_delay(tries, RETRY_PAUSE_S, MAX_RETRY_PAUSE_S)
-                if isinstance(exc, StorageError) and exc.retryable and self._pause(pause_s):
-                    log.info(
-                        "job %s: checkpoint after step %d, try %d failed (%s); trying again",
-                        self._job_id,
-                        checkpoint.steps_done,
-                        tries,
-                        exc,
-                    )
+                if self._tries_again(checkpoint, tries, exc):
                     continue
-                log.warning(
-                    "job %s: checkpoint after step %d not written (%d tries): %s",
-                    self._job_id,
-                    checkpoint.steps_done,
-                    tries,
-                    exc,
-                )
                 return True
-        self.written.append(ref)
-        if self._on_written is not None:
-            self._on_written(ref, time.monotonic() - began)
-        return True
+            self.written.append(ref)
+            if self._on_written is not None:
+                self._on_written(ref, time.monotonic() - began)
+            return True
+
+    def _tries_again(self, checkpoint: StepCheckpoint, tries: int, exc: Exception) -> bool:
+        """After a failed try: pause and say True to try again, or log it given up (False)."""
+        pause_s = doubling_delay(tries, RETRY_PAUSE_S, MAX_RETRY_PAUSE_S)
+        if isinstance(exc, StorageError) and exc.retryable and self._pause(pause_s):
+            log.info(
+                "job %s: checkpoint after step %d, try %d failed (%s); trying again",
+                self._job_id,
+                checkpoint.steps_done,
+                tries,
+                exc,
+            )
+            return True
+        log.warning(
+            "job %s: checkpoint after step %d not written (%d tries): %s",
+            self._job_id,
+            checkpoint.steps_done,
+            tries,
+            exc,
+        )
+        return False
 
     def _pause(self, pause_s: float) -> bool:
         """Wait `pause_s` before trying a write again; False: give it up.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import textwrap
 from collections.abc import Iterator
 from dataclasses import replace
@@ -273,6 +275,23 @@ def test_tiny_is_saved_once_and_weights_are_deterministic(
     assert np.array_equal(
         reloaded.run([request], no_progress)[0][0], tiny.run([request], no_progress)[0][0]
     )
+
+
+def test_preparing_a_built_tiny_pipeline_imports_no_diffusers(settings: GpuWorkerSettings) -> None:
+    # A node prepares its pipelines before its ranks start; diffusers there is seconds of CPU.
+    ensure_tiny("tiny-video", settings.model_cache)
+    cache = str(settings.model_cache)
+    code = (
+        "import sys\n"
+        "from kiln.gpu_worker.pipelines import prepare_pipeline\n"
+        "from kiln.gpu_worker.settings import GpuWorkerSettings\n"
+        f"prepare_pipeline('tiny-video', GpuWorkerSettings(model_cache={cache!r}))\n"
+        "print(sorted(name for name in ('diffusers', 'transformers') if name in sys.modules))\n"
+    )
+    prepared = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert prepared.stdout.strip() == "[]", prepared.stderr
 
 
 def test_losing_a_build_race_keeps_the_winners_folder(

@@ -146,6 +146,29 @@ def test_a_changed_environment_never_reaches_ranks_through_a_stale_server(
     assert process_gone(old_server)
 
 
+def test_the_inductor_folder_an_import_sets_keeps_the_server_a_folder_of_the_nodes_does_not(
+    probe_dir: Path, groups: list[WorkerGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch._dynamo  # noqa: F401  (what a node importing diffusers imports)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.delenv(rank_server.INDUCTOR_CACHE_ENV, raising=False)
+    start_probe_group(groups).shutdown()  # a server started before the node's import set it
+    server = rank_server.server_pid()
+    monkeypatch.setenv(rank_server.INDUCTOR_CACHE_ENV, default_cache_dir())  # as the import does
+    kept = start_probe_group(groups)
+    (kept_rank,) = probes(probe_dir, kept)
+    assert rank_server.server_pid() == server
+    assert kept_rank["ppid"] == server
+    kept.shutdown()
+    # A folder the node chose is its environment: the idle server is replaced.
+    monkeypatch.setenv(rank_server.INDUCTOR_CACHE_ENV, str(probe_dir / "inductor"))
+    replaced = start_probe_group(groups)
+    (replaced_rank,) = probes(probe_dir, replaced)
+    assert rank_server.server_pid() not in (None, server)
+    assert replaced_rank["ppid"] == rank_server.server_pid()
+
+
 def test_a_server_imports_diffusers_only_for_a_node_whose_pipelines_load_it(
     probe_dir: Path, groups: list[WorkerGroup]
 ) -> None:
