@@ -1,4 +1,7 @@
-"""Third-party warnings a node would print at every start, none of which a user can act on.
+"""Third-party noise a node would print at every start, none of which a user can act on.
+
+Warnings (`quiet_known_warnings`) and diffusers' and transformers' save and load progress bars
+(`quiet_progress_bars`: workers and ranks log to files, where bars are only noise).
 
 Each is filtered by name where it arises (the library's logger or module, its category, the
 start of its text), never by a blanket ignore: any other warning of the same libraries still
@@ -54,3 +57,12 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings(
         "ignore", message=DEPRECATED_GATHER, category=FutureWarning, module=DEPRECATED_GATHER_MODULE
     )
+
+
+def quiet_progress_bars() -> None:
+    """Turn diffusers' and transformers' progress bars off in this process (imports both)."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()

@@ -33,7 +33,7 @@ from kiln.gpu_worker.pipelines.base import (
     missing_members,
     report_latents,
 )
-from kiln.gpu_worker.pipelines.cache_folder import cache_folder_is_complete
+from kiln.gpu_worker.quiet import quiet_progress_bars
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 __all__ = [
@@ -81,29 +81,16 @@ def prepare_pipeline(spec: str, settings: GpuWorkerSettings) -> None:
     load from where they already are. Ranks then find a complete folder and never build.
     """
     if spec in TINY_SPECS:
-        from kiln.gpu_worker.pipelines.tiny import ensure_tiny, tiny_folder
+        from kiln.gpu_worker.pipelines.tiny import ensure_tiny
 
-        kind = tiny_base(spec)
-        # Built already (every start but the first): no diffusers import in the node for it.
-        if not cache_folder_is_complete(tiny_folder(kind, settings.model_cache)):
-            _quiet_progress_bars()
-            ensure_tiny(kind, settings.model_cache)
-
-
-def _quiet_progress_bars() -> None:
-    import diffusers
-    import transformers
-
-    # Workers and ranks log to files; save/load progress bars there are only noise.
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.disable_progress_bar()
+        ensure_tiny(tiny_base(spec), settings.model_cache)
 
 
 def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings) -> Pipeline:
     from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
     from kiln.gpu_worker.pipelines.lora import adapters_from_settings
 
-    _quiet_progress_bars()
+    quiet_progress_bars()
     dtype = None if settings.torch_dtype == "auto" else getattr(torch, settings.torch_dtype)
     if spec in TINY_SPECS:
         from kiln.gpu_worker.pipelines.tiny import ensure_tiny

@@ -28,6 +28,7 @@ from kiln.gpu_worker.pipelines.tiny_tokenizer import (
     START_TOKEN,
     write_tiny_vocab,
 )
+from kiln.gpu_worker.quiet import quiet_progress_bars
 
 if TYPE_CHECKING:  # imported by the builders below, so that finding a pipeline built imports none
     from diffusers import FluxPipeline, StableDiffusionPipeline, WanPipeline
@@ -269,6 +270,7 @@ def ensure_tiny(kind: str, cache_dir: Path) -> Path:
     final = tiny_folder(kind, cache_dir)
     if cache_folder_is_complete(final):
         return final
+    quiet_progress_bars()  # the first import of diffusers here: a built one needs none
     cache_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import wait
 from typing import Any
 
@@ -32,13 +32,21 @@ def stages(store: JobStore, job_id: str) -> list[str]:
     return [e.payload["stage"] for e in store.events(job_id) if e.type == "progress"]
 
 
+@pytest.fixture
+def writer() -> Iterator[ProgressWriter]:
+    """A started writer whose throttle never flushes by itself; stopped afterwards."""
+    started = ProgressWriter(interval_s=60.0)
+    started.start()
+    yield started
+    started.stop()
+
+
 def test_handed_over_stages_are_written_in_order_and_settle_waits_for_them(
     job_store: JobStore,
+    writer: ProgressWriter,
 ) -> None:
     sink = EventSink(job_store)
     events = running_job(job_store, "s1", sink)
-    writer = ProgressWriter(interval_s=60.0)
-    writer.start()
     gate = threading.Event()
     heard: list[EventNote] = []
 
@@ -61,30 +69,25 @@ def test_handed_over_stages_are_written_in_order_and_settle_waits_for_them(
         assert heard == [EventNote("s1", "progress")] * 2
     finally:
         gate.set()
-        writer.stop()
 
 
-def test_settle_drops_unwritten_step_progress_after_the_stages(job_store: JobStore) -> None:
+def test_settle_drops_unwritten_step_progress_after_the_stages(
+    job_store: JobStore, writer: ProgressWriter
+) -> None:
     events = running_job(job_store, "s2")
-    writer = ProgressWriter(interval_s=60.0)
-    writer.start()
-    try:
-        writer.write_soon("s2", progress(events, "encoding", 1))
-        writer.settle("s2")
-        writer.update("s2", progress(events, "decoding", 4), False)
-        writer.settle("s2")  # the terminal transition follows: nothing may be written after it
-        writer.flush()
-        assert stages(job_store, "s2") == ["encoding"]
-    finally:
-        writer.stop()
+    writer.write_soon("s2", progress(events, "encoding", 1))
+    writer.settle("s2")
+    writer.update("s2", progress(events, "decoding", 4), False)
+    writer.settle("s2")  # the terminal transition follows: nothing may be written after it
+    writer.flush()
+    assert stages(job_store, "s2") == ["encoding"]
 
 
 def test_a_stage_handed_over_after_stop_is_written_on_the_callers_thread(
     job_store: JobStore,
+    writer: ProgressWriter,
 ) -> None:
     events = running_job(job_store, "s3")
-    writer = ProgressWriter(interval_s=60.0)
-    writer.start()
     writer.stop()  # the node is going down while a job still uploads
     writer.write_soon("s3", progress(events, "uploading", 1))
     assert stages(job_store, "s3") == ["uploading"]
@@ -92,9 +95,8 @@ def test_a_stage_handed_over_after_stop_is_written_on_the_callers_thread(
 
 def test_settle_runs_the_calls_not_yet_begun_itself_in_order(
     monkeypatch: pytest.MonkeyPatch,
+    writer: ProgressWriter,
 ) -> None:
-    writer = ProgressWriter(interval_s=60.0)
-    writer.start()
     began, gate = threading.Event(), threading.Event()
     ran: list[tuple[str, str]] = []
 
@@ -124,15 +126,13 @@ def test_settle_runs_the_calls_not_yet_begun_itself_in_order(
         assert [thread for _, thread in ran[1:]] == [here, here]  # taken back, not waited for
     finally:
         gate.set()
-        writer.stop()
 
 
 def test_settle_writes_the_newest_preview_after_the_one_being_written(
     job_store: JobStore,
+    writer: ProgressWriter,
 ) -> None:
     events = running_job(job_store, "p1")
-    writer = ProgressWriter(interval_s=60.0)
-    writer.start()
     began, gate = threading.Event(), threading.Event()
 
     def preview(step: int) -> PendingPreview:
@@ -162,4 +162,3 @@ def test_settle_writes_the_newest_preview_after_the_one_being_written(
         assert steps[-1:] == [2], steps
     finally:
         gate.set()
-        writer.stop()
