@@ -13,9 +13,8 @@ from collections.abc import Callable
 import redis
 
 from kiln.storage.boundary import redis_boundary
-from kiln.storage.keys import Keys, valid_id
+from kiln.storage.keys import MIN_ID_PREFIX, Keys, valid_id
 
-MIN_ID_PREFIX = 6  # shorter prefixes are refused: they would match too much to be useful
 _SCAN_COUNT = 1000  # index entries ZSCAN looks at per round trip
 _EXISTS_CHUNK = 100  # matches whose records are checked per round trip
 

@@ -23,6 +23,12 @@ def valid_id(value: str) -> bool:
     return bool(_ID.fullmatch(value))
 
 
+# The shortest id prefix a user may type for a job or batch (storage/id_prefix.py looks them up):
+# shorter ones would match too much to be useful. Here, beside the id's form, so a command line
+# talking to a remote API shows it without loading the Redis client.
+MIN_ID_PREFIX = 6
+
+
 _QUEUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
 
 

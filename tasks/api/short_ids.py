@@ -12,7 +12,8 @@ from typing import Annotated
 from fastapi import Query
 
 from kiln.common.states import JobState
-from kiln.storage.id_prefix import MIN_ID_PREFIX, batch_ids_with_prefix, job_ids_with_prefix
+from kiln.storage.id_prefix import batch_ids_with_prefix, job_ids_with_prefix
+from kiln.storage.keys import MIN_ID_PREFIX
 from kiln.tasks.api.context import ApiContext
 from kiln.tasks.batches.service import BatchService
 from kiln.tasks.batches.views import batch_view

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,8 +17,13 @@ from kiln.tasks.contract.schemas import JobRequest
 from kiln.tasks.contract.views import JobView, job_view
 
 if TYPE_CHECKING:
+    from celery import Celery
+
+    from kiln.storage.object_base import ObjectStore
     from kiln.tasks.client.batch_downloads import DownloadReport
+    from kiln.tasks.intake.intake import Intake
     from kiln.tasks.intake.pausing import JobPausing
+    from kiln.tasks.queue.submit import Submitter
 
 # a page of jobs, newest first, and the cursor of the next one (None: no more)
 JobPage = tuple[list[JobView], str | None]
@@ -79,17 +85,35 @@ class DirectBackend:
     """Talks to Redis and the object store directly (same settings as the workers)."""
 
     def __init__(self) -> None:
-        # Deferred: Redis, boto3 and Celery load only when the CLI talks to Redis directly.
-        from kiln.tasks.intake.intake import Intake
+        # Deferred: Redis, boto3 and Celery load only when the CLI talks to Redis directly, and
+        # each part only when the command uses it: `kiln jobs` needs no Celery, no intake.
         from kiln.tasks.queue.process import ProcessParts
 
-        parts = ProcessParts()  # the command's process: its environment, read once
+        self._parts = ProcessParts()  # the command's process: its environment, read once
         start_tracing("kiln-cli")  # its admission spans, where the OTEL_* variables ask
-        self.store = parts.store
-        self.objects = parts.objects
-        self.celery_app = parts.celery_app  # its job events' webhooks (a pause, a resume)
-        self.submitter = parts.submitter  # as the API's: each message in its job's creation
-        self.intake = Intake(self.submitter, self.objects)  # the checks of POST /v1/jobs
+        self.store = self._parts.store
+
+    @property
+    def objects(self) -> ObjectStore:
+        """The object store the settings name (for outputs' URLs and `kiln get`)."""
+        return self._parts.objects
+
+    @property
+    def celery_app(self) -> Celery:
+        """Its job events' webhooks (a pause, a resume)."""
+        return self._parts.celery_app
+
+    @property
+    def submitter(self) -> Submitter:
+        """As the API's: each message in its job's creation."""
+        return self._parts.submitter
+
+    @functools.cached_property
+    def intake(self) -> Intake:
+        """The checks of POST /v1/jobs."""
+        from kiln.tasks.intake.intake import Intake
+
+        return Intake(self.submitter, self.objects)
 
     def submit(
         self,

@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.table import Table
 
 from kiln.common.states import JobState
-from kiln.storage.base import require_supported_redis
 from kiln.tasks.cli.backends import DirectBackend, HttpBackend, JobsBackend
 from kiln.tasks.cli.bounds import with_pipeline_bounds
 from kiln.tasks.cli.consoles import stdout_console
@@ -307,6 +306,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     """`kiln api`: one API process, or with `--workers N` (N > 1) a supervisor of N."""
     # Deferred: the API loads FastAPI, uvicorn, Celery and Redis.
+    from kiln.storage.base import require_supported_redis
     from kiln.tasks.api.app import serve_api
     from kiln.tasks.queue.process import start_process
 

@@ -16,7 +16,7 @@ import argparse
 import difflib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -405,34 +405,53 @@ def _env_name(loc: tuple[int | str, ...]) -> str:
 
 
 def _known_error(exc: Exception) -> tuple[str, int] | None:
-    # Deferred: the submitter loads Celery and Redis, the client httpx; `kiln --help` needs none.
-    from pydantic import ValidationError
+    # Each class is looked for only where its module is loaded: an exception of a class nobody
+    # imported cannot have been raised, and importing the intake, Celery and httpx to learn that
+    # made every failed command slower by half a CPU second.
+    loaded = sys.modules
+    if "pydantic" in loaded:
+        from pydantic import ValidationError
 
-    from kiln.storage.errors import JobNotFound, StorageError
-    from kiln.tasks.cli.embedded import DemoFailed
-    from kiln.tasks.cli.progress import JobWaitTimeout
-    from kiln.tasks.client.client import KilnError
-    from kiln.tasks.contract.request_check import PipelineUnknown
-    from kiln.tasks.intake.pausing import PauseRefused
-    from kiln.tasks.intake.refusal import Refused
+        if isinstance(exc, ValidationError):
+            return _validation_line(exc), EXIT_USAGE
+    if "kiln.tasks.intake.refusal" in loaded:
+        from kiln.tasks.contract.request_check import PipelineUnknown
+        from kiln.tasks.intake.refusal import Refused
 
-    if isinstance(exc, ValidationError):
-        return _validation_line(exc), EXIT_USAGE
-    if isinstance(exc, Refused):  # the intake's: a field it names (usage), else the queue's
-        if exc.refusal.status == 422 and exc.refusal.code != PipelineUnknown.kind:
-            return f"invalid job: {exc}", EXIT_USAGE
-        return str(exc), EXIT_JOB_FAILED
-    if isinstance(exc, JobNotFound):
-        return f"no such job: {exc}", EXIT_JOB_FAILED
-    if isinstance(exc, JobWaitTimeout):
-        return str(exc), EXIT_WAIT_TIMEOUT
-    if isinstance(exc, PauseRefused):  # a finished job (`kiln pause|resume`)
-        return str(exc), EXIT_JOB_FAILED
-    if isinstance(exc, StorageError | DemoFailed):
-        return str(exc), EXIT_JOB_FAILED
-    if isinstance(exc, KilnError):  # the API refused or failed the request
-        return str(exc), EXIT_JOB_FAILED
+        if isinstance(exc, Refused):  # the intake's: a field it names (usage), else the queue's
+            if exc.refusal.status == 422 and exc.refusal.code != PipelineUnknown.kind:
+                return f"invalid job: {exc}", EXIT_USAGE
+            return str(exc), EXIT_JOB_FAILED
+    for failure, prefix, code in _loaded_failures():
+        if isinstance(exc, failure):
+            return f"{prefix}{exc}", code
     return None
+
+
+def _loaded_failures() -> Iterator[tuple[type[Exception], str, int]]:
+    """The failures a command reports in one line (prefix, exit code), of the modules loaded."""
+    loaded = sys.modules
+    if "kiln.storage.errors" in loaded:
+        from kiln.storage.errors import JobNotFound, StorageError
+
+        yield JobNotFound, "no such job: ", EXIT_JOB_FAILED
+        yield StorageError, "", EXIT_JOB_FAILED
+    if "kiln.tasks.cli.progress" in loaded:
+        from kiln.tasks.cli.progress import JobWaitTimeout
+
+        yield JobWaitTimeout, "", EXIT_WAIT_TIMEOUT
+    if "kiln.tasks.intake.pausing" in loaded:
+        from kiln.tasks.intake.pausing import PauseRefused
+
+        yield PauseRefused, "", EXIT_JOB_FAILED  # a finished job (`kiln pause|resume`)
+    if "kiln.tasks.cli.embedded" in loaded:
+        from kiln.tasks.cli.embedded import DemoFailed
+
+        yield DemoFailed, "", EXIT_JOB_FAILED
+    if "kiln.tasks.client.client" in loaded:
+        from kiln.tasks.client.client import KilnError
+
+        yield KilnError, "", EXIT_JOB_FAILED  # the API refused or failed the request
 
 
 def _handler(command: str) -> Callable[[argparse.Namespace], int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kiln.storage.id_prefix import MIN_ID_PREFIX
+from kiln.storage.keys import MIN_ID_PREFIX
 from kiln.tasks.cli.exits import UsageError
 
 CANDIDATES_SHOWN = 10
