@@ -78,7 +78,7 @@ lint: setup
 # servers, `kiln` commands, APIs) compiled the modules it imports again: 0.25 CPU s of the 0.8
 # that `kiln --version` takes. Only files changed since are compiled again (the whole tree: 1 s).
 bytecode: setup
-	@$(BIN)/python -m compileall -q -j 0 kiln tasks gpu_worker storage tests >/dev/null
+	@$(BIN)/python -m compileall -q -j 0 kiln tasks gpu_worker storage tests  # -q: errors only
 
 # Every test run starts from empty caches, as on a fresh machine: the model cache and every
 # other cache a library might write under ~/.cache, removed afterwards.

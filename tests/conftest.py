@@ -27,6 +27,8 @@ MODEL_CACHE_EXISTED_AT_START = (
     Path(os.environ.get("KILN_MODEL_CACHE", "~/.cache/kiln/models")).expanduser().exists()
 )
 
+# The test Redis: KILN_TEST_REDIS_URL (`make test` sets it, .ci/ensure-redis) or the local default.
+TEST_REDIS_URL = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 S3_REGION = "us-east-1"
 S3_KEY_ID = S3_SECRET = "testing"
 
@@ -34,7 +36,7 @@ S3_KEY_ID = S3_SECRET = "testing"
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """URL of the test Redis (KILN_TEST_REDIS_URL or the local default); fails if unreachable."""
-    url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    url = TEST_REDIS_URL
     client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
     try:
         client.ping()

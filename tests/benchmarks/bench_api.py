@@ -52,6 +52,7 @@ from kiln.tasks.cli.embedded import free_port, wait_for_port  # noqa: E402
 from kiln.tasks.client.client import KilnClient  # noqa: E402
 from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
 from tests.benchmarks.http_load import post_many  # noqa: E402
+from tests.conftest import TEST_REDIS_URL  # noqa: E402
 
 BODY = JobRequest(prompt="a kiln at dusk", width=64, height=64, steps=4, seed=1).to_record()
 
@@ -281,7 +282,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, help="this tree: `kiln api --workers N`")
     parser.add_argument("--baseline-workers", type=int, default=1, help="with --workers")
     args = parser.parse_args()
-    redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = TEST_REDIS_URL
     cli = args.workers is not None
     namespace = f"kiln-bench-{secrets.token_hex(4)}"
     apis = [Api(label("this tree", args.workers), ROOT, namespace, args.workers)]

@@ -27,8 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.benchmarks.bench_overhead_ab import REDIS_URL  # noqa: E402
-from tests.conftest import delete_namespace  # noqa: E402
+from tests.conftest import TEST_REDIS_URL, delete_namespace  # noqa: E402
 
 UNREACHABLE_API = {"KILN_API_URL": "http://127.0.0.1:9", "KILN_API_KEY": "kiln_bench_key"}
 
@@ -61,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-cli-ab-") as folder:
         env = {
             **keep,
-            "KILN_REDIS_URL": REDIS_URL,
+            "KILN_TEST_REDIS_URL": TEST_REDIS_URL,
             "KILN_REDIS_NAMESPACE": namespace,
             "KILN_STORAGE_URL": f"file://{folder}",
             "KILN_PIPELINES": "tiny",
@@ -86,7 +85,7 @@ def main() -> None:
                         cpu_s, _ = command_cpu_s(tree, argv, command_env)
                         spent.setdefault((label, name), []).append(cpu_s)
         finally:
-            delete_namespace(REDIS_URL, namespace)
+            delete_namespace(TEST_REDIS_URL, namespace)
     print(f"{'command':<26} {'base':>6} {'candidate':>9}   median CPU s of {args.rounds}")
     for name in commands:
         base, candidate = (statistics.median(spent[(label, name)]) for label, _ in trees)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import secrets
 import statistics
 import sys
@@ -48,6 +47,7 @@ from kiln.tasks.contract.job_spec import JobSpec  # noqa: E402
 from kiln.tasks.node.output_uploads import UploadVerify, encode_and_upload, put_verified  # noqa: E402
 from kiln.tasks.node.progress_writer import PendingProgress, ProgressWriter  # noqa: E402
 from kiln.tasks.webhooks.event_sink import EventSink  # noqa: E402
+from tests.conftest import TEST_REDIS_URL  # noqa: E402
 
 Timed = Callable[[int], object]
 
@@ -184,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=300)
     args = parser.parse_args()
-    redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = TEST_REDIS_URL
     namespace = f"kiln-bench-{secrets.token_hex(4)}"
     settings = StorageSettings(redis_url=redis_url, redis_namespace=namespace)
     store = JobStore.from_settings(settings)

@@ -77,7 +77,7 @@ from tests.benchmarks.bench_node import (  # noqa: E402
     wait_event,
 )
 from tests.benchmarks.cuda_dit import SMOKE_ENV  # noqa: E402
-from tests.conftest import delete_namespace  # noqa: E402
+from tests.conftest import TEST_REDIS_URL, delete_namespace  # noqa: E402
 from tests.e2e.cluster import Cluster, WorkerProcess  # noqa: E402
 
 # name -> (spec every process loads, guidance scale: SD3 runs CFG, FLUX.1-dev its embedding)
@@ -301,7 +301,7 @@ def services(args: argparse.Namespace, tmp: Path) -> Iterator[Services]:
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
     host, port = moto.get_host_and_port()
-    redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = TEST_REDIS_URL
     found = Services(args, tmp, redis_url, f"http://{host}:{port}")
     try:
         for max_batch in args.max_batches:

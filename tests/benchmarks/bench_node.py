@@ -67,7 +67,7 @@ from kiln.storage.objects import ObjectStore, new_attempt_name, output_key  # no
 from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
 from tests.benchmarks.baseline_worker import BaselineProcess  # noqa: E402
 from tests.benchmarks.bench_pipelines import image_like  # noqa: E402
-from tests.conftest import delete_namespace  # noqa: E402
+from tests.conftest import TEST_REDIS_URL, delete_namespace  # noqa: E402
 from tests.e2e.cluster import Cluster, WorkerProcess  # noqa: E402
 from tests.span_collector import SpanCollector, span_collector  # noqa: E402
 
@@ -242,7 +242,7 @@ def services(
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
     host, port = moto.get_host_and_port()
-    redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = TEST_REDIS_URL
     found = Services(
         tmp, redis_url, f"http://{host}:{port}", args.sleep, args.threads, args.node_concurrency
     )

@@ -34,10 +34,9 @@ from moto.server import ThreadedMotoServer  # noqa: E402
 
 from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
 from tests.benchmarks.bench_node import TINY_SPEC, read_forwards, tiny_requests, wait_event  # noqa: E402
-from tests.conftest import delete_namespace  # noqa: E402
+from tests.conftest import TEST_REDIS_URL, delete_namespace  # noqa: E402
 from tests.e2e.cluster import Cluster, WorkerProcess  # noqa: E402
 
-REDIS_URL = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 WARMUP_JOBS = 5
 
 
@@ -81,7 +80,7 @@ def start_side(
     folder.mkdir()
     env = {
         **os.environ,
-        "KILN_REDIS_URL": REDIS_URL,
+        "KILN_TEST_REDIS_URL": TEST_REDIS_URL,
         "KILN_REDIS_NAMESPACE": namespace,
         "KILN_STORAGE_URL": f"s3://{namespace}/outputs",
         "KILN_S3_ENDPOINT_URL": endpoint,
@@ -130,7 +129,7 @@ def sides(base: Path, tmp: Path) -> Iterator[list[Side]]:
         moto.stop()
         for side in started:
             with contextlib.suppress(Exception):
-                delete_namespace(REDIS_URL, side.cluster.storage_settings.redis_namespace)
+                delete_namespace(TEST_REDIS_URL, side.cluster.storage_settings.redis_namespace)
 
 
 def run_one(side: Side, request: JobRequest) -> tuple[str, float]:

@@ -155,11 +155,13 @@ def bench_nodes(methods: list[str], repeats: int) -> list[str]:
 
     from moto.server import ThreadedMotoServer
 
+    from tests.conftest import TEST_REDIS_URL
+
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
     host, port = moto.get_host_and_port()
-    redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = TEST_REDIS_URL
     samples: dict[str, list[float]] = {m: [] for m in methods}
     try:
         with tempfile.TemporaryDirectory(prefix="kiln-bench-start-") as folder:

@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 from moto.server import ThreadedMotoServer  # noqa: E402
 
-from tests.benchmarks.bench_overhead_ab import REDIS_URL, start_side  # noqa: E402
+from tests.benchmarks.bench_overhead_ab import start_side  # noqa: E402
 from tests.benchmarks.bench_process_start import GENEROUS_S, seconds_to_first_step  # noqa: E402
-from tests.conftest import delete_namespace  # noqa: E402
+from tests.conftest import TEST_REDIS_URL, delete_namespace  # noqa: E402
 
 
 def cold_start(
@@ -44,7 +44,7 @@ def cold_start(
         return {"first_step_s": first_step, "ready_s": ready_s}
     finally:
         side.worker.stop()
-        delete_namespace(REDIS_URL, side.cluster.storage_settings.redis_namespace)
+        delete_namespace(TEST_REDIS_URL, side.cluster.storage_settings.redis_namespace)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from kiln.common.states import JobState
 from kiln.storage.job_store import JobStore, NewJob
 from kiln.storage.settings import StorageSettings
+from tests.conftest import TEST_REDIS_URL
 from tests.storage.fed_batches import record_fed_batch
 
 
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1000, help="jobs per pipelined round trip")
     parser.add_argument(
         "--redis-url",
-        default=os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        default=TEST_REDIS_URL,
     )
     args = parser.parse_args()
 

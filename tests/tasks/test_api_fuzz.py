@@ -39,7 +39,7 @@ from kiln.storage.settings import StorageSettings
 from kiln.tasks.api.app import create_app
 from kiln.tasks.api.auth import hash_api_key, new_api_key
 from kiln.tasks.api.context import build_context
-from tests.conftest import delete_namespace
+from tests.conftest import TEST_REDIS_URL, delete_namespace
 from tests.tasks import hostile
 from tests.tasks.helpers import ThreadServer, api_settings, drive_to_success, queued_job
 from tests.tasks.raw_http import RawConnection
@@ -64,7 +64,7 @@ class FuzzTarget:
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzTarget]:
     """A running API on its own namespace with one admin key, one live node, one finished job."""
-    redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = TEST_REDIS_URL
     namespace = f"kiln-test-fuzz-{secrets.token_hex(4)}"
     outputs = tmp_path_factory.mktemp("fuzz-outputs")
     storage = StorageSettings(

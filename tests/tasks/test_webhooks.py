@@ -39,7 +39,7 @@ from kiln.tasks.webhooks.delivery import (
     parse_retry_after,
 )
 from kiln.tasks.webhooks.enqueue import enqueue_webhook_events
-from tests.conftest import delete_namespace
+from tests.conftest import TEST_REDIS_URL, delete_namespace
 from tests.tasks.helpers import (
     WEBHOOK_SECRET,
     Hit,
@@ -307,7 +307,7 @@ class WebhookWorld:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebhookWorld]:
     """A `kiln worker` (webhooks only: Celery threads pool) on its own namespace."""
-    redis_url = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    redis_url = TEST_REDIS_URL
     namespace = f"kiln-test-wh-{secrets.token_hex(4)}"
     outputs = tmp_path_factory.mktemp("outputs")
     env = {

@@ -22,7 +22,7 @@ PROBE = (
     "sys.argv = ['kiln', *sys.argv[1:]]\n"
     "runpy.run_module('kiln.tasks.cli', run_name='__main__')\n"
 )
-# what only submitting (the intake), publishing (Celery) or a remote API (httpx) needs
+# what only submitting a job needs: the intake's checks and Celery (kombu beneath it)
 SUBMITTING = ("kiln.tasks.intake.intake", "celery", "kombu")
 
 
