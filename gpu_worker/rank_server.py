@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.gpu_worker.pipeline_specs import loader_modules
 
 if TYPE_CHECKING:  # torch-free to import: a node may start the server before it imports torch
-    from kiln.gpu_worker.ranks.start import RankArgs, RankPipes
+    from kiln.gpu_worker.ranks.args import RankArgs, RankPipes
     from kiln.gpu_worker.settings import RankStart
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,11 @@ RankStart = Literal["forkserver", "spawn"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
+# torch.compile's portable artifacts, in the compile cache folder: the ranks write and load the
+# file (pipelines/compile.py); the node moves it to and from the object store (compile_store.py).
+ARTIFACTS_FILE = "mega-cache.bin"
+
+
 class GpuWorkerSettings(BaseSettings):
     """Everything gpu_worker reads from the environment; built once at the entry point."""
 

@@ -13,10 +13,26 @@
 the denoiser's calls and rows on each rank (`counters`).
 """
 
-from kiln.gpu_worker.parallel.apply import apply_parallel
-from kiln.gpu_worker.parallel.counters import DenoiserCounters, denoiser_counters
-from kiln.gpu_worker.parallel.rows import split_sizes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The configured spec is torch-free, and the node reads it; the rest is the ranks' (torch), so it
+# is imported lazily (PEP 562): a node that only parses `--parallel` never imports torch.
 from kiln.gpu_worker.parallel.spec import PARALLEL_MODES, ContextKind, ParallelMode, ParallelSpec
+
+if TYPE_CHECKING:
+    from kiln.gpu_worker.parallel.apply import apply_parallel
+    from kiln.gpu_worker.parallel.counters import DenoiserCounters, denoiser_counters
+    from kiln.gpu_worker.parallel.rows import split_sizes
+
+_EXPORTS = {
+    "apply_parallel": "kiln.gpu_worker.parallel.apply",
+    "DenoiserCounters": "kiln.gpu_worker.parallel.counters",
+    "denoiser_counters": "kiln.gpu_worker.parallel.counters",
+    "split_sizes": "kiln.gpu_worker.parallel.rows",
+}
 
 __all__ = [
     "PARALLEL_MODES",
@@ -28,3 +44,10 @@ __all__ = [
     "denoiser_counters",
     "split_sizes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpu_worker.parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -8,7 +8,8 @@ cheap.
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kiln.common.limits import TINY_LIMITS
 from kiln.gpu_worker.pipeline_specs import (
@@ -23,18 +24,35 @@ from kiln.gpu_worker.pipeline_specs import (
     parse_spec,
     tiny_base,
 )
-from kiln.gpu_worker.pipelines.base import (
-    Pipeline,
-    PipelineFactory,
-    PreviewDecoder,
-    StepCallback,
-    StepStateHooks,
-    StopDenoising,
-    missing_members,
-    report_latents,
-)
 from kiln.gpu_worker.quiet import quiet_progress_bars
 from kiln.gpu_worker.settings import GpuWorkerSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.gpu_worker.pipelines.base import (
+        Pipeline,
+        PipelineFactory,
+        PreviewDecoder,
+        StepCallback,
+        StepStateHooks,
+        StopDenoising,
+        report_latents,
+    )
+
+# What a pipeline is (`base`) needs torch; checking and preparing a spec do not, and the node
+# does only those: so these names are imported lazily (PEP 562), and the node imports no torch.
+_FROM_BASE = frozenset(
+    {
+        "Pipeline",
+        "PipelineFactory",
+        "PreviewDecoder",
+        "StepCallback",
+        "StepStateHooks",
+        "StopDenoising",
+        "report_latents",
+    }
+)
 
 __all__ = [
     "Pipeline",
@@ -49,6 +67,12 @@ __all__ = [
     "prepare_pipeline",
     "report_latents",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FROM_BASE:
+        raise AttributeError(f"module 'gpu_worker.pipelines' has no attribute {name!r}")
+    return getattr(importlib.import_module("kiln.gpu_worker.pipelines.base"), name)
 
 
 def load_pipeline(
@@ -87,6 +111,8 @@ def prepare_pipeline(spec: str, settings: GpuWorkerSettings) -> None:
 
 
 def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings) -> Pipeline:
+    import torch
+
     from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
     from kiln.gpu_worker.pipelines.lora import adapters_from_settings
 
@@ -107,6 +133,8 @@ def _load_diffusers(spec: str, device: torch.device, settings: GpuWorkerSettings
 
 
 def _load_python(parsed: PipelineSpec, device: torch.device) -> Pipeline:
+    from kiln.gpu_worker.pipelines.base import Pipeline, missing_members
+
     factory: PipelineFactory = import_factory(parsed)
     pipeline = factory(device)
     if not isinstance(pipeline, Pipeline):

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from kiln.gpu_worker.pipelines.base import Pipeline
+from kiln.gpu_worker.settings import ARTIFACTS_FILE
 
 logger = logging.getLogger(__name__)
 
-ARTIFACTS_FILE = "mega-cache.bin"
 START_REPORT_FILE = "last-start.json"
 INDUCTOR_FOLDER = "inductor"
 

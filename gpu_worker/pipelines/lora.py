@@ -1,10 +1,8 @@
 """Per-request LoRA adapters: a bounded per-rank cache of loaded adapters, applied per batch.
 
-Adapters live on local disk as `<lora dir>/<pipeline>/<name>/pytorch_lora_weights.safetensors`
-(the file diffusers' `save_lora_weights` writes), one folder of adapters per pipeline name, so
-an adapter is only ever offered to the pipeline it was made for. Adapters kept in the object
-store are fetched by the node on first use into the same layout under
-`<model cache>/lora-store` (`tasks/node/adapters.py`); the ranks look there after the lora dir.
+Adapters live on local disk, one folder of adapters per pipeline name (`lora_folders`: the
+layout, which the node shares); the ranks look in the lora dir, then where the node put those it
+fetched from the object store.
 
 A rank loads an adapter the first time a batch names it (`load_lora_weights(...,
 adapter_name=name)`) and keeps it loaded; past `count` adapters or `max_bytes` of adapter files
@@ -35,44 +33,17 @@ from typing import Any
 import torch
 
 from kiln.gpu_worker.errors import JobFailed, UnsupportedRequest
+from kiln.gpu_worker.pipelines.lora_folders import (
+    ADAPTER_WEIGHTS,
+    available_adapters,
+    find_adapter,
+    store_adapter_cache,
+)
 from kiln.gpu_worker.pipelines.lora_fusing import FusedWeights
 from kiln.gpu_worker.protocol import AdapterRef, AdapterState, GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
 
 logger = logging.getLogger(__name__)
-
-ADAPTER_WEIGHTS = "pytorch_lora_weights.safetensors"
-STORE_CACHE_FOLDER = "lora-store"  # under the model cache: adapters fetched from the store
-
-
-def adapter_weights(root: Path, pipeline: str, name: str) -> Path:
-    """Where adapter `name` of `pipeline` lives under the adapters folder `root`."""
-    return root / pipeline / name / ADAPTER_WEIGHTS
-
-
-def available_adapters(root: Path | None, pipeline: str) -> list[str]:
-    """Names of the adapters `pipeline` may use (folders holding a weights file), sorted."""
-    if root is None or not (root / pipeline).is_dir():
-        return []
-    return sorted(
-        entry.name
-        for entry in (root / pipeline).iterdir()
-        if (entry / ADAPTER_WEIGHTS).is_file() and not entry.name.startswith(".")
-    )
-
-
-def store_adapter_cache(settings: GpuWorkerSettings) -> Path:
-    """Where the node puts adapters fetched from the object store, for its ranks to load."""
-    return settings.model_cache / STORE_CACHE_FOLDER
-
-
-def find_adapter(roots: Sequence[Path], pipeline: str, name: str) -> Path | None:
-    """The weights file of adapter `name` in the first of `roots` holding it; None if none."""
-    for root in roots:
-        weights = adapter_weights(root, pipeline, name)
-        if weights.is_file():
-            return weights
-    return None
 
 
 @dataclass(frozen=True)

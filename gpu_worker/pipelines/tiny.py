@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
 from kiln.gpu_worker.pipelines.cache_folder import cache_folder_is_complete, seal_cache_folder
 from kiln.gpu_worker.pipelines.tiny_tokenizer import (
     END_TOKEN,
@@ -30,7 +28,9 @@ from kiln.gpu_worker.pipelines.tiny_tokenizer import (
 )
 from kiln.gpu_worker.quiet import quiet_progress_bars
 
-if TYPE_CHECKING:  # imported by the builders below, so that finding a pipeline built imports none
+# torch, diffusers and transformers are imported by the builders below, so that finding a pipeline
+# built (a node preparing its group, `prepare_pipeline`) imports none of them.
+if TYPE_CHECKING:
     from diffusers import FluxPipeline, StableDiffusionPipeline, WanPipeline
     from transformers import CLIPTextConfig, CLIPTokenizer, UMT5Config
 
@@ -51,6 +51,7 @@ def _tiny_tokenizer(workdir: Path) -> CLIPTokenizer:
 
 def build_tiny_image(workdir: Path) -> StableDiffusionPipeline:
     """An SD-style pipeline: 64x64 pixels -> 8x8 latents, a two-level UNet, 2-layer CLIP."""
+    import torch
     from diffusers import (
         AutoencoderKL,
         EulerDiscreteScheduler,
@@ -115,6 +116,7 @@ def _clip_config(vocab: dict[str, int]) -> CLIPTextConfig:
 
 def build_tiny_video(workdir: Path) -> WanPipeline:
     """A Wan 2.1-style pipeline: 4x temporal / 8x spatial VAE, 2-block transformer, 1-layer UMT5."""
+    import torch
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -187,6 +189,7 @@ DIT_TIMESTEP_SCALE = 0.1
 
 def build_tiny_dit(workdir: Path) -> FluxPipeline:
     """A Flux-style DiT: 64x64 pixels -> 4x4 packed latents, 2 double + 4 single blocks."""
+    import torch
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -270,6 +273,8 @@ def ensure_tiny(kind: str, cache_dir: Path) -> Path:
     final = tiny_folder(kind, cache_dir)
     if cache_folder_is_complete(final):
         return final
+    import torch
+
     quiet_progress_bars()  # the first import of diffusers here: a built one needs none
     cache_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))

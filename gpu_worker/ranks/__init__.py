@@ -8,7 +8,8 @@ is effectively infinite, so an idle follower sleeps inside it (gloo waits on a c
 variable, measured at ~0 % CPU). Per-step decisions and outcomes travel over a second gloo group
 with a finite timeout: a rank left alone in a collective fails instead of hanging for ever.
 
-Modules: `entry` (the spawn target: start, ready handshake, role, exit), `process` (the OS side:
-parent-death detection, title, threads), `start`, `forward` (one forward on any rank), `relay`
-(the small collectives between ranks), `leader`, `follower`.
+Modules: `args` (what a rank is started with: the node builds it, torch-free), `entry` (the
+spawn target: start, ready handshake, role, exit), `process` (the OS side: parent-death
+detection, title, threads), `start`, `forward` (one forward on any rank), `relay` (the small
+collectives between ranks), `leader`, `follower`.
 """

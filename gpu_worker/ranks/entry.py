@@ -16,6 +16,7 @@ from kiln.gpu_worker.logs import configure_rank_logging
 from kiln.gpu_worker.pipeline_specs import PipelineFailed, PipelineRefused
 from kiln.gpu_worker.pipelines.announced import announced_schema
 from kiln.gpu_worker.protocol import FailureKind, RankFailed, RankFault, RankReady
+from kiln.gpu_worker.ranks.args import RankArgs, RankPipes
 from kiln.gpu_worker.ranks.follower import follow
 from kiln.gpu_worker.ranks.leader import LeaderLink, lead
 from kiln.gpu_worker.ranks.process import (
@@ -24,7 +25,7 @@ from kiln.gpu_worker.ranks.process import (
     process_title,
     send_quietly,
 )
-from kiln.gpu_worker.ranks.start import RankArgs, RankPipes, start_rank
+from kiln.gpu_worker.ranks.start import start_rank
 
 EXIT_FATAL = 71
 
@@ -39,7 +40,7 @@ def rank_main(args: RankArgs, pipes: RankPipes) -> None:
         title=title, parent_pid=args.parent_pid, death_pipe=pipes.death, threads=args.threads
     )
     try:
-        runtime = start_rank(args)
+        runtime = start_rank(args, pipes.store_listener)
         limits = {name: declared_limits(pipeline) for name, pipeline in runtime.pipelines.items()}
         inputs = {name: announced_schema(p) for name, p in runtime.pipelines.items()}
     except (PipelineRefused, PipelineFailed) as exc:  # said in one line (traceback at debug)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
-from kiln.gpu_worker.parallel import ParallelSpec, apply_parallel
+from kiln.gpu_worker.parallel import apply_parallel
 from kiln.gpu_worker.pipeline_specs import PipelineFailed, PipelineRefused, SpecError, one_line
 from kiln.gpu_worker.pipelines import Pipeline, load_pipeline
 from kiln.gpu_worker.pipelines.compile import (
@@ -25,49 +25,13 @@ from kiln.gpu_worker.pipelines.compile import (
     save_compile_cache,
     use_compile_cache,
 )
+from kiln.gpu_worker.ranks.args import RankArgs
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.gpu_worker.warmup import parse_warmup_shape, warm_up
 
 logger = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = datetime.timedelta(days=3650)  # idle ranks wait for work, however long
-
-
-@dataclass(frozen=True)
-class RankArgs:
-    """Everything one rank needs to start; pickled once into the spawned process."""
-
-    rank: int
-    world_size: int
-    device: str
-    backend: str
-    store_port: int
-    pipelines: dict[str, str]
-    parallel: ParallelSpec
-    node_name: str
-    threads: int
-    parent_pid: int
-    collective_timeout_s: float
-    verdict_wait_s: float
-    warmup: bool
-    settings: GpuWorkerSettings | None = None
-    log_format: str = "text"
-    log_level: str = "INFO"
-
-
-@dataclass
-class RankPipes:
-    """The rank's pipes: status (every rank), commands/results (rank 0), death (read end).
-
-    Here beside `RankArgs`, not in `ranks.entry`: the node builds both, and importing the entry
-    would load every pipeline library (diffusers, transformers, peft) into a node whose ranks
-    come from the rank server, which imported them already.
-    """
-
-    status: Connection
-    death: Connection
-    commands: Connection | None = None
-    results: Connection | None = None
 
 
 @dataclass
@@ -82,9 +46,12 @@ class RankRuntime:
     asleep: str | None = None  # the sleep mode while asleep (gpu_worker/ranks/sleep.py)
 
 
-def start_rank(args: RankArgs) -> RankRuntime:
-    """Join the group, load and parallelise every pipeline, warm each one up."""
-    runtime = join_group(args)
+def start_rank(args: RankArgs, store_listener: socket.socket | None = None) -> RankRuntime:
+    """Join the group, load and parallelise every pipeline, warm each one up.
+
+    `store_listener`: rank 0's, the bound socket the group's store serves on (`join_group`).
+    """
+    runtime = join_group(args, store_listener)
     settings = args.settings or GpuWorkerSettings()
     if settings.compile:
         use_compile_cache(settings.compile_cache())
@@ -130,15 +97,32 @@ def load_resident(runtime: RankRuntime) -> None:
         runtime.pipelines[name] = pipeline
 
 
-def join_group(args: RankArgs) -> RankRuntime:
-    """Take the device, join the default process group and open the two CPU groups."""
+def join_group(args: RankArgs, store_listener: socket.socket | None = None) -> RankRuntime:
+    """Take the device, join the default process group and open the two CPU groups.
+
+    Rank 0 hosts the group's store on `store_listener`, a socket the node bound to a port the
+    kernel chose (no port race) and listening before any rank started, so the others may connect
+    at once; the node itself never imports torch.
+    """
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.collective_timeout_s)
-    store = dist.TCPStore(
-        "127.0.0.1", args.store_port, args.world_size, is_master=False, timeout=timeout
-    )
+    if store_listener is not None:
+        # The store owns the descriptor from here on (it closes it); Python must not as well.
+        store = dist.TCPStore(
+            "127.0.0.1",
+            args.store_port,
+            args.world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=store_listener.detach(),
+        )
+    else:
+        store = dist.TCPStore(
+            "127.0.0.1", args.store_port, args.world_size, is_master=False, timeout=timeout
+        )
     dist.init_process_group(
         args.backend, store=store, rank=args.rank, world_size=args.world_size, timeout=timeout
     )

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from kiln.gpu_worker.errors import JobFailed
-from kiln.gpu_worker.pipelines.lora import (
+from kiln.gpu_worker.pipelines.lora_folders import (
     ADAPTER_WEIGHTS,
     available_adapters,
     find_adapter,

@@ -15,10 +15,7 @@ import hashlib
 import logging
 from collections.abc import Sequence
 
-import torch
-
-from kiln.gpu_worker.pipelines.compile import ARTIFACTS_FILE
-from kiln.gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.settings import ARTIFACTS_FILE, GpuWorkerSettings
 from kiln.storage.errors import StorageError
 from kiln.storage.object_base import ObjectStore, check_key
 
@@ -30,6 +27,8 @@ CONTENT_TYPE = "application/octet-stream"
 
 def compile_cache_key(prefix: str, devices: Sequence[str]) -> str:
     """`{prefix}/compile-cache/torch-<version>-<cpu|cuda>.bin`: artifacts differ by both."""
+    import torch  # only with KILN_COMPILE on: a node otherwise never imports torch
+
     kind = "cuda" if any(device.startswith("cuda") for device in devices) else "cpu"
     version = torch.__version__.replace("+", "-")
     name = f"{COMPILE_CACHE_FOLDER}/torch-{version}-{kind}.bin"

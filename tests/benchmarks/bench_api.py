@@ -53,6 +53,7 @@ from kiln.tasks.client.client import KilnClient  # noqa: E402
 from kiln.tasks.contract.schemas import JobRequest  # noqa: E402
 from tests.benchmarks.http_load import post_many  # noqa: E402
 from tests.conftest import TEST_REDIS_URL  # noqa: E402
+from tests.e2e.cluster import process_cpu_s  # noqa: E402
 
 BODY = JobRequest(prompt="a kiln at dusk", width=64, height=64, steps=4, seed=1).to_record()
 
@@ -182,12 +183,6 @@ class Api:
         if self.process is not None:
             self.process.terminate()
             self.process.wait(timeout=30)
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds one process used so far (user + system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def light_load(api: Api, jobs: int, concurrency: int) -> None:

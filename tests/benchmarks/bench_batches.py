@@ -58,7 +58,7 @@ from kiln.storage.settings import StorageSettings  # noqa: E402
 from kiln.tasks.api.auth import hash_api_key, new_api_key  # noqa: E402
 from kiln.tasks.cli.embedded import free_port, wait_for_port  # noqa: E402
 from kiln.tasks.client.client import KilnClient  # noqa: E402
-from tests.e2e.cluster import Cluster  # noqa: E402
+from tests.e2e.cluster import Cluster, process_cpu_s  # noqa: E402
 
 LINE = {"prompt": "a kiln at dusk", "width": 64, "height": 64, "steps": 2}
 BUSY_SPEC = "python:tests.benchmarks.bench_pipelines:busy"
@@ -151,12 +151,6 @@ def accept_file(client: KilnClient, path: Path, lines: int) -> tuple[str, float]
     return view.id, elapsed
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds the process used so far (user + system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @dataclass
 class Accepted:
     """One file accepted by one API."""
@@ -169,9 +163,9 @@ class Accepted:
 def accept_measured(client: KilnClient, api: subprocess.Popen[bytes], path: Path) -> Accepted:
     """Accept the file; its wall time, the API's CPU for it and the API's peak RSS after it."""
     lines = sum(1 for _ in path.open("rb"))
-    before = cpu_s(api.pid)
+    before = process_cpu_s(api.pid)
     _, elapsed = accept_file(client, path, lines)
-    return Accepted(elapsed, cpu_s(api.pid) - before, peak_rss_mb(api.pid))
+    return Accepted(elapsed, process_cpu_s(api.pid) - before, peak_rss_mb(api.pid))
 
 
 def accept_line(label: str, lines: int, got: Accepted) -> str:

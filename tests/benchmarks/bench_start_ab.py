@@ -6,9 +6,11 @@
 
 Per sample, one tree's `kiln worker` (1 CPU rank, the pipeline given, its own namespace and bucket
 on the same Redis and moto S3) is started cold, and a job submitted at once: the seconds from the
-worker's start to its first heartbeat listing the pipeline ready (`ready_s`), and from the submit
-to the job's first denoising step (`first_step_s`, Redis TIME). The trees alternate which goes
-first, so a shared, noisy machine slows both alike. Prints each sample, then the medians.
+worker's start to its first heartbeat listing the pipeline ready (`ready_s`), from the submit to
+the job's first denoising step (`first_step_s`, Redis TIME), and the CPU seconds the node's own
+process had used by then (`node_cpu_s`: not its rank server's, not its ranks'). The trees
+alternate which goes first, so a shared, noisy machine slows both alike. Prints each sample, then
+the medians.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from moto.server import ThreadedMotoServer  # noqa: E402
 from tests.benchmarks.bench_overhead_ab import start_side  # noqa: E402
 from tests.benchmarks.bench_process_start import GENEROUS_S, seconds_to_first_step  # noqa: E402
 from tests.conftest import TEST_REDIS_URL, delete_namespace  # noqa: E402
+from tests.e2e.cluster import process_cpu_s  # noqa: E402
 
 
 def cold_start(
@@ -41,7 +44,8 @@ def cold_start(
         first_step = seconds_to_first_step(side.cluster, name)
         side.worker.wait_ready(timeout_s=GENEROUS_S)  # ready before its first step: at once
         ready_s = time.monotonic() - started
-        return {"first_step_s": first_step, "ready_s": ready_s}
+        node_cpu_s = process_cpu_s(side.worker.process.pid)
+        return {"first_step_s": first_step, "ready_s": ready_s, "node_cpu_s": node_cpu_s}
     finally:
         side.worker.stop()
         delete_namespace(TEST_REDIS_URL, side.cluster.storage_settings.redis_namespace)

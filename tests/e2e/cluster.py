@@ -54,6 +54,12 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds one process used so far (user + system), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class WorkerProcess:
     """One `kiln worker` subprocess."""

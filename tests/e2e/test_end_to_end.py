@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,21 @@ def test_same_seed_gives_same_bytes(tiny_cluster: Cluster) -> None:
     first, second = tiny_cluster.submit(**fields), tiny_cluster.submit(**fields)
     a, b = tiny_cluster.wait_for(first, 120), tiny_cluster.wait_for(second, 120)
     assert a.outputs[0]["sha256"] == b.outputs[0]["sha256"]
+
+
+def mapped_torch(pid: int) -> bool:
+    """Whether process `pid` has torch's native library mapped: it imported torch."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return "libtorch_cpu" in maps
+
+
+def test_the_node_runs_jobs_without_importing_torch(tiny_cluster: Cluster) -> None:
+    # The ranks import torch; the node only forwards, encodes and uploads: a node that imported
+    # torch paid seconds of CPU at every start for nothing (docs/performance.md).
+    job_id = tiny_cluster.submit(pipeline="default", prompt="torch", width=64, height=64, steps=2)
+    tiny_cluster.wait_for(job_id, 120)
+    (worker,) = tiny_cluster.workers
+    ranks = worker.rank_pids()
+    assert sorted(ranks) == [0, 1]
+    assert all(mapped_torch(pid) for pid in ranks.values())
+    assert not mapped_torch(worker.process.pid), "the node imported torch"

@@ -19,7 +19,7 @@ import torch
 
 from kiln.gpu_worker.pipelines import load_pipeline
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
-from kiln.gpu_worker.pipelines.lora import ADAPTER_WEIGHTS, STORE_CACHE_FOLDER
+from kiln.gpu_worker.pipelines.lora_folders import ADAPTER_WEIGHTS, STORE_CACHE_FOLDER
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.tasks.client.client import KilnClient
 from kiln.tasks.contract.loras import LoraSpec

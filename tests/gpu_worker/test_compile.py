@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kiln.gpu_worker.coordinator import Coordinator
-from kiln.gpu_worker.pipelines.compile import ARTIFACTS_FILE, INDUCTOR_FOLDER
-from kiln.gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.pipelines.compile import INDUCTOR_FOLDER
+from kiln.gpu_worker.settings import ARTIFACTS_FILE, GpuWorkerSettings
 from kiln.gpu_worker.warmup import WarmupShape, parse_warmup_shape
 from tests.gpu_worker.compile_reports import start_report
 from tests.gpu_worker.conftest import GENEROUS_S, request, start_coordinator

@@ -26,8 +26,8 @@ from kiln.gpu_worker.pipelines.lora import (
     AdapterCache,
     AdapterLimits,
     adapter_state,
-    available_adapters,
 )
+from kiln.gpu_worker.pipelines.lora_folders import available_adapters
 from kiln.gpu_worker.protocol import AdapterRef, GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from tests.gpu_worker.tiny_lora import build_tiny_lora, fuse_by_hand

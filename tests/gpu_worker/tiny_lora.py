@@ -17,7 +17,7 @@ from diffusers import StableDiffusionPipeline
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from safetensors.torch import load_file
 
-from kiln.gpu_worker.pipelines.lora import ADAPTER_WEIGHTS
+from kiln.gpu_worker.pipelines.lora_folders import ADAPTER_WEIGHTS
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 RANK = 4

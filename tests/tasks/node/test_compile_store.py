@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.gpu_worker.pipelines.compile import ARTIFACTS_FILE
-from kiln.gpu_worker.settings import GpuWorkerSettings
+from kiln.gpu_worker.settings import ARTIFACTS_FILE, GpuWorkerSettings
 from kiln.storage.objects import open_object_store
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.node.compile_store import (

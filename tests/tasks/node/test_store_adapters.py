@@ -22,7 +22,7 @@ import torch
 from kiln.gpu_worker.errors import JobFailed
 from kiln.gpu_worker.pipelines import load_pipeline
 from kiln.gpu_worker.pipelines.diffusers_pipeline import DiffusersPipeline
-from kiln.gpu_worker.pipelines.lora import ADAPTER_WEIGHTS, store_adapter_cache
+from kiln.gpu_worker.pipelines.lora_folders import ADAPTER_WEIGHTS, store_adapter_cache
 from kiln.gpu_worker.protocol import AdapterRef, GenerationRequest
 from kiln.gpu_worker.settings import GpuWorkerSettings
 from kiln.storage.errors import ObjectStoreError
