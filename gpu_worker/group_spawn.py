@@ -63,7 +63,7 @@ class RankProcesses:
         self.results: Connection | None = None  # from rank 0
         self._death_w: Connection | None = None  # ranks watch for its EOF: held while they live
         self.conns: list[Connection] = []  # every owner-side end, closed at shutdown
-        self._store_port = 0  # where rank 0 serves the group's store
+        self._store_listener: socket.socket | None = None  # rank 0 serves the store on it
         self.limits: dict[str, DeclaredLimits] = {}  # per pipeline, as rank 0 loaded it
         self.input_schemas: dict[str, InputSchema] = {}  # per pipeline that declares one
 
@@ -90,8 +90,9 @@ class RankProcesses:
         world = self.config.world()
         # The group's store: bound here to a port the kernel chose (no port race between ranks)
         # and listening before any rank starts; rank 0 serves it (`ranks.start.join_group`).
-        listener = socket.create_server(("127.0.0.1", 0))
-        self._store_port = listener.getsockname()[1]
+        # The node keeps its copy until `close`, after every rank ended: the port stays this
+        # group's while a rank may still try to reach it, and a start that raises leaks nothing.
+        listener = self._store_listener = socket.create_server(("127.0.0.1", 0))
         death_r, self._death_w = ctx.Pipe(duplex=False)
         commands_r, self.commands = ctx.Pipe(duplex=False)
         self.results, results_w = ctx.Pipe(duplex=False)
@@ -103,8 +104,6 @@ class RankProcesses:
                 pipes.store_listener = listener
             process = launch.process(self._rank_args(rank, device), pipes, f"kiln-rank{rank}")
             process.start()
-            if rank == 0:
-                listener.close()  # rank 0 holds its own copy; a dead rank 0 then refuses others
             launch.started(process)
             status_w.close()  # the child holds its own copy; ours would hide the child's EOF
             self.processes.append(process)
@@ -115,12 +114,13 @@ class RankProcesses:
 
     def _rank_args(self, rank: int, device: str) -> RankArgs:
         config = self.config
+        assert self._store_listener is not None
         return RankArgs(
             rank=rank,
             world_size=len(config.world()),
             device=device,
             backend=config.backend(),
-            store_port=self._store_port,
+            store_port=self._store_listener.getsockname()[1],
             pipelines=dict(config.pipelines),
             parallel=config.parallel,
             node_name=config.node_name,
@@ -174,6 +174,8 @@ class RankProcesses:
             raise RankStartupFailed(f"rank {rank} ended before it was ready ({exit_text})")
 
     def close(self) -> None:
-        """Close every owner-side pipe end."""
+        """Close every owner-side pipe end, and the store's listening socket."""
         for conn in self.conns:
             conn.close()
+        if self._store_listener is not None:
+            self._store_listener.close()

@@ -46,8 +46,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gpu_worker.parallel' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+if not TYPE_CHECKING:  # mypy sees the imports above, and so still refuses a misspelled name
+
+    def __getattr__(name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'gpu_worker.parallel' has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)

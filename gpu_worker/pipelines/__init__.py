@@ -69,10 +69,12 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _FROM_BASE:
-        raise AttributeError(f"module 'gpu_worker.pipelines' has no attribute {name!r}")
-    return getattr(importlib.import_module("kiln.gpu_worker.pipelines.base"), name)
+if not TYPE_CHECKING:  # mypy sees the imports above, and so still refuses a misspelled name
+
+    def __getattr__(name: str) -> Any:
+        if name not in _FROM_BASE:
+            raise AttributeError(f"module 'gpu_worker.pipelines' has no attribute {name!r}")
+        return getattr(importlib.import_module("kiln.gpu_worker.pipelines.base"), name)
 
 
 def load_pipeline(

@@ -102,14 +102,18 @@ def join_group(args: RankArgs, store_listener: socket.socket | None = None) -> R
 
     Rank 0 hosts the group's store on `store_listener`, a socket the node bound to a port the
     kernel chose (no port race) and listening before any rank started, so the others may connect
-    at once; the node itself never imports torch.
+    at once; the node need not import torch to host it (docs/architecture.md).
     """
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.collective_timeout_s)
+    if (args.rank == 0) != (store_listener is not None):
+        raise ValueError(f"rank {args.rank}: only rank 0 serves the store, and it must")
     if store_listener is not None:
-        # The store owns the descriptor from here on (it closes it); Python must not as well.
+        # Not inherited by what this rank starts (inductor's compile workers), and owned by the
+        # store from here on (it closes the descriptor): Python must not close it as well.
+        store_listener.set_inheritable(False)
         store = dist.TCPStore(
             "127.0.0.1",
             args.store_port,

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.gpu_worker.pipelines.tiny import ensure_tiny
+from kiln.gpu_worker.settings import GpuWorkerSettings
 from tests.e2e.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(600)
@@ -17,6 +19,10 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def tiny_cluster(module_cluster_factory: Callable[..., Cluster]) -> Iterator[Cluster]:
     cluster = module_cluster_factory()
+    # Built here, so that the node finds them built as a node does after its first start (the
+    # node builds a missing tiny pipeline itself, with torch: make test's model cache starts empty).
+    for kind in ("tiny", "tiny-video"):
+        ensure_tiny(kind, GpuWorkerSettings().model_cache)
     cluster.start_worker("default=tiny", "tiny-video", devices="cpu:2")
     yield cluster
     cluster.stop_all()
