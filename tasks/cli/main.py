@@ -5,9 +5,9 @@ Every option's help shows its default; a mistake in a subcommand's arguments pri
 subcommand's usage. Job and batch ids may be given as any unique prefix (`cli.short_ids`).
 
 What a command does not use is not imported: this module loads the standard library and
-`cli.worker` only. `kiln worker` builds its own parser alone and checks its pipelines before the
-settings check and anything heavy (`cli.worker`); the other commands load the rest of the CLI
-(the contract's models, the client, Redis) once their command is known.
+`cli.worker` only, and each command builds its own parser alone (`COMMANDS`). `kiln worker`
+checks its pipelines before the settings check and anything heavy (`cli.worker`); the other
+commands load what they use (the contract's models, the client, Redis) once they are known.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import difflib
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kiln.common.distribution import DISTRIBUTION
@@ -300,36 +302,106 @@ def _add_services(sub: Any) -> None:
     d.add_argument("--jobs", type=int, default=4, help="image jobs to submit (plus 2 videos)")
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole command line; for `command` "worker", that subcommand's parser alone.
+@dataclass(frozen=True)
+class Command:
+    """A `kiln` command: the module (under kiln.tasks.cli) and function that run it, its parser.
 
-    (The others' parsers import the CLI's modules, the contract's models and Redis: more than a
-    refusal of `kiln worker` may take.)
+    `adds_parser` adds its parser (with a few related commands'), else its module's `add_parser`.
     """
+
+    module: str
+    handler: str = "run"
+    adds_parser: Callable[[Any], None] | None = None
+
+    def add_parser(self, sub: Any) -> None:
+        """Add this command's parser to `sub`, importing only what that takes."""
+        if self.adds_parser is not None:
+            self.adds_parser(sub)
+        else:
+            self._module().add_parser(sub)
+
+    def run(self) -> Callable[[argparse.Namespace], int]:
+        """The function that runs this command, its module imported now."""
+        handler: Callable[[argparse.Namespace], int] = getattr(self._module(), self.handler)
+        return handler
+
+    def _module(self) -> ModuleType:
+        return _command_module(self.module)
+
+
+def _command_module(name: str) -> ModuleType:
+    """A command's module, imported now: a static import each, so the import contracts see it."""
+    match name:
+        case "commands":
+            from kiln.tasks.cli import commands
+
+            return commands
+        case "worker":
+            return worker_cli
+        case "admin":
+            from kiln.tasks.cli import admin
+
+            return admin
+        case "batch":
+            from kiln.tasks.cli import batch
+
+            return batch
+        case "pipeline":
+            from kiln.tasks.cli import pipeline
+
+            return pipeline
+        case "config":
+            from kiln.tasks.cli import config
+
+            return config
+        case "control":
+            from kiln.tasks.cli import control
+
+            return control
+        case "dead":
+            from kiln.tasks.cli import dead
+
+            return dead
+        case "usage":
+            from kiln.tasks.cli import usage
+
+            return usage
+    raise KeyError(f"no command module {name!r}")
+
+
+def _job_command(handler: str) -> Command:
+    return Command("commands", handler, _add_job_commands)
+
+
+def _service(handler: str) -> Command:
+    return Command("commands", handler, _add_services)
+
+
+# Every command. A command's parser is built alone, so `kiln status` imports neither the batch,
+# admin nor usage commands' modules (and `kiln worker` refuses its arguments before the
+# contract's models or Redis load); `kiln`, `--help` and an unknown name get every parser, in
+# this order.
+COMMANDS: dict[str, Command] = {
+    "worker": Command("worker", adds_parser=worker_cli.add_parser),
+    "submit": Command("commands", "cmd_submit", _add_submit),
+    **{name: _job_command(f"cmd_{name}") for name in ("status", "cancel", "pause", "resume")},
+    **{name: _job_command(f"cmd_{name}") for name in ("wait", "jobs", "get")},
+    **{name: _service(f"cmd_{name}") for name in ("api", "keys", "demo")},
+    **{name: Command(name) for name in ("admin", "batch", "pipeline", "config")},
+    **{name: Command(name) for name in ("control", "dead", "usage")},
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line of `command` alone when it is one (`COMMANDS`), else the whole."""
     parser = KilnParser(prog="kiln", description="Kiln: a job queue for GPU generation.")
     parser.add_argument("--version", action=_VersionShown, help="print Kiln's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    worker_cli.add_parser(sub)
-    if command == "worker":
-        return parser
-    from kiln.tasks.cli import admin as admin_cli
-    from kiln.tasks.cli import batch as batch_cli
-    from kiln.tasks.cli import config as config_cli
-    from kiln.tasks.cli import control as control_cli
-    from kiln.tasks.cli import dead as dead_cli
-    from kiln.tasks.cli import pipeline as pipeline_cli
-    from kiln.tasks.cli import usage as usage_cli
-
-    _add_submit(sub)
-    _add_job_commands(sub)
-    _add_services(sub)
-    admin_cli.add_parser(sub)
-    batch_cli.add_parser(sub)
-    pipeline_cli.add_parser(sub)
-    config_cli.add_parser(sub)
-    control_cli.add_parser(sub)
-    dead_cli.add_parser(sub)
-    usage_cli.add_parser(sub)
+    alone = COMMANDS.get(command or "")
+    # a parser that adds several commands is added once
+    parsers = {c.adds_parser or c.module: c for c in COMMANDS.values()}.values()
+    for entry in [alone] if alone else parsers:
+        entry.add_parser(sub)
     return parser
 
 
@@ -456,38 +528,7 @@ def _loaded_failures() -> Iterator[tuple[type[Exception], str, int]]:
 
 def _handler(command: str) -> Callable[[argparse.Namespace], int]:
     """The function that runs `command`, its module imported now."""
-    if command == "worker":
-        return worker_cli.run
-    from kiln.tasks.cli import admin as admin_cli
-    from kiln.tasks.cli import batch as batch_cli
-    from kiln.tasks.cli import commands as c
-    from kiln.tasks.cli import config as config_cli
-    from kiln.tasks.cli import control as control_cli
-    from kiln.tasks.cli import dead as dead_cli
-    from kiln.tasks.cli import pipeline as pipeline_cli
-    from kiln.tasks.cli import usage as usage_cli
-
-    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
-        "submit": c.cmd_submit,
-        "status": c.cmd_status,
-        "wait": c.cmd_wait,
-        "cancel": c.cmd_cancel,
-        "pause": c.cmd_pause,
-        "resume": c.cmd_resume,
-        "jobs": c.cmd_jobs,
-        "get": c.cmd_get,
-        "api": c.cmd_api,
-        "keys": c.cmd_keys,
-        "admin": admin_cli.run,
-        "batch": batch_cli.run,
-        "pipeline": pipeline_cli.run,
-        "demo": c.cmd_demo,
-        "config": config_cli.run,
-        "control": control_cli.run,
-        "dead": dead_cli.run,
-        "usage": usage_cli.run,
-    }
-    return handlers[command]
+    return COMMANDS[command].run()
 
 
 if __name__ == "__main__":

@@ -80,3 +80,13 @@ def test_an_unknown_job_is_one_line_and_loads_no_intake(storage_settings: Storag
     assert done.returncode == 1, done.stderr
     assert done.stderr.splitlines()[0] == "kiln: no such job: abcdef12"
     assert "kiln.tasks.intake.intake" not in loaded
+
+
+def test_a_command_loads_no_other_commands_module(storage_settings: StorageSettings) -> None:
+    # Its parser alone is built (tasks/cli/main.py COMMANDS): `kiln status` needs no batch,
+    # admin, usage, dead-letter, control or pipeline-check command, nor their parsers' imports.
+    done, loaded = loaded_by(storage_settings, "status", "abcdef12", "--json")
+    assert done.returncode == 1, done.stderr
+    assert "kiln.tasks.cli.commands" in loaded  # the probe sees the command's own module
+    others = ("admin", "batch", "usage", "dead", "control", "pipeline")
+    assert [m for m in others if f"kiln.tasks.cli.{m}" in loaded] == []
