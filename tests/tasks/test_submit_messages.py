@@ -30,6 +30,7 @@ from kiln.tasks.queue.lanes import queue_name
 from kiln.tasks.queue.messages import CeleryMessages
 from kiln.tasks.queue.positions import placement
 from kiln.tasks.queue.submit import Submitter, celery_publisher
+from tests.conftest import on_private_redis
 from tests.e2e.services import PrivateRedis
 from tests.tasks.helpers import ThreadServer, api_settings
 
@@ -132,6 +133,7 @@ def test_create_and_place_reads_what_queue_snapshot_reads(job_store: JobStore) -
     assert snapshot is None
 
 
+@on_private_redis
 def test_scripts_redis_lost_are_loaded_and_a_job_is_created_once(
     job_store: JobStore, storage_settings: StorageSettings
 ) -> None:
