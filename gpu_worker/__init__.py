@@ -15,8 +15,9 @@ divided), `pipelines/`. Shared: `protocol` (every message), `config`, `errors`, 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kiln.gpu_worker.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from kiln.gpu_worker.config import GroupConfig
@@ -79,8 +80,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gpu_worker' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+if not TYPE_CHECKING:  # mypy sees the imports above, and so still refuses a misspelled name
+    __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -15,8 +15,9 @@ the denoiser's calls and rows on each rank (`counters`).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kiln.gpu_worker.lazy_exports import lazy_exports
 
 # The configured spec is torch-free, and the node reads it; the rest is the ranks' (torch), so it
 # is imported lazily (PEP 562): a node that only parses `--parallel` never imports torch.
@@ -47,9 +48,4 @@ __all__ = [
 
 
 if not TYPE_CHECKING:  # mypy sees the imports above, and so still refuses a misspelled name
-
-    def __getattr__(name: str) -> Any:
-        module = _EXPORTS.get(name)
-        if module is None:
-            raise AttributeError(f"module 'gpu_worker.parallel' has no attribute {name!r}")
-        return getattr(importlib.import_module(module), name)
+    __getattr__ = lazy_exports(__name__, _EXPORTS)

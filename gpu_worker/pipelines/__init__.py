@@ -8,10 +8,10 @@ cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kiln.common.limits import TINY_LIMITS
+from kiln.gpu_worker.lazy_exports import lazy_exports
 from kiln.gpu_worker.pipeline_specs import (
     PIPELINE_MEMBERS,
     TINY_SPECS,
@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 # What a pipeline is (`base`) needs torch; checking and preparing a spec do not, and the node
 # does only those: so these names are imported lazily (PEP 562), and the node imports no torch.
-_FROM_BASE = frozenset(
-    {
+_BASE = "kiln.gpu_worker.pipelines.base"
+_EXPORTS = dict.fromkeys(
+    (
         "Pipeline",
         "PipelineFactory",
         "PreviewDecoder",
@@ -51,7 +52,8 @@ _FROM_BASE = frozenset(
         "StepStateHooks",
         "StopDenoising",
         "report_latents",
-    }
+    ),
+    _BASE,
 )
 
 __all__ = [
@@ -70,11 +72,7 @@ __all__ = [
 
 
 if not TYPE_CHECKING:  # mypy sees the imports above, and so still refuses a misspelled name
-
-    def __getattr__(name: str) -> Any:
-        if name not in _FROM_BASE:
-            raise AttributeError(f"module 'gpu_worker.pipelines' has no attribute {name!r}")
-        return getattr(importlib.import_module("kiln.gpu_worker.pipelines.base"), name)
+    __getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def load_pipeline(

@@ -110,23 +110,21 @@ def join_group(args: RankArgs, store_listener: socket.socket | None = None) -> R
     timeout = datetime.timedelta(seconds=args.collective_timeout_s)
     if (args.rank == 0) != (store_listener is not None):
         raise ValueError(f"rank {args.rank}: only rank 0 serves the store, and it must")
+    listen_fd = None
     if store_listener is not None:
         # Not inherited by what this rank starts (inductor's compile workers), and owned by the
         # store from here on (it closes the descriptor): Python must not close it as well.
         store_listener.set_inheritable(False)
-        store = dist.TCPStore(
-            "127.0.0.1",
-            args.store_port,
-            args.world_size,
-            is_master=True,
-            timeout=timeout,
-            wait_for_workers=False,
-            master_listen_fd=store_listener.detach(),
-        )
-    else:
-        store = dist.TCPStore(
-            "127.0.0.1", args.store_port, args.world_size, is_master=False, timeout=timeout
-        )
+        listen_fd = store_listener.detach()
+    store = dist.TCPStore(
+        "127.0.0.1",
+        args.store_port,
+        args.world_size,
+        is_master=listen_fd is not None,
+        timeout=timeout,
+        wait_for_workers=False,  # the master's: the ranks meet in init_process_group
+        master_listen_fd=listen_fd,
+    )
     dist.init_process_group(
         args.backend, store=store, rank=args.rank, world_size=args.world_size, timeout=timeout
     )

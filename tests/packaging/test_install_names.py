@@ -57,8 +57,9 @@ NO_TORCH_ENTRY_POINTS = {
     "from kiln.tasks.control.process import run_control",
 }
 HEAVY = ("torch", "diffusers", "transformers")
-# the settings check knows every package's settings class; the GPU worker's is torch-free
-ALLOWED_GPU_WORKER = {"kiln.gpu_worker", "kiln.gpu_worker.settings"}
+# the settings check knows every package's settings class; the GPU worker's is torch-free, as is
+# the standard-library helper its package imports to defer the rest (`lazy_exports`)
+ALLOWED_GPU_WORKER = {"kiln.gpu_worker", "kiln.gpu_worker.lazy_exports", "kiln.gpu_worker.settings"}
 
 
 def test_the_api_client_and_cli_entry_point_load_no_torch() -> None:
