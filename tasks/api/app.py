@@ -28,7 +28,7 @@ from kiln.tasks.api.admin_routes import router as admin_routes
 from kiln.tasks.api.batch_control_routes import router as batch_control_routes
 from kiln.tasks.api.batch_event_routes import router as batch_event_routes
 from kiln.tasks.api.batch_routes import router as batch_routes
-from kiln.tasks.api.body_limit import BodySizeLimit
+from kiln.tasks.api.body_limit import BodySizeLimit, document_too_large
 from kiln.tasks.api.console import mount_console
 from kiln.tasks.api.context import ApiContext, build_context, check_connection_budget
 from kiln.tasks.api.dead_letter_routes import router as dead_letter_routes
@@ -103,6 +103,7 @@ def create_app(
         usage_routes,
     ):
         app.include_router(routes)
+    document_too_large(app)
     mount_console(app)  # /console: the static page, which calls the routes above
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StorageUnavailable, storage_unavailable)

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.tasks.api.deps import json_error_docs
+
+# methods whose bodies the limit lets through unread (uvicorn passes a GET's body on; no route
+# here reads one)
+BODILESS = ("GET", "HEAD", "OPTIONS")
 
 
 class BodySizeLimit:
@@ -32,7 +40,7 @@ class BodySizeLimit:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass through non-HTTP and body-less requests; read and check the body otherwise."""
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http" or scope["method"] in BODILESS:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
@@ -77,6 +85,28 @@ class BodySizeLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def document_too_large(app: FastAPI) -> None:
+    """Name the limit's 413 in the OpenAPI document for every operation it applies to.
+
+    The middleware answers it before any route runs, to any method that may carry a body, so
+    each route's own `responses` would have to repeat it (they did not: a fuzzer's oversized body
+    to `POST /v1/dead-letters/redrive` got an undocumented 413). FastAPI's way to add to the
+    generated document is to wrap `app.openapi`, which builds it once and caches it.
+    """
+    build = app.openapi
+    too_large = json_error_docs(413)[413]
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            for operations in build()["paths"].values():
+                for method, operation in operations.items():
+                    if method.upper() not in BODILESS:
+                        operation["responses"].setdefault("413", too_large)
+        return app.openapi_schema or build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def too_large_detail(limit: int) -> str:

@@ -71,7 +71,7 @@ def _http(refusal: Refusal) -> Exception:
     response_model=JobView,
     responses={
         200: {"model": JobView, "description": "Idempotent replay"},
-        **error_docs(400, 401, 409, 413, 429),
+        **error_docs(400, 401, 409, 429),
     },
     tags=["jobs"],
 )
