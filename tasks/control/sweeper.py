@@ -18,6 +18,7 @@ def sweep_unpublished(ctx: ControlContext) -> int:
     or not (tasks/node/held.py, tasks/control/unacked.py): still queued, they would wait for the
     broker's visibility timeout. A dead node's lapse is claimed by one sweeper only.
     """
+    ctx.submitter.publish_owed()  # this process's own failed re-publishes (a `kiln control`'s)
     unconfirmed = publish_queued(ctx, ctx.store.unpublished_jobs(ctx.settings.sweeper_age_s))
     orphaned = publish_queued(ctx, orphaned_jobs(ctx.store, ctx.celery_app))
     if orphaned:

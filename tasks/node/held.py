@@ -12,6 +12,12 @@ and a live node's sweeper publishes again the still-queued jobs of a node whose 
 the strategy below notes it (tasks/queue/kombu_redis.py, item 4); a node killed before its
 list names a message is covered by tasks/control/unacked.py (its lapse window's slack is seconds,
 the listing's delay at most `HELD_LIST_INTERVAL_S`).
+
+When the broker connection breaks (a Redis restart, a failover), Celery drops the messages it had
+received and not started (its consumer's `on_close`), and kombu's attempt to give them back goes
+through the broken connection: they may sit in its `unacked` hash until the visibility timeout.
+So at the consumer's restart the node lets those deliveries go: their jobs are owed a message
+(tasks/queue/submit.py `Submitter.owe`), published again once Redis answers.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from celery import signals
+from celery import bootsteps, signals
+from celery.worker import state
 
 from kiln.storage.errors import StorageError
 
@@ -75,6 +82,12 @@ class HeldDeliveries:
         with self._lock:
             self._jobs.pop(task_id, None)
 
+    def let_go_all_but(self, kept: set[str]) -> list[str]:
+        """Forget every message but those of the Celery task ids `kept`; their job ids."""
+        with self._lock:
+            gone = [task_id for task_id in self._jobs if task_id not in kept]
+            return [self._jobs.pop(task_id) for task_id in gone]
+
     def write(self) -> None:
         """Write the list now (each heartbeat)."""
         with self._lock:
@@ -114,8 +127,12 @@ def held_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
     return on_message
 
 
-def track_held_deliveries(held: HeldDeliveries) -> None:
-    """Drop finished messages from `held` (this worker process's Celery signals)."""
+def track_held_deliveries(held: HeldDeliveries, app: Any, owe: Callable[[str], None]) -> None:
+    """Keep `held` true to this worker process's Celery consumer.
+
+    Finished messages are dropped (its signals); at a consumer restart, after a broken broker
+    connection, the jobs of the messages Celery dropped are owed (`owe`) and forgotten.
+    """
 
     def on_postrun(task_id: str, **_: Any) -> None:
         held.finished(task_id)
@@ -128,3 +145,26 @@ def track_held_deliveries(held: HeldDeliveries) -> None:
     signals.task_postrun.connect(on_postrun, weak=False)
     signals.task_revoked.connect(on_dropped, weak=False)
     signals.task_rejected.connect(on_dropped, weak=False)
+
+    class LetGoAtReconnect(bootsteps.StartStopStep):
+        """A consumer step, run at each (re)start of the consumer, before it consumes.
+
+        The consumer restarts after a broken broker connection; at its first start nothing is
+        held yet.
+        """
+
+        def start(self, parent: Any) -> None:
+            del parent  # the consumer: what it kept is in celery.worker.state
+            # what Celery kept at its `on_close`: the requests running (and reserved with them)
+            kept = {r.id for r in (*state.active_requests, *state.reserved_requests)}
+            dropped = held.let_go_all_but(kept)
+            for job_id in dropped:
+                owe(job_id)
+            if dropped:
+                log.warning(
+                    "broker connection restored: %d message(s) dropped with the old one; "
+                    "their jobs are published again",
+                    len(dropped),
+                )
+
+    app.steps["consumer"].add(LetGoAtReconnect)

@@ -29,7 +29,7 @@ from celery import Celery
 from kiln.common.logs import log_context
 from kiln.common.states import TERMINAL_STATES, JobState
 from kiln.common.tracing import Carrier, message_carrier
-from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld
+from kiln.storage.errors import IllegalTransition, JobNotFound, LeaseHeld, StorageUnavailable
 from kiln.storage.job_store import JobRecord
 from kiln.storage.leases import delivery_owner
 from kiln.tasks.contract.job_spec import JobSpecRefused
@@ -74,9 +74,19 @@ class JobRunner:
         self.outcome = DeliveryOutcome(Delivery.DROPPED)
 
     def run(self) -> DeliveryOutcome:
-        """Handle the delivery; returns what it did (it never raises for the job's own fate)."""
+        """Handle the delivery; returns what it did (it never raises for the job's own fate).
+
+        Redis away (a restart, a failover) before the delivery settled its job: the message is
+        acknowledged all the same, so the job is owed another (tasks/queue/submit.py `owe`),
+        published once Redis answers if it is still queued and not leased.
+        """
         with log_context(job_id=self.job_id):
-            self._run()
+            try:
+                self._run()
+            except StorageUnavailable as exc:
+                log.warning("job %s: %s; published again once Redis answers", self.job_id, exc)
+                self.node.submitter.owe(self.job_id)
+                self.outcome = DeliveryOutcome(Delivery.DEFERRED)
         return self.outcome
 
     def _run(self) -> None:

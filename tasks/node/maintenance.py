@@ -8,6 +8,8 @@ The node's components (`node_components`; some only for a `kiln worker` node):
   reading all of their requests in one command;
 - held list (every `HELD_LIST_INTERVAL_S`): list in Redis the job messages that reached the
   worker since the last write (tasks/node/held.py), so the Celery consumer never waits for it;
+- owed (every `OWED_RETRY_S`): publish again the jobs owed a message, a re-publish that failed or
+  a delivery let go while Redis was away (tasks/queue/submit.py `Submitter.publish_owed`);
 - controls (every `CONTROL_POLL_S`, for a `kiln worker` node): apply queue pauses and the node's
   drain request (tasks/node/controls.py);
 - surplus (every `heartbeat_interval_s`, for a `kiln worker` node with `KILN_SURPLUS_EXIT`): an
@@ -37,6 +39,9 @@ from kiln.tasks.node.node import Node, TrackedJob
 from kiln.tasks.node.surplus import SurplusWatch
 
 log = logging.getLogger(__name__)
+
+# how often owed messages are tried again (a Redis restart or failover: seconds)
+OWED_RETRY_S = 0.5
 
 # A heartbeat outlives a few missed intervals, never less than this (docs/operations.md §1).
 HEARTBEAT_TTL_MIN_S = 5.0
@@ -82,7 +87,11 @@ def announce(node: Node) -> None:
     """
     node.held.publish_with(
         lambda job_ids: node.store.record_held(
-            node.node_id, job_ids, heartbeat_ttl(node), node.held.incarnation
+            node.node_id,
+            # its owed jobs too: if it dies owing them, a sweeper publishes them again
+            sorted({*job_ids, *node.submitter.owed()}),
+            heartbeat_ttl(node),
+            node.held.incarnation,
         )
     )
     heartbeat(node)
@@ -142,6 +151,7 @@ def node_components(node: Node, controls: NodeControls | None) -> list[Component
         ),
         Component("cancels", CANCEL_POLL_S, lambda: watch_cancels(node)),
         Component("held", HELD_LIST_INTERVAL_S, node.held.write_if_changed),
+        Component("owed", OWED_RETRY_S, node.submitter.publish_owed),
     ]
     if controls is not None:
         components.append(Component("controls", CONTROL_POLL_S, controls.poll))

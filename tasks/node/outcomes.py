@@ -47,7 +47,7 @@ class Delivery(StrEnum):
     HANDED_BACK = StopReason.HANDED_BACK.value  # the node drained; the job is queued again
     PREEMPTED = StopReason.PREEMPTED.value  # suspended for an interactive job; queued again
     PAUSED = StopReason.PAUSED.value  # its pause stopped it; the job is paused, checkpoint kept
-    DEFERRED = "deferred"  # leased by another live owner: re-published for later
+    DEFERRED = "deferred"  # published again for later: a busy lease, a pause, Redis away
     LEASE_LOST = StopReason.LEASE_LOST.value  # another node took the job over mid-run
     DROPPED = "dropped"  # the job had finished already (or no longer exists)
 

@@ -180,7 +180,7 @@ def _start_node(
         group_size=options.group_size,
     )
     register_run_job(app, node)  # run_job gets this node; consumed only once worker_main runs
-    track_held_deliveries(node.held)
+    track_held_deliveries(node.held, app, node.submitter.owe)
     # scrapeable while the group warms up
     node.metrics.serve(settings.metrics_port, settings.metrics_host)
     fetch_compile_cache(node.objects, gpu_settings, group.devices)  # a fresh volume warms up

@@ -2,14 +2,20 @@
 
 A job is accepted once its `queued` record is written; publishing comes second. If publishing
 fails the record stays `published=False` and a node's sweeper re-publishes it later, so an accepted
-job is never lost and the caller still gets its id. With `CeleryMessages` (the API, when the
-broker is Kiln's Redis) the two are one step: the creation script pushes the message Celery built
-along with the record, so a submission costs one Redis round trip.
+job is never lost and the caller still gets its id. A re-publish (a busy lease's, a start given
+back, a swept or reaped job) concerns a record marked published long ago: if it fails, while the
+broker's Redis is away, the job is owed its message, in this process, and published again by its
+`publish_owed` loop once Redis answers (tasks/node/maintenance.py, tasks/control/sweeper.py).
+
+With `CeleryMessages` (the API, when the broker is Kiln's Redis) the two are one step: the
+creation script pushes the message Celery built along with the record, so a submission costs one
+Redis round trip.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -17,6 +23,7 @@ from typing import Any, Protocol
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
+from kiln.common.states import JobState
 from kiln.storage.errors import StorageError
 from kiln.storage.job_store import JobRecord, JobStore, NewJob
 from kiln.tasks.contract.job_spec import JobSpec, JobSpecRefused
@@ -104,6 +111,8 @@ class Submitter:
         # when given, `submit` hands each new job's message to the creation script instead
         self._messages = messages
         self._served = ServedCache(store, settings.pipelines)
+        self._owed_lock = threading.Lock()
+        self._owed: set[str] = set()  # jobs owed a message: see `owe`
 
     @property
     def messages(self) -> CeleryMessages | None:
@@ -163,11 +172,63 @@ class Submitter:
                 extra={"job_id": record.id},
             )
         if not record.published:  # created without its message, or a replay of such a job
-            self.publish(record)
+            # a failure leaves it unconfirmed: the sweeper publishes it (nothing owed here)
+            self._publish_and_mark(record.id, job_queue(record), 0.0, record.trace)
 
-    def publish(self, record: JobRecord, countdown: float = 0.0) -> None:
-        """(Re-)publish a queued job; failures are logged and left to the sweeper."""
-        self._publish_and_mark(record.id, job_queue(record), countdown, record.trace)
+    def publish(self, record: JobRecord, countdown: float = 0.0) -> bool:
+        """Publish a queued job again; whether the broker took it.
+
+        A failure is logged and the job owed its message (`owe`): its record was confirmed
+        published long ago, so no sweeper would publish it again.
+        """
+        if self._publish_and_mark(record.id, job_queue(record), countdown, record.trace):
+            return True
+        self.owe(record.id)
+        return False
+
+    def owe(self, job_id: str) -> None:
+        """`job_id` is owed a message: one this process took or meant to send is gone.
+
+        A re-publish failed, or a node let a delivery go before it settled its job (Redis away
+        before its lease was taken, or Celery dropping what it had prefetched as the broker
+        connection broke: tasks/node/held.py). `publish_owed` publishes it again while it is
+        queued; a duplicate message is harmless (a queued job is started by one lease holder).
+        """
+        with self._owed_lock:
+            self._owed.add(job_id)
+
+    def owed(self) -> list[str]:
+        """The jobs owed a message now (a node lists them as held: its death hands them on)."""
+        with self._owed_lock:
+            return sorted(self._owed)
+
+    def publish_owed(self) -> int:
+        """Publish again each owed job still queued and not leased; returns how many.
+
+        One finished or gone is no longer owed; one leased waits (its holder starts it, or its
+        lease lapses and it is published here). While Redis is away nothing changes.
+        """
+        owed = self.owed()
+        if not owed:
+            return 0
+        try:
+            records = self.store.get_many(owed)
+            queued = [r for r in records if r is not None and r.state == JobState.QUEUED]
+            leased = self.store.leased([r.id for r in queued])
+        except (StorageError, RedisError) as exc:
+            log.debug("owed messages wait for Redis (%s)", exc)
+            return 0
+        settled = set(owed) - {r.id for r in queued}
+        published = [
+            r.id
+            for r in queued
+            if r.id not in leased and self._publish_and_mark(r.id, job_queue(r), 0.0, r.trace)
+        ]
+        if published:
+            log.info("%d job(s) owed a message: published again", len(published))
+        with self._owed_lock:
+            self._owed -= settled | set(published)
+        return len(published)
 
     def _publish_and_mark(
         self,
@@ -175,7 +236,7 @@ class Submitter:
         queue: str,
         countdown: float = 0.0,
         trace: Mapping[str, str] | None = None,
-    ) -> None:
+    ) -> bool:
         try:
             if trace and isinstance(self._publish, CeleryPublisher):
                 self._publish.traced(job_id, queue, countdown, trace)
@@ -185,5 +246,6 @@ class Submitter:
         except (StorageError, RedisError, OperationalError, OSError) as exc:
             # (kombu raises a lost broker as its OperationalError, not as an OSError: a node
             # giving a start back while the primary fails over met it as a traceback)
-            # The record is written: the sweeper re-publishes unconfirmed jobs, nothing is lost.
-            log.warning("publishing job %s failed (%s); the sweeper will retry", job_id, exc)
+            log.warning("publishing job %s failed (%s)", job_id, exc)
+            return False
+        return True

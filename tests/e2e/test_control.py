@@ -94,7 +94,7 @@ def test_a_node_killed_while_control_holds_the_loops_loses_nothing(
     assert any(e.payload.get("node_id") == survivor.node_id for e in cluster.store.events(job_id))
     # the control process reaped it: the nodes run no reaper
     assert f"reaped job {job_id}" in control.output()
-    own_loops = "loops: heartbeat, cancels, held, controls (the cluster's: kiln control's)"
+    own_loops = "loops: heartbeat, cancels, held, owed, controls (the cluster's: kiln control's)"
     assert own_loops in survivor.output()
     assert "reaped job" not in survivor.output()
     assert control.terminate() == 0

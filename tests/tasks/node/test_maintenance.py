@@ -7,7 +7,7 @@ import threading
 from kiln.tasks.node.maintenance import Maintenance
 from tests.tasks.node.conftest import NodeFactory
 
-NODE_LOOPS = ["heartbeat", "cancels", "held"]
+NODE_LOOPS = ["heartbeat", "cancels", "held", "owed"]
 CLUSTER_LOOPS = [
     "reaper",
     "sweeper",
