@@ -15,7 +15,8 @@ reads, in this order, which is the order a message moves in:
 
 1. the job ids of the messages in the queue's lists (every priority list, pages of 1000);
 2. the old queued jobs of the queue's index that are not among them (the suspects);
-3. the jobs nodes listed as held, then, if suspects remain, kombu's whole `unacked` hash (pages);
+3. the jobs nodes listed as held, then, if suspects remain, kombu's whole `unacked` hash (pages;
+   not after a Redis restart, when a delivery there may be stranded: `audit_after_restart`);
 4. again for the suspects left: the held lists, kombu's deliveries recorded since the pass began
    (a message in the BRPOP window during step 1 is recorded there a moment later), and each
    record: still queued, published, no lease.
@@ -116,18 +117,20 @@ def head_is_old(store: AuditOps, queue: str, before_s: float) -> bool:
     return any(since.get(job_id, before_s) < before_s for job_id, _ in head)
 
 
-def still_lost(store: JobStore, app: Celery, suspects: set[str], began_s: float) -> list[str]:
+def still_lost(
+    store: JobStore, app: Celery, suspects: set[str], since_s: float, began_s: float
+) -> list[str]:
     """Of `suspects`, those still lost: read again just before they are published.
 
-    Held by no node, not delivered since `began_s`, and queued, published and not leased.
+    Held by no node, not delivered since `since_s` (by the consumers' clocks), and queued,
+    published and not leased.
     """
     suspects = suspects - store.held_jobs()
     if not suspects:
         return []
     index_key, hash_key = unacked_keys(app)
-    since_s = began_s - CLOCK_SLACK_S
     recent = store.unacked_deliveries(
-        index_key, hash_key, since_s, since_s + RECHECK_HORIZON_S, WINDOW_LIMIT
+        index_key, hash_key, since_s, began_s + RECHECK_HORIZON_S, WINDOW_LIMIT
     )
     suspects -= set(filter(None, map(run_job_id, recent)))
     records = store.get_many(sorted(suspects))
@@ -141,11 +144,16 @@ def lost_jobs(
     queues: Sequence[str],
     age_s: float,
     lapse_deadline_s: float = 0.0,
+    *,
+    unacked_is_held: bool = True,
 ) -> list[str]:
     """The queued jobs of `queues` whose message is nowhere.
 
     Suspects are those in their queue for over `age_s`, or since before `lapse_deadline_s` (the
     latest node death, widened by the clock slack): a dead node can have lost only those.
+    Without `unacked_is_held` (after a Redis restart) a delivery recorded in kombu's `unacked`
+    before the pass began proves nothing: its consumer's connection broke, and the channel's
+    restore of it may have failed as Redis went down.
     """
     began_s = store.redis_now()
     before_s = max(began_s - age_s, min(began_s, lapse_deadline_s + CLOCK_SLACK_S))
@@ -155,11 +163,14 @@ def lost_jobs(
             suspects |= old_unlisted(store, queue, before_s, listed_job_ids(store, app, queue))
     if suspects:
         suspects -= store.held_jobs()
-    if suspects:
+    if suspects and unacked_is_held:
         suspects -= unacked_job_ids(store, app)
     if not suspects:
         return []
-    return still_lost(store, app, suspects, began_s)
+    # the deliveries since the pass began, widened by the clock slack; after a restart not
+    # widened back into the moments before it, whose deliveries may be stranded
+    since_s = began_s - CLOCK_SLACK_S if unacked_is_held else began_s
+    return still_lost(store, app, suspects, since_s, began_s)
 
 
 def audit_queued(ctx: ControlContext, queues: Sequence[str]) -> int:
@@ -185,9 +196,13 @@ def audit_after_restart(ctx: ControlContext, queues: Sequence[str]) -> int:
 
     The messages consumers were taking as Redis went down are lost (popped, never recorded as
     unacknowledged: tasks/queue/kombu_redis.py, item 4) while their jobs stay `queued`: the
-    queued-jobs audit's loss. As after a node lapse, every job queued before now is a suspect at
-    once, not only those older than the audit age; of several processes watching a queue, one
-    sees each restart (storage/queues.py `server_changed`).
+    queued-jobs audit's loss. So are those recorded but not yet handed to Celery when the
+    connection broke (a BRPOP reply read as the channel closes), whose restore failed as Redis
+    went down: they stay in `unacked` until the visibility timeout, so here `unacked` does not
+    count as held; a job held by a live node is in its held list or leased. As after a node
+    lapse, every job queued before now is a suspect at once, not only those older than the audit
+    age; of several processes watching a queue, one sees each restart (storage/queues.py
+    `server_changed`).
     """
     if not queues:
         return 0
@@ -197,7 +212,12 @@ def audit_after_restart(ctx: ControlContext, queues: Sequence[str]) -> int:
         return 0
     log.warning("Redis restarted: auditing %s at once", ", ".join(restarted))
     lost = lost_jobs(
-        ctx.store, ctx.celery_app, restarted, ctx.settings.queued_audit_age_s, ctx.store.redis_now()
+        ctx.store,
+        ctx.celery_app,
+        restarted,
+        ctx.settings.queued_audit_age_s,
+        ctx.store.redis_now(),
+        unacked_is_held=False,
     )
     return publish_lost(ctx, lost)
 

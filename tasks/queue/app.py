@@ -52,6 +52,15 @@ def broker_url(settings: KilnSettings, storage_settings: StorageSettings) -> str
     )
 
 
+# kombu's Redis transports with a channel whose close survives a broken connection (by name:
+# tasks/queue/kombu_redis.py, item 5, imports this module)
+KILN_TRANSPORTS = {
+    "redis": "kiln.tasks.queue.kombu_redis:Transport",
+    "rediss": "kiln.tasks.queue.kombu_redis:Transport",
+    "sentinel": "kiln.tasks.queue.kombu_redis:SentinelTransport",
+}
+
+
 def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -> Celery:
     """A Celery app for producers and workers alike; status lives in Kiln's store, not here."""
     broker = broker_url(settings, storage_settings)
@@ -73,6 +82,8 @@ def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -
         result_serializer="json",
         accept_content=["json"],
         broker_transport_options=options,
+        # None for a broker that is not Redis: kombu's transport for its URL
+        broker_transport=KILN_TRANSPORTS.get(broker.partition("://")[0]),
         broker_connection_retry_on_startup=True,
         task_default_queue=WEBHOOKS_QUEUE,
         task_queues=[Queue(WEBHOOKS_QUEUE)],

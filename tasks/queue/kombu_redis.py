@@ -20,6 +20,17 @@ tests/tasks/test_kombu_contract.py fails when an installed kombu changes any of 
    built on: a message the strategy sees is already in `unacked` (a node killed before it lists
    the message is found there: tasks/control/unacked.py), and a message between the pop and the
    record is in neither place (a node killed there loses it: tasks/control/audit.py).
+5. **A channel closed after a broken connection** (`Transport`, `SentinelTransport`: the
+   workers' transports, tasks/queue/app.py). A consumer whose connection breaks with a BRPOP in
+   flight closes its channel twice: first in `Connection.collect`, where `Channel.close` reads
+   that BRPOP's reply, meets the broken socket and raises, leaving the channel open; then in
+   `Connection.close`, after `collect` took the transport's client away, where restoring the
+   unacknowledged messages builds a connection pool from that missing client and raises
+   AttributeError, which stops Celery's consumer and so the node (kombu issues #582, #970:
+   every Redis restart or failover did, on an idle node holding a countdown). The channels here
+   read that reply themselves first, ignoring the broken connection, so the first close goes
+   through: the restore is tried once, while the client is there (a failed restore leaves the
+   messages in `unacked`; their jobs are owed a message: tasks/node/held.py).
 
 The envelope's fields Kiln reads (`properties.body_encoding` base64, `properties.delivery_tag`,
 `headers.task`, `content-type`, `content-encoding`) are kombu's virtual transport's and Celery's
@@ -29,8 +40,10 @@ message protocol 2; `envelope_parts` and `run_job_id` are their only readers.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
+from queue import Empty
 from typing import Any
 
 from celery import Celery
@@ -100,6 +113,33 @@ def envelope_parts(envelope: dict[str, Any]) -> tuple[str, str]:
     if envelope["properties"].get("body_encoding") != "base64":
         raise ValueError("kombu no longer encodes Redis message bodies as base64")
     return str(envelope["body"]), str(envelope["properties"]["delivery_tag"])
+
+
+class _ClosingChannel(redis_transport.Channel):
+    """kombu's Redis channel, whose close survives a broken connection (item 5)."""
+
+    def close(self) -> None:
+        """Read a BRPOP in flight (ignoring a broken connection), then close as kombu does."""
+        if self._in_poll:  # type: ignore[attr-defined]
+            with contextlib.suppress(Empty, *self.connection_errors):  # type: ignore[attr-defined]
+                self._brpop_read()  # type: ignore[attr-defined]
+        super().close()
+
+
+class Transport(redis_transport.Transport):
+    """kombu's Redis transport with `_ClosingChannel` (a `redis://` or `rediss://` broker)."""
+
+    Channel = _ClosingChannel
+
+
+class _ClosingSentinelChannel(_ClosingChannel, redis_transport.SentinelChannel):
+    """`_ClosingChannel` on a `sentinel://` broker."""
+
+
+class SentinelTransport(redis_transport.SentinelTransport):
+    """kombu's Sentinel transport with `_ClosingSentinelChannel`."""
+
+    Channel = _ClosingSentinelChannel
 
 
 class _CapturingChannel(redis_transport.Channel):
