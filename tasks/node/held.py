@@ -150,8 +150,10 @@ def track_held_deliveries(held: HeldDeliveries, app: Any, owe: Callable[[str], N
         """A consumer step, run at each (re)start of the consumer, before it consumes.
 
         The consumer restarts after a broken broker connection; at its first start nothing is
-        held yet.
+        held yet. After the step that sets up the task consumer, like kombu's own.
         """
+
+        requires = ("celery.worker.consumer.tasks:Tasks",)
 
         def start(self, parent: Any) -> None:
             del parent  # the consumer: what it kept is in celery.worker.state

@@ -84,7 +84,11 @@ class JobRunner:
             try:
                 self._run()
             except StorageUnavailable as exc:
-                log.warning("job %s: %s; published again once Redis answers", self.job_id, exc)
+                log.warning(
+                    "job %s: %s; published again once Redis answers, if still queued",
+                    self.job_id,
+                    exc,
+                )
                 self.node.submitter.owe(self.job_id)
                 self.outcome = DeliveryOutcome(Delivery.DEFERRED)
         return self.outcome

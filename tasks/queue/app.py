@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from celery import Celery
 from kombu import Queue
+from kombu.transport import TRANSPORT_ALIASES
 
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.contract.settings import KilnSettings
@@ -52,8 +53,10 @@ def broker_url(settings: KilnSettings, storage_settings: StorageSettings) -> str
     )
 
 
-# kombu's Redis transports with a channel whose close survives a broken connection (by name:
-# tasks/queue/kombu_redis.py, item 5, imports this module)
+# kombu's Redis transports with a channel whose close survives a broken connection (named, not
+# imported: tasks/queue/kombu_redis.py, item 5, imports this module). Registered under kombu's
+# own scheme names, so what kombu derives from the name still holds: TLS for `rediss://`, and the
+# transport of a `;`-separated list of URLs after kombu switches to the next one.
 KILN_TRANSPORTS = {
     "redis": "kiln.tasks.queue.kombu_redis:Transport",
     "rediss": "kiln.tasks.queue.kombu_redis:Transport",
@@ -63,6 +66,7 @@ KILN_TRANSPORTS = {
 
 def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -> Celery:
     """A Celery app for producers and workers alike; status lives in Kiln's store, not here."""
+    TRANSPORT_ALIASES.update(KILN_TRANSPORTS)  # for every kombu connection of this process
     broker = broker_url(settings, storage_settings)
     options = transport_options(settings, storage_settings.redis_namespace)
     if broker.startswith("sentinel://"):  # kombu's Sentinel transport asks for this primary
@@ -82,8 +86,6 @@ def make_celery_app(settings: KilnSettings, storage_settings: StorageSettings) -
         result_serializer="json",
         accept_content=["json"],
         broker_transport_options=options,
-        # None for a broker that is not Redis: kombu's transport for its URL
-        broker_transport=KILN_TRANSPORTS.get(broker.partition("://")[0]),
         broker_connection_retry_on_startup=True,
         task_default_queue=WEBHOOKS_QUEUE,
         task_queues=[Queue(WEBHOOKS_QUEUE)],

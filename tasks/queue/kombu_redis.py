@@ -1,9 +1,10 @@
 """Everything Kiln relies on inside kombu's Redis transport, behind one wall.
 
 kombu documents its Redis transport's options, not how it stores messages. Kiln reads and
-writes that storage directly in four ways, each one a fact about kombu's code rather than its
-API; this module is the only one that knows them, pyproject.toml bounds kombu's version, and
-tests/tasks/test_kombu_contract.py fails when an installed kombu changes any of them:
+writes that storage directly in four ways, and mends one way its channel closes, each one a fact
+about kombu's code rather than its API; this module is the only one that knows them,
+pyproject.toml bounds kombu's version, and tests/tasks/test_kombu_contract.py fails when an
+installed kombu changes any of the first four (the fifth: tests/e2e/test_recovery.py):
 
 1. **Queue lists** (`queue_list_keys`). A message waiting in queue `q` is an LPUSHed JSON
    envelope (`Channel._put`) in the list `prefix + q` for priority 0, `prefix + q + sep + step`
@@ -20,17 +21,19 @@ tests/tasks/test_kombu_contract.py fails when an installed kombu changes any of 
    built on: a message the strategy sees is already in `unacked` (a node killed before it lists
    the message is found there: tasks/control/unacked.py), and a message between the pop and the
    record is in neither place (a node killed there loses it: tasks/control/audit.py).
-5. **A channel closed after a broken connection** (`Transport`, `SentinelTransport`: the
-   workers' transports, tasks/queue/app.py). A consumer whose connection breaks with a BRPOP in
-   flight closes its channel twice: first in `Connection.collect`, where `Channel.close` reads
-   that BRPOP's reply, meets the broken socket and raises, leaving the channel open; then in
-   `Connection.close`, after `collect` took the transport's client away, where restoring the
-   unacknowledged messages builds a connection pool from that missing client and raises
-   AttributeError, which stops Celery's consumer and so the node (kombu issues #582, #970:
-   every Redis restart or failover did, on an idle node holding a countdown). The channels here
-   read that reply themselves first, ignoring the broken connection, so the first close goes
-   through: the restore is tried once, while the client is there (a failed restore leaves the
-   messages in `unacked`; their jobs are owed a message: tasks/node/held.py).
+5. **A channel closed after a broken connection** (`Transport`, `SentinelTransport`: every
+   Kiln process's transports for its Redis broker, registered by tasks/queue/app.py). A
+   consumer whose connection breaks with a BRPOP in flight closes its channel twice: first in
+   `Connection.collect`, where `Channel.close` reads that BRPOP's reply, meets the broken
+   socket and raises, leaving the channel open; then in `Connection.close`, after `collect`
+   took the transport's client away, where restoring the unacknowledged messages builds a
+   connection pool from that missing client and raises AttributeError, which stops Celery's
+   consumer and so the node (kombu issues #582, #970: every Redis restart did, on an idle node
+   holding a countdown). The channels here read that reply themselves first, ignoring the
+   broken connection, so the first close goes through: the restore is tried once, while the
+   client is there (a failed restore leaves the messages in `unacked`: the jobs Celery had are
+   owed a message, tasks/node/held.py; the others are the restart audit's,
+   tasks/control/audit.py `audit_after_restart`).
 
 The envelope's fields Kiln reads (`properties.body_encoding` base64, `properties.delivery_tag`,
 `headers.task`, `content-type`, `content-encoding`) are kombu's virtual transport's and Celery's

@@ -14,8 +14,10 @@ Redis round trip.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -112,7 +114,10 @@ class Submitter:
         self._messages = messages
         self._served = ServedCache(store, settings.pipelines)
         self._owed_lock = threading.Lock()
-        self._owed: set[str] = set()  # jobs owed a message: see `owe`
+        # jobs owed a message (`owe`): job id -> (the owing's mark, when due, monotonic s)
+        self._owed: dict[str, tuple[int, float]] = {}
+        self._owed_marks = itertools.count()
+        self._owed_pass = threading.Lock()  # one `publish_owed` pass at a time
 
     @property
     def messages(self) -> CeleryMessages | None:
@@ -178,24 +183,27 @@ class Submitter:
     def publish(self, record: JobRecord, countdown: float = 0.0) -> bool:
         """Publish a queued job again; whether the broker took it.
 
-        A failure is logged and the job owed its message (`owe`): its record was confirmed
-        published long ago, so no sweeper would publish it again.
+        A failure is logged. A record confirmed published (a busy lease's countdown, a start
+        given back, a lapse-claimed job) is then owed its message (`owe`), as no sweeper would
+        publish it again; an unconfirmed one stays the sweeper's.
         """
         if self._publish_and_mark(record.id, job_queue(record), countdown, record.trace):
             return True
-        self.owe(record.id)
+        if record.published:
+            self.owe(record.id, countdown)
         return False
 
-    def owe(self, job_id: str) -> None:
-        """`job_id` is owed a message: one this process took or meant to send is gone.
+    def owe(self, job_id: str, countdown: float = 0.0) -> None:
+        """`job_id` is owed a message, due in `countdown` s: one this process took or sent is gone.
 
         A re-publish failed, or a node let a delivery go before it settled its job (Redis away
         before its lease was taken, or Celery dropping what it had prefetched as the broker
         connection broke: tasks/node/held.py). `publish_owed` publishes it again while it is
-        queued; a duplicate message is harmless (a queued job is started by one lease holder).
+        queued and not leased. A second message of a queued job never runs it twice: one lease
+        holder starts it, the others' deliveries are deferred or dropped (tasks/node/jobs.py).
         """
         with self._owed_lock:
-            self._owed.add(job_id)
+            self._owed[job_id] = (next(self._owed_marks), time.monotonic() + countdown)
 
     def owed(self) -> list[str]:
         """The jobs owed a message now (a node lists them as held: its death hands them on)."""
@@ -206,28 +214,43 @@ class Submitter:
         """Publish again each owed job still queued and not leased; returns how many.
 
         One finished or gone is no longer owed; one leased waits (its holder starts it, or its
-        lease lapses and it is published here). While Redis is away nothing changes.
+        lease lapses and it is published here), its countdown's remainder kept. While Redis is
+        away nothing changes. A pass already running elsewhere (the node's `owed` loop, its
+        sweeper) makes this one return 0; a job owed again during a pass stays owed.
         """
-        owed = self.owed()
+        if not self._owed_pass.acquire(blocking=False):
+            return 0
+        try:
+            return self._publish_owed()
+        finally:
+            self._owed_pass.release()
+
+    def _publish_owed(self) -> int:
+        with self._owed_lock:
+            owed = dict(self._owed)
         if not owed:
             return 0
         try:
-            records = self.store.get_many(owed)
+            records = self.store.get_many(sorted(owed))
             queued = [r for r in records if r is not None and r.state == JobState.QUEUED]
             leased = self.store.leased([r.id for r in queued])
         except (StorageError, RedisError) as exc:
             log.debug("owed messages wait for Redis (%s)", exc)
             return 0
-        settled = set(owed) - {r.id for r in queued}
+        now = time.monotonic()
         published = [
             r.id
             for r in queued
-            if r.id not in leased and self._publish_and_mark(r.id, job_queue(r), 0.0, r.trace)
+            if r.id not in leased
+            and self._publish_and_mark(r.id, job_queue(r), max(0.0, owed[r.id][1] - now), r.trace)
         ]
+        settled = set(owed) - {r.id for r in queued}  # finished, gone or no longer queued
+        with self._owed_lock:
+            for job_id in settled.union(published):
+                if self._owed.get(job_id) == owed[job_id]:  # not owed again meanwhile
+                    del self._owed[job_id]
         if published:
             log.info("%d job(s) owed a message: published again", len(published))
-        with self._owed_lock:
-            self._owed -= settled | set(published)
         return len(published)
 
     def _publish_and_mark(

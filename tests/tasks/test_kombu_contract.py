@@ -23,6 +23,8 @@ from kiln.tasks.contract.settings import KilnSettings
 from kiln.tasks.queue.app import RUN_JOB_TASK, make_celery_app
 from kiln.tasks.queue.kombu_redis import (
     PushCapture,
+    SentinelTransport,
+    Transport,
     listed_run_job_id,
     queue_list_keys,
     run_job_id,
@@ -151,3 +153,26 @@ def test_a_delivery_is_recorded_before_the_consumer_sees_it(
     assert seen["listed"] == 0  # popped from its list ...
     assert run_job_id(seen["unacked"]) == JOB_ID  # ... and already recorded
     assert seen["indexed"] is not None
+
+
+@pytest.mark.parametrize(
+    ("broker", "transport"),
+    [
+        ("redis://127.0.0.1:6379/0", Transport),
+        ("rediss://127.0.0.1:6380/0", Transport),
+        ("sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380", SentinelTransport),
+    ],
+)
+def test_every_redis_broker_gets_the_channel_that_survives_a_broken_connection(
+    storage_settings: StorageSettings, broker: str, transport: type
+) -> None:
+    # item 5's transports, under kombu's own scheme names: what kombu derives from the name holds
+    app = make_celery_app(KilnSettings(broker_url=broker), storage_settings)
+    connection = app.connection_for_read()
+    assert type(connection.transport) is transport
+    if broker.startswith("rediss://"):
+        assert connection.ssl  # kombu turns TLS on for the `rediss` name
+    connection.maybe_switch_next()  # a `;`-list's next URL, as after a failed reconnect
+    assert type(connection.transport) is transport
+    connection.release()
+    app.close()

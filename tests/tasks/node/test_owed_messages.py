@@ -20,7 +20,7 @@ import pytest
 from kombu.exceptions import OperationalError
 
 from kiln.gpu_worker.config import GroupConfig
-from kiln.storage.job_store import JobStore
+from kiln.storage.job_store import JobRecord, JobStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.node.jobs import JobRunner
 from kiln.tasks.node.node import Node
@@ -96,22 +96,28 @@ def test_a_delivery_that_meets_redis_away_owes_its_job_a_message(
     assert submitter.publish_owed() == 0  # published once
 
 
+def confirmed(store: JobStore) -> JobRecord:
+    """A queued job whose message was published and confirmed (`published` set)."""
+    record, _ = store.create_job(new_job(queue=QUEUE))
+    store.mark_published(record.id)
+    return store.get(record.id)
+
+
 def test_an_owed_job_waits_while_leased_and_is_forgotten_once_finished(
     job_store: JobStore,
 ) -> None:
-    published: list[str] = []
+    published: list[tuple[str, float]] = []
     broker_away = True
 
     def publish(job_id: str, queue: str, countdown: float = 0.0) -> None:
-        del queue, countdown
+        del queue
         if broker_away:
             raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-        published.append(job_id)
+        published.append((job_id, countdown))
 
     submitter = Submitter(job_store, node_settings(), publish)
-    held, _ = job_store.create_job(new_job(queue=QUEUE))
-    done, _ = job_store.create_job(new_job(queue=QUEUE))
-    assert not submitter.publish(held)  # a busy lease's re-publish, say, while the broker is away
+    held, done = confirmed(job_store), confirmed(job_store)
+    assert not submitter.publish(held, countdown=30.0)  # a busy lease's, with the broker away
     assert not submitter.publish(done)
     assert submitter.owed() == sorted([held.id, done.id])
 
@@ -124,7 +130,28 @@ def test_an_owed_job_waits_while_leased_and_is_forgotten_once_finished(
 
     job_store.release_lease(held.id, token)  # the holder let it go without starting it
     assert submitter.publish_owed() == 1
-    assert published == [held.id]
+    [(job_id, countdown)] = published
+    assert job_id == held.id
+    assert 0.0 < countdown <= 30.0  # what is left of its countdown
+    assert submitter.owed() == []
+
+
+def test_a_job_owed_again_while_it_is_published_stays_owed(job_store: JobStore) -> None:
+    record = confirmed(job_store)
+    owe_again = True
+
+    def publish(job_id: str, queue: str, countdown: float = 0.0) -> None:
+        del queue, countdown
+        nonlocal owe_again
+        if owe_again:  # another thread's re-publish of the job fails meanwhile
+            owe_again = False
+            submitter.owe(job_id)
+
+    submitter = Submitter(job_store, node_settings(), publish)
+    submitter.owe(record.id)
+    assert submitter.publish_owed() == 1
+    assert submitter.owed() == [record.id]  # that second owing is not lost
+    assert submitter.publish_owed() == 1
     assert submitter.owed() == []
 
 
@@ -137,5 +164,6 @@ def test_a_creation_publish_that_fails_is_left_to_the_sweeper_not_owed(
     submitter = Submitter(job_store, node_settings(), publish)
     record, created = job_store.create_job(new_job(queue=QUEUE))
     submitter.accepted(record, created)
+    assert not submitter.publish(record)  # a resumed or fed job's first publish, say
     assert submitter.owed() == []  # its record is unconfirmed: the sweeper's
     assert record.id in job_store.unpublished_jobs(older_than_s=-1.0)
