@@ -99,12 +99,14 @@ def document_too_large(app: FastAPI) -> None:
     too_large = json_error_docs(413)[413]
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            for operations in build()["paths"].values():
+        fresh = app.openapi_schema is None
+        schema = build()  # built on the first call, FastAPI's cached copy after
+        if fresh:
+            for operations in schema["paths"].values():
                 for method, operation in operations.items():
                     if method.upper() not in BODILESS:
                         operation["responses"].setdefault("413", too_large)
-        return app.openapi_schema or build()
+        return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 

@@ -40,6 +40,13 @@ def store_redis_url(private_redis: PrivateRedis) -> str:
     return private_redis.url
 
 
+def restart(private_redis: PrivateRedis, *stores: JobStore) -> None:
+    """Restart Redis for real; `stores` reconnect on their next command."""
+    private_redis.restart(down_s=0.1)
+    for store in stores:
+        store.redis.connection_pool.disconnect()
+
+
 def test_a_restart_audits_the_queue_at_once(
     private_redis: PrivateRedis,
     make_control: ControlFactory,
@@ -54,9 +61,7 @@ def test_a_restart_audits_the_queue_at_once(
     assert audit_after_restart(harness.ctx, [QUEUE]) == 0  # first sight of this server
     lose_message(job_store, app, lost.id)
 
-    private_redis.restart(down_s=0.1)
-    for store in (job_store, harness.ctx.store):
-        store.redis.connection_pool.disconnect()
+    restart(private_redis, job_store, harness.ctx.store)
     assert audit_after_restart(harness.ctx, [QUEUE]) == 1
     assert [job_id for job_id, _, _ in harness.published] == [lost.id]
     assert waiting.id not in {job_id for job_id, _, _ in harness.published}
@@ -97,8 +102,6 @@ def test_a_delivery_stranded_in_unacked_by_the_restart_is_published_again(
     strand_in_unacked(app, QUEUE)
     job_store.record_held("live-node", [held.id], ttl_s=60.0, incarnation="i1")
 
-    private_redis.restart(down_s=0.1)
-    for store in (job_store, harness.ctx.store):
-        store.redis.connection_pool.disconnect()
+    restart(private_redis, job_store, harness.ctx.store)
     assert audit_after_restart(harness.ctx, [QUEUE]) == 1
     assert [job_id for job_id, _, _ in harness.published] == [stranded.id]  # not the held one

@@ -175,10 +175,15 @@ def node_settings(**overrides: Any) -> KilnSettings:
 
 @pytest.fixture
 def make_node(storage_settings: StorageSettings, job_store: JobStore) -> Iterator[NodeFactory]:
-    """Nodes on the test namespace: `make_node(limits=..., **settings overrides)`."""
+    """Nodes on the test namespace: `make_node(limits=..., storage=..., **settings overrides)`."""
     made: list[Node] = []
 
-    def make(limits: Mapping[str, DeclaredLimits] | None = None, **overrides: Any) -> NodeHarness:
+    def make(
+        limits: Mapping[str, DeclaredLimits] | None = None,
+        storage: StorageSettings | None = None,
+        **overrides: Any,
+    ) -> NodeHarness:
+        """`storage`: the node's own (say, its Redis through a proxy), else the test's."""
         settings = node_settings(**overrides)
         coordinator = FakeCoordinator(limits)
         published: list[tuple[str, str, float]] = []
@@ -188,7 +193,7 @@ def make_node(storage_settings: StorageSettings, job_store: JobStore) -> Iterato
 
         node = Node(
             GroupConfig(devices=["cpu:1"], pipelines={PIPELINE: PIPELINE}),
-            ProcessParts(settings, storage_settings),
+            ProcessParts(settings, storage or storage_settings),
             node_id="node-under-test",
             coordinator=coordinator,
             publish=publish,

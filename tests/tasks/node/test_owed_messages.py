@@ -13,66 +13,48 @@ On real Redis, reached by the node through a TCP proxy the test takes down.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import pytest
 from kombu.exceptions import OperationalError
 
-from kiln.gpu_worker.config import GroupConfig
 from kiln.storage.job_store import JobRecord, JobStore
 from kiln.storage.settings import StorageSettings
 from kiln.tasks.node.jobs import JobRunner
-from kiln.tasks.node.node import Node
+from kiln.tasks.node.maintenance import announce
 from kiln.tasks.node.outcomes import Delivery
-from kiln.tasks.queue.process import ProcessParts
 from kiln.tasks.queue.submit import Submitter
 from tests.e2e.services import FlakyProxy
 from tests.storage.helpers import new_job
-from tests.tasks.node.conftest import PIPELINE, QUEUE, FakeCoordinator, node_settings
+from tests.tasks.node.conftest import QUEUE, NodeFactory, NodeHarness, node_settings
 
 
 @dataclass
 class CutOffNode:
-    """A node whose Redis connections go through `proxy`, and what it published."""
+    """A node whose Redis connections go through `proxy`."""
 
-    node: Node
+    harness: NodeHarness
     proxy: FlakyProxy
-    published: list[tuple[str, str, float]] = field(default_factory=list)
 
     def cut_off(self) -> None:
         """Redis goes away for this node: new connections refused, open ones dropped."""
         self.proxy.down()
-        self.node.store.redis.connection_pool.disconnect()
+        self.harness.node.store.redis.connection_pool.disconnect()
 
     def reconnect(self) -> None:
         self.proxy.up()
 
 
 @pytest.fixture
-def cut_off_node(storage_settings: StorageSettings) -> Iterator[CutOffNode]:
+def cut_off_node(storage_settings: StorageSettings, make_node: NodeFactory) -> Iterator[CutOffNode]:
     target = urlsplit(storage_settings.redis_url)
     proxy = FlakyProxy(target.hostname or "127.0.0.1", target.port or 6379)
-    path = target.path or "/0"
     proxied = storage_settings.model_copy(
-        update={"redis_url": f"redis://127.0.0.1:{proxy.port}{path}"}
+        update={"redis_url": f"redis://127.0.0.1:{proxy.port}{target.path or '/0'}"}
     )
-    published: list[tuple[str, str, float]] = []
-
-    def publish(job_id: str, queue: str, countdown: float = 0.0) -> None:
-        published.append((job_id, queue, countdown))
-
-    node = Node(
-        GroupConfig(devices=["cpu:1"], pipelines={PIPELINE: PIPELINE}),
-        ProcessParts(node_settings(), proxied),
-        node_id="node-cut-off",
-        coordinator=FakeCoordinator(),
-        publish=publish,
-    )
-    yield CutOffNode(node, proxy, published)
-    proxy.up()
-    node.celery_app.close()
-    node.store.redis.close()
+    yield CutOffNode(make_node(storage=proxied), proxy)
+    proxy.up()  # make_node's teardown closes the node's connections through it
     proxy.close()
 
 
@@ -81,17 +63,18 @@ def test_a_delivery_that_meets_redis_away_owes_its_job_a_message(
 ) -> None:
     record, _ = job_store.create_job(new_job(queue=QUEUE))
     cut_off_node.cut_off()
-    outcome = JobRunner(cut_off_node.node, record.id).run()
-    submitter = cut_off_node.node.submitter
+    node = cut_off_node.harness.node
+    outcome = JobRunner(node, record.id).run()
+    submitter = node.submitter
     assert outcome.kind == Delivery.DEFERRED
     assert submitter.owed() == [record.id]
     assert submitter.publish_owed() == 0  # Redis still away: nothing is dropped
     assert submitter.owed() == [record.id]
-    assert cut_off_node.published == []
+    assert cut_off_node.harness.published == []
 
     cut_off_node.reconnect()
     assert submitter.publish_owed() == 1
-    assert cut_off_node.published == [(record.id, QUEUE, 0.0)]
+    assert cut_off_node.harness.published == [(record.id, QUEUE, 0.0)]
     assert submitter.owed() == []
     assert submitter.publish_owed() == 0  # published once
 
@@ -167,3 +150,14 @@ def test_a_creation_publish_that_fails_is_left_to_the_sweeper_not_owed(
     assert not submitter.publish(record)  # a resumed or fed job's first publish, say
     assert submitter.owed() == []  # its record is unconfirmed: the sweeper's
     assert record.id in job_store.unpublished_jobs(older_than_s=-1.0)
+
+
+def test_a_node_lists_the_jobs_it_owes_with_its_held_messages(
+    make_node: NodeFactory, job_store: JobStore
+) -> None:
+    # if it dies owing them, the sweeper that claims its lapse publishes them again
+    harness = make_node()
+    record = confirmed(job_store)
+    harness.node.submitter.owe(record.id)
+    announce(harness.node)  # the heartbeat's start: one heartbeat and one held list now
+    assert record.id in job_store.held_jobs()
